@@ -51,8 +51,10 @@ class Sieve(Policy):
         # a visited slot is cleared one round before it would be evicted
         swept = self.live & self.visited & (key - _ROUND < last)
         self.visited[swept] = False
-        self.hand = last % _ROUND + 1
         self.queued[slots] = 0
+        # past the newest slot the hand restarts at the oldest one
+        newest = int(self.queued.masked_fill(~self.live, -1).max()) if self.capacity else -1
+        self.hand = 0 if last % _ROUND >= newest else last % _ROUND + 1
 
     def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
         """The next n unvisited slots the hand reaches (wrapping around as needed)."""

@@ -395,8 +395,7 @@ def s3fifo(ids: np.ndarray, n_keys: int, capacity: int) -> int:  # pragma: no co
                     m_len -= 1
                     if freq[o] >= 1:
                         f = freq[o]
-                        if f > 3:
-                            f = 3
+                        f = min(f, 3)
                         freq[o] = f - 1
                         mq[(m_head + m_len) % ring_n] = o
                         m_len += 1

@@ -1,0 +1,199 @@
+"""The policy benchmark: miss ratios of every policy on a trace, exact and tier mode, and sizing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, TierstoreError
+from ..policies import POLICIES, make_policy
+from ..traces import load_trace
+from .exact import EXACT, simulate
+from .tier import simulate_tier
+
+DEFAULT_TRACE = "zipf:alpha=1.0,keys=1000000,requests=2000000,seed=1"
+DEFAULT_POLICIES = "lru,lfu,fifo,clock,sieve,s3fifo,lookahead,belady"
+
+
+def parse_capacities(text: str, n_keys: int) -> list[int]:
+    """Capacities from `1000,1%,0.5%`: rows, or percentages of the distinct keys (at least 1)."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            val = float(part[:-1]) * n_keys / 100 if part.endswith("%") else float(part)
+        except ValueError:
+            raise ConfigError(f"bad capacity {part!r}; use rows or a percentage") from None
+        if not math.isfinite(val) or val < 0:
+            raise ConfigError(f"capacity must be >= 0, got {part!r}")
+        out.append(max(1, round(val)))
+    if not out:
+        raise ConfigError("no capacity given")
+    return sorted(set(out))
+
+
+def size_for_hit_rate(policy: str, ids: np.ndarray, n_keys: int, target: float,
+                      rel: float = 0.01) -> int | None:
+    """Smallest capacity (within `rel`) whose exact hit rate reaches `target`; None if none does."""
+    n = ids.size
+    if n == 0 or 1 - n_keys / n < target:  # compulsory misses alone exceed the budget
+        return None
+    allowed = (1 - target) * n
+    lo, hi = 0, n_keys
+    while hi - lo > max(1, int(lo * rel)):
+        mid = (lo + hi) // 2
+        if simulate(policy, ids, n_keys, mid) <= allowed:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _plot(records: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    keys = sorted({(r["policy"], r["mode"]) for r in records})
+    cmap = plt.get_cmap("tab10")
+    colors = {p: cmap(i % 10) for i, p in enumerate(sorted({k[0] for k in keys}))}
+    for pol, mode in keys:
+        pts = sorted((r["capacity"], r["miss_ratio"]) for r in records
+                     if r["policy"] == pol and r["mode"] == mode)
+        style = "-" if mode == "exact" else "--"
+        lw = 2.5 if pol == "belady" else 1.5
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, lw=lw,
+                color="black" if pol == "belady" else colors[pol], label=f"{pol} ({mode})")
+    ax.set_xscale("log")
+    ax.set_xlabel("cache capacity (rows)")
+    ax.set_ylabel("miss ratio")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command-line flags."""
+    ap = argparse.ArgumentParser(prog="python -m bench.policies", description=__doc__)
+    ap.add_argument("--trace", default=DEFAULT_TRACE,
+                    help="synthetic spec (zipf:..., shift:...) or a trace file")
+    ap.add_argument("--trace-dtype", default=None, help="raw key dtype, e.g. '>i4' or '>i8'")
+    ap.add_argument("--limit", type=int, default=None, help="use only the first N requests")
+    ap.add_argument("--capacity", default="0.1%,1%,10%",
+                    help="comma-separated rows or %% of distinct keys")
+    ap.add_argument("--policy", default=DEFAULT_POLICIES, help="comma-separated policy names")
+    ap.add_argument("--mode", default="exact,tier", help="exact, tier or both")
+    ap.add_argument("--batch-size", type=int, default=4096,
+                    help="tier mode batch size (1 = request by request)")
+    ap.add_argument("--window", type=int, default=4, help="look-ahead window in batches")
+    ap.add_argument("--target-hit-rate", type=float, default=0.9)
+    ap.add_argument("--no-sizing", action="store_true", help="skip the capacity search")
+    ap.add_argument("--device", default="cpu", help="tier mode device (cpu or cuda)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads")
+    ap.add_argument("--json", default=None, help="write the records as a JSON list here")
+    ap.add_argument("--plot", default=None, help="write a miss-ratio plot (PNG) here")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns a process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except TierstoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    for m in modes:
+        if m not in ("exact", "tier"):
+            raise ConfigError(f"unknown mode {m!r}; use exact and/or tier")
+    policies = [p.strip().lower() for p in args.policy.split(",") if p.strip()]
+    for p in policies:
+        make_policy(p, 1)  # raises ConfigError for unknown names
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size must be >= 1")
+    if not 0 < args.target_hit_rate < 1:
+        raise ConfigError("--target-hit-rate must be in (0, 1)")
+    t0 = time.perf_counter()
+    trace = load_trace(args.trace, args.trace_dtype, args.limit)
+    ids, n_keys = trace.dense()
+    n = ids.size
+    print(f"trace {trace.name}: {n} requests, {n_keys} distinct keys, "
+          f"{len(trace.table_names)} table(s); loaded in {time.perf_counter() - t0:.1f}s")
+    caps = parse_capacities(args.capacity, n_keys)
+    records: list[dict] = []
+    jobs = [(m, p, c) for m in modes for p in policies for c in caps
+            if not (m == "exact" and p not in EXACT)]
+    skipped = sorted({p for p in policies if p not in EXACT}) if "exact" in modes else []
+    bar = tqdm(total=len(jobs) * n, unit="req", unit_scale=True, disable=args.no_progress,
+               file=sys.stderr)
+    for mode, pol, cap in jobs:
+        bar.set_description(f"{mode} {pol} {cap}")
+        start = time.perf_counter()
+        if mode == "exact":
+            misses = simulate(pol, ids, n_keys, cap)
+            bar.update(n)
+        else:
+            misses = simulate_tier(ids, n_keys, pol, cap, args.batch_size, args.window,
+                                   args.device, progress=bar)
+        secs = time.perf_counter() - start
+        rec = {"trace": trace.name, "policy": pol, "mode": mode, "capacity": cap,
+               "requests": n, "distinct": n_keys, "misses": int(misses),
+               "miss_ratio": misses / n if n else 0.0, "seconds": secs,
+               "requests_per_s": n / secs if secs > 0 else float("inf")}
+        if mode == "tier":
+            rec["batch_size"] = args.batch_size
+            if POLICIES[pol.partition(":")[0]].name == "lookahead":
+                rec["window"] = args.window
+        records.append(rec)
+    bar.close()
+    if skipped:
+        print(f"(no exact simulator for {', '.join(skipped)}: tier mode only)")
+    print(f"\n{'policy':<18}{'mode':<7}{'capacity':>11}{'miss ratio':>12}{'seconds':>9}"
+          f"{'Mreq/s':>8}")
+    for r in records:
+        print(f"{r['policy']:<18}{r['mode']:<7}{r['capacity']:>11}{r['miss_ratio']:>12.4f}"
+              f"{r['seconds']:>9.2f}{r['requests_per_s'] / 1e6:>8.2f}")
+    if not args.no_sizing:
+        target = args.target_hit_rate
+        print(f"\ncapacity needed for a {target:.0%} hit rate (exact mode, within 1%):")
+        for pol in [p for p in policies if p in EXACT]:
+            need = size_for_hit_rate(pol, ids, n_keys, target)
+            if need is None:
+                print(f"  {pol:<10} unreachable: compulsory misses alone are "
+                      f"{n_keys / max(n, 1):.1%} of requests")
+            else:
+                print(f"  {pol:<10} {need} rows ({need / n_keys:.2%} of distinct keys)")
+            records.append({"trace": trace.name, "policy": pol, "mode": "sizing",
+                            "target_hit_rate": target, "capacity": need, "requests": n,
+                            "distinct": n_keys})
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    if args.plot:
+        _plot([r for r in records if r["mode"] != "sizing"], args.plot,
+              f"{trace.name}: {n} requests, {n_keys} keys")
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
