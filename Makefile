@@ -1,0 +1,29 @@
+# The two Quickstart commands: `make demo` and `make test` (each sets up .venv first).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# the CPU wheel first, so nothing pulls a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m tierstore.demo
+
+test: $(STAMP)
+	$(PY) -m ruff check tierstore tests bench integration
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m bench.store
+
+clean:
+	rm -rf $(VENV) demo_store bench/out

@@ -1,0 +1,31 @@
+"""tierstore: embedding tables far larger than memory over GPU, host and SSD (LMDB) tiers."""
+
+from .config import TableSpec
+from .errors import (
+    CapacityError,
+    ConfigError,
+    ConfigMismatchError,
+    InvalidIdsError,
+    OutOfSpaceError,
+    ShapeError,
+    StoreClosedError,
+    StoreCorruptError,
+    StoreLockedError,
+    TierstoreError,
+    UnknownTableError,
+)
+from .initializers import ConstantInit, NormalInit, UniformInit
+from .optimizers import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
+from .stats import TierStats
+from .store import Gathered, TierStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TableSpec", "TierStore", "Gathered", "TierStats",
+    "Optimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam",
+    "UniformInit", "NormalInit", "ConstantInit",
+    "TierstoreError", "UnknownTableError", "InvalidIdsError", "ShapeError", "ConfigError",
+    "ConfigMismatchError", "StoreLockedError", "StoreCorruptError", "OutOfSpaceError",
+    "StoreClosedError", "CapacityError",
+]

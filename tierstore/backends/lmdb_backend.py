@@ -1,0 +1,243 @@
+"""The SSD tier: one LMDB environment, one named database per table, batched transactions."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from ..errors import OutOfSpaceError, StoreCorruptError, StoreLockedError, TierstoreError
+
+META_DB = b"__tierstore_meta__"
+LOCK_NAME = "tierstore.lock"
+_INITIAL_MAP = 1 << 30
+_KEY_DTYPE = np.dtype(">u8")  # big-endian: byte order == row id order
+
+
+def encode_keys(rows: np.ndarray) -> list[bytes]:
+    """Encode row ids as 8-byte big-endian keys that sort like the ids."""
+    buf = np.ascontiguousarray(rows, dtype=_KEY_DTYPE).tobytes()
+    return [buf[i : i + 8] for i in range(0, len(buf), 8)]
+
+
+def decode_keys(keys: list[bytes]) -> np.ndarray:
+    """Inverse of `encode_keys`."""
+    return np.frombuffer(b"".join(keys), dtype=_KEY_DTYPE).astype(np.int64)
+
+
+class LmdbBackend:
+    """Rows on disk in LMDB: batched reads, batched writes in one transaction, durable sync.
+
+    The map grows automatically before it fills (up to `map_limit` bytes when given).
+    A lock file held with `flock` keeps a second writer (another process or handle) out.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, readonly: bool = False,
+                 map_limit: int | None = None) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        self.map_limit = map_limit
+        self._lock_fd: int | None = None
+        if self.path.exists() and not self.path.is_dir():
+            raise TierstoreError(f"store path {self.path} exists and is not a directory")
+        if not readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._acquire_lock()
+        elif not (self.path / "data.mdb").exists():
+            raise StoreCorruptError(f"{self.path} holds no tierstore data (no data.mdb)")
+        try:
+            start = _INITIAL_MAP if map_limit is None else min(_INITIAL_MAP, map_limit)
+            self.env = lmdb.open(str(self.path), map_size=start, max_dbs=4096, subdir=True,
+                                 readonly=readonly, lock=not readonly, sync=False,
+                                 metasync=False, readahead=False, meminit=False)
+        except lmdb.Error as exc:
+            self._release_lock()
+            raise StoreCorruptError(f"cannot open LMDB store at {self.path}: {exc}") from exc
+        self._dbs: dict[str, object] = {}
+        try:
+            self._meta = self.env.open_db(META_DB, create=not readonly)
+        except lmdb.Error as exc:
+            self.close()
+            raise StoreCorruptError(f"store at {self.path} has no tierstore metadata: {exc}") from exc
+
+    # locking ------------------------------------------------------------------------
+    def _acquire_lock(self) -> None:
+        fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            raise StoreLockedError(
+                f"store {self.path} is already open for writing (by another process or handle)"
+            ) from exc
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # metadata ---------------------------------------------------------------------------
+    def get_meta(self, key: str) -> dict | None:
+        """A JSON metadata record, or None."""
+        with self.env.begin(db=self._meta) as txn:
+            raw = txn.get(key.encode())
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise StoreCorruptError(f"metadata record {key!r} is not valid JSON") from exc
+
+    def meta_keys(self) -> list[str]:
+        """Names of all metadata records."""
+        with self.env.begin(db=self._meta) as txn:
+            return [k.decode() for k, _ in txn.cursor()]
+
+    # tables -------------------------------------------------------------------------------
+    def open_tables(self, names: list[str]) -> None:
+        """Create (or open) the named databases of these tables."""
+        for table in names:
+            if table not in self._dbs:
+                try:
+                    self._dbs[table] = self.env.open_db(f"t:{table}".encode(),
+                                                        create=not self.readonly)
+                except lmdb.NotFoundError:
+                    continue
+                except lmdb.Error as exc:
+                    self._raise_io(exc)
+
+    def _db(self, table: str, create: bool = False):
+        """The named database of a table, or None when it does not exist."""
+        if table not in self._dbs:
+            self.open_tables([table])
+        return self._dbs.get(table)
+
+    def get(self, table: str, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Read rows: (payload float32 [n, width], found bool [n]); missing rows are zeros."""
+        n = len(rows)
+        out = np.zeros((n, width), dtype=np.float32)
+        found = np.zeros(n, dtype=bool)
+        db = self._db(table)
+        if n == 0 or db is None:
+            return out, found
+        order = np.argsort(rows, kind="stable")  # sorted keys read the B-tree in order
+        keys = encode_keys(rows[order])
+        with self.env.begin(db=db) as txn:
+            get = txn.get
+            vals = [get(k) for k in keys]
+        hit = np.fromiter((v is not None for v in vals), dtype=bool, count=n)
+        if hit.any():
+            blob = b"".join(v for v in vals if v is not None)
+            data = np.frombuffer(blob, dtype=np.float32)
+            if data.size != int(hit.sum()) * width:
+                raise StoreCorruptError(
+                    f"table {table!r}: stored rows have the wrong size (expected {width} floats)")
+            out[order[hit]] = data.reshape(-1, width)
+            found[order[hit]] = True
+        return out, found
+
+    def put(self, batches: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
+        """Write {table: (rows, payload float32 [n, w])} in one transaction; returns bytes."""
+        total = sum(len(r) * (8 + p.shape[1] * 4) for r, p in batches.values())
+        if total == 0:
+            return 0
+        self._ensure_room(total)
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for table, (rows, payload) in batches.items():
+                        order = np.argsort(rows, kind="stable")
+                        keys = encode_keys(rows[order])
+                        blob = np.ascontiguousarray(payload[order], dtype=np.float32)
+                        w = blob.shape[1] * 4
+                        raw = blob.tobytes()
+                        items = [(k, raw[i * w : (i + 1) * w]) for i, k in enumerate(keys)]
+                        txn.cursor(db=self._db(table)).putmulti(items)
+                return total
+            except lmdb.MapFullError:
+                self._grow(total)
+            except lmdb.Error as exc:
+                self._raise_io(exc)
+
+    def put_meta(self, records: dict[str, dict]) -> None:
+        """Write JSON metadata records in one transaction."""
+        self._ensure_room(4096)
+        try:
+            with self.env.begin(write=True, db=self._meta) as txn:
+                for key, value in records.items():
+                    txn.put(key.encode(), json.dumps(value, sort_keys=True).encode())
+        except lmdb.Error as exc:
+            self._raise_io(exc)
+
+    def _raise_io(self, exc: Exception) -> None:
+        if isinstance(exc, lmdb.MapFullError) or getattr(exc, "errno", None) == errno.ENOSPC or \
+                "No space" in str(exc):
+            raise OutOfSpaceError(f"store {self.path} is out of space: {exc}") from exc
+        raise StoreCorruptError(f"LMDB error in {self.path}: {exc}") from exc
+
+    # map size --------------------------------------------------------------------------------
+    def used_bytes(self) -> int:
+        """Bytes of the map in use (last page number times page size)."""
+        info, stat = self.env.info(), self.env.stat()
+        return (info["last_pgno"] + 1) * stat["psize"]
+
+    def _ensure_room(self, incoming: int) -> None:
+        need = self.used_bytes() + 2 * incoming + (1 << 20)
+        if need > self.env.info()["map_size"]:
+            self._grow(incoming)
+
+    def _grow(self, incoming: int) -> None:
+        cur = self.env.info()["map_size"]
+        new = max(2 * cur, self.used_bytes() + 4 * incoming + (1 << 20))
+        if self.map_limit is not None:
+            if cur >= self.map_limit:
+                raise OutOfSpaceError(
+                    f"store {self.path} reached its map limit of {self.map_limit} bytes")
+            new = min(new, self.map_limit)
+        try:
+            self.env.set_mapsize(new)
+        except lmdb.Error as exc:
+            self._raise_io(exc)
+
+    # misc ----------------------------------------------------------------------------------
+    def count(self, table: str) -> int:
+        """Rows stored for a table."""
+        db = self._db(table)
+        if db is None:
+            return 0
+        with self.env.begin(db=db) as txn:
+            return int(txn.stat(db)["entries"])
+
+    def disk_bytes(self) -> int:
+        """Size of the data file on disk (allocated blocks)."""
+        p = self.path / "data.mdb"
+        return p.stat().st_blocks * 512 if p.exists() else 0
+
+    def sync(self) -> None:
+        """Force written transactions to stable storage."""
+        try:
+            self.env.sync(True)
+        except lmdb.Error as exc:
+            self._raise_io(exc)
+
+    def close(self) -> None:
+        """Close the environment and release the writer lock."""
+        env = getattr(self, "env", None)
+        if env is not None:
+            if not self.readonly:
+                try:
+                    env.sync(True)
+                except lmdb.Error:
+                    pass
+            env.close()
+            self.env = None
+        self._release_lock()

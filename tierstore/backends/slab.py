@@ -1,0 +1,175 @@
+"""A cache tier: a tensor slab of row payloads, a hash index, dirty bits and an eviction policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..index import HashIndex
+from ..policies import make_policy
+from ..stats import TierStats
+
+
+@dataclass
+class Rows:
+    """A batch of rows moving between tiers: keys, payloads and dirty bits."""
+
+    tabs: torch.Tensor  # int64 [n] table index
+    rows: torch.Tensor  # int64 [n] row id
+    payload: torch.Tensor  # float32 [n, width]
+    dirty: torch.Tensor  # bool [n]
+
+    def __len__(self) -> int:
+        return int(self.rows.numel())
+
+    def take(self, sel: torch.Tensor) -> Rows:
+        """Rows selected by an index or mask tensor."""
+        return Rows(self.tabs[sel], self.rows[sel], self.payload[sel], self.dirty[sel])
+
+    def to(self, device: torch.device) -> Rows:
+        """The same rows on another device."""
+        if self.rows.device == device:
+            return self
+        return Rows(self.tabs.to(device), self.rows.to(device), self.payload.to(device),
+                    self.dirty.to(device))
+
+    @staticmethod
+    def cat(parts: list[Rows]) -> Rows:
+        """Concatenate batches (on the first part's device)."""
+        dev = parts[0].rows.device
+        parts = [p.to(dev) for p in parts]
+        return Rows(torch.cat([p.tabs for p in parts]), torch.cat([p.rows for p in parts]),
+                    torch.cat([p.payload for p in parts]), torch.cat([p.dirty for p in parts]))
+
+
+class SlabTier:
+    """A fixed-capacity write-back cache of row payloads on one device (GPU HBM or host DDR).
+
+    Slots hold `[embedding | optimizer state]` payloads of width `width` (the widest table's).
+    The policy picks victims; the tier evicts them and hands them (with dirty bits) to the
+    caller, which moves them down a tier. `pins` protect slots from eviction (prefetch).
+    """
+
+    def __init__(self, name: str, capacity: int, width: int, policy: str,
+                 device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
+        self.name = name
+        self.capacity = int(capacity)
+        self.width = int(width)
+        self.device = torch.device(device)
+        self.slab = torch.zeros((self.capacity, self.width), dtype=torch.float32, device=self.device)
+        if pin_memory and self.device.type == "cpu":
+            self.slab = self.slab.pin_memory()
+        self.index = HashIndex(self.capacity, self.device)
+        self.policy = make_policy(policy, self.capacity, self.device)
+        self.dirty = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        self.occupied = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        self.pins = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)
+        self._free = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, device=self.device)
+        self.stats = TierStats()
+
+    @property
+    def size(self) -> int:
+        """Number of occupied slots."""
+        return self.capacity - int(self._free.numel())
+
+    def lookup(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Slots holding the keys (-1 where absent); counts lookups, hits and misses."""
+        slots = self.index.find(tabs, rows)
+        hits = int((slots >= 0).sum())
+        self.stats.lookups += rows.numel()
+        self.stats.hits += hits
+        self.stats.misses += rows.numel() - hits
+        return slots
+
+    def touch(self, slots: torch.Tensor) -> None:
+        """Tell the policy these resident slots were used."""
+        if slots.numel():
+            self.policy.on_hit(slots)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """Payloads of resident slots."""
+        return self.slab.index_select(0, slots)
+
+    def write(self, slots: torch.Tensor, payload: torch.Tensor) -> None:
+        """Overwrite payloads of resident slots and mark them dirty."""
+        self.slab.index_copy_(0, slots, payload.to(self.slab.device, non_blocking=True))
+        self.dirty[slots] = True
+
+    def remove(self, slots: torch.Tensor) -> Rows:
+        """Take rows out of the tier (to move them elsewhere); returns them with dirty bits."""
+        out = Rows(self.index.tab_of[slots].clone(), self.index.row_of[slots].clone(),
+                   self.slab.index_select(0, slots), self.dirty[slots].clone())
+        self._release(slots)
+        return out
+
+    def _release(self, slots: torch.Tensor) -> None:
+        self.policy.on_evict(slots)
+        self.index.remove(slots)
+        self.dirty[slots] = False
+        self.occupied[slots] = False
+        self.pins[slots] = 0
+        self._free = torch.cat([self._free, slots.flip(0)])
+
+    def evictable(self, protect: torch.Tensor | None = None) -> torch.Tensor:
+        """Mask of slots a policy may choose: occupied, unpinned, not in `protect`."""
+        ok = self.occupied & (self.pins == 0)
+        if protect is not None and protect.numel():
+            ok[protect] = False
+        return ok
+
+    def insert(self, rows: Rows, protect: torch.Tensor | None = None) -> tuple[int, Rows | None]:
+        """Insert as many of `rows` (absent keys) as fit, in order, evicting victims.
+
+        Returns (k, evicted): the first k rows were inserted; `evicted` holds the victims
+        (their payloads and dirty bits) for the caller to move down a tier.
+        """
+        n = len(rows)
+        if n == 0 or self.capacity == 0:
+            return 0, None
+        nfree = int(self._free.numel())
+        evicted = None
+        if n > nfree:
+            ok = self.evictable(protect)
+            need = min(n - nfree, int(ok.sum()))
+            if need > 0:
+                victims = self.policy.victims(need, ok)
+                evicted = self.remove(victims)
+                self.stats.evictions += need
+                self.stats.writebacks += int(evicted.dirty.sum())
+            nfree = int(self._free.numel())
+        k = min(n, nfree)
+        if k == 0:
+            return 0, evicted
+        slots = self._free[-k:].flip(0)
+        self._free = self._free[:-k]
+        rows = rows.take(slice(0, k)).to(self.device)
+        self.index.add(rows.tabs, rows.rows, slots)
+        self.slab[slots] = rows.payload
+        self.dirty[slots] = rows.dirty
+        self.occupied[slots] = True
+        self.policy.on_insert(slots)
+        self.stats.insertions += k
+        return k, evicted
+
+    def dirty_rows(self) -> tuple[torch.Tensor, Rows]:
+        """Slots and rows of every dirty resident row (for flushing)."""
+        slots = torch.nonzero(self.dirty & self.occupied).flatten()
+        return slots, Rows(self.index.tab_of[slots], self.index.row_of[slots],
+                           self.slab.index_select(0, slots), self.dirty[slots])
+
+    def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tabs, rows) of every occupied slot."""
+        slots = torch.nonzero(self.occupied).flatten()
+        return self.index.tab_of[slots], self.index.row_of[slots]
+
+    def check(self) -> None:
+        """Assert the tier's invariants: index, occupancy, free list and policy agree."""
+        self.index.check()
+        assert self.index.live == int(self.occupied.sum())
+        assert int(self._free.numel()) + self.index.live == self.capacity
+        if self._free.numel():
+            assert not bool(self.occupied[self._free].any())
+            assert self._free.unique().numel() == self._free.numel()
+        assert not bool((self.dirty & ~self.occupied).any())
+        self.policy.check()

@@ -1,0 +1,79 @@
+"""The `tierstore` console command: inspect stores, run the demo and the policy benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .backends.lmdb_backend import LmdbBackend
+from .config import TableSpec
+from .errors import TierstoreError
+
+
+def _info(args: argparse.Namespace) -> int:
+    backend = LmdbBackend(args.path, readonly=True)
+    try:
+        store = backend.get_meta("store") or {}
+        tables = [TableSpec.from_config(backend.get_meta(k)) for k in sorted(backend.meta_keys())
+                  if k.startswith("table:")]
+        report = {
+            "path": str(args.path),
+            "format_version": store.get("format_version"),
+            "seed": store.get("seed"),
+            "disk_bytes": backend.disk_bytes(),
+            "map_used_bytes": backend.used_bytes(),
+            "tables": [{**t.to_config(), "rows_stored": backend.count(t.name),
+                        "payload_floats": t.payload_dim} for t in tables],
+        }
+    finally:
+        backend.close()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"store {report['path']}  format v{report['format_version']}  seed {report['seed']}")
+    print(f"disk: {report['disk_bytes'] / 2**20:.1f} MiB")
+    print(f"{'table':<20} {'num_rows':>16} {'dim':>5} {'optimizer':>16} {'rows stored':>12}")
+    for t in report["tables"]:
+        print(f"{t['name']:<20} {t['num_rows']:>16} {t['dim']:>5} "
+              f"{t['optimizer']['kind']:>16} {t['rows_stored']:>12}")
+    return 0
+
+
+def _bench_policies(args: argparse.Namespace) -> int:
+    from .sim.bench import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(args.rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `tierstore` command."""
+    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("info", help="tables, rows stored, bytes on disk and config of a store")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_info)
+    p = sub.add_parser("bench-policies", help="miss ratios of cache policies on a trace",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_bench_policies)
+    p = sub.add_parser("demo", help="exercise a store on a 10**11-row table", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_demo)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except TierstoreError as exc:
+        print(f"tierstore: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Typed configuration: table specs and capacity parsing."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+from .initializers import Initializer, UniformInit, initializer_from_config
+from .optimizers import SGD, Optimizer, optimizer_from_config
+
+MAX_ROWS = 2**63 - 1
+DTYPES = ("float32",)
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table: its name, row count (up to 2**63-1), dim, optimizer and init."""
+
+    name: str
+    num_rows: int
+    dim: int
+    optimizer: Optimizer = field(default_factory=SGD)
+    init: Initializer = field(default_factory=UniformInit)
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ConfigError(f"table name must match {_NAME_RE.pattern}, got {self.name!r}")
+        if isinstance(self.num_rows, bool) or not isinstance(self.num_rows, int):
+            raise ConfigError(f"num_rows must be an int, got {self.num_rows!r}")
+        if not 1 <= self.num_rows <= MAX_ROWS:
+            raise ConfigError(f"num_rows must be in [1, 2**63-1], got {self.num_rows}")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or not 1 <= self.dim <= 65536:
+            raise ConfigError(f"dim must be an int in [1, 65536], got {self.dim!r}")
+        if not isinstance(self.optimizer, Optimizer):
+            raise ConfigError(f"optimizer must be a tierstore optimizer, got {self.optimizer!r}")
+        if not isinstance(self.init, Initializer):
+            raise ConfigError(f"init must be a tierstore initializer, got {self.init!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def state_dim(self) -> int:
+        """Optimizer state values per row."""
+        return self.optimizer.state_dim(self.dim)
+
+    @property
+    def payload_dim(self) -> int:
+        """Float32 values per row payload: embedding plus optimizer state."""
+        return self.dim + self.state_dim
+
+    def to_config(self) -> dict:
+        """Serialize to a JSON-able dict (stored in the store's metadata)."""
+        return {"name": self.name, "num_rows": self.num_rows, "dim": self.dim,
+                "optimizer": self.optimizer.to_config(), "init": self.init.to_config(),
+                "dtype": self.dtype}
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> TableSpec:
+        """Rebuild a spec from `to_config()` output."""
+        return cls(name=cfg["name"], num_rows=int(cfg["num_rows"]), dim=int(cfg["dim"]),
+                   optimizer=optimizer_from_config(cfg["optimizer"]),
+                   init=initializer_from_config(cfg["init"]), dtype=cfg.get("dtype", "float32"))
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a byte size like "512MiB", "4GiB", "1.5GB" or a plain int of bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ConfigError(f"cannot parse size {value!r}; use e.g. 4096, '512MiB', '4GiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def parse_capacity(value: int | str, row_bytes: int) -> int:
+    """Turn a capacity (a row count, or a size string like "512MiB") into a row count."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"capacity must be a row count or a size string, got {value!r}")
+    rows = value if isinstance(value, int) else parse_size(value) // max(row_bytes, 1)
+    if rows < 0:
+        raise ConfigError(f"capacity must be >= 0, got {value!r}")
+    return rows

@@ -1,0 +1,50 @@
+"""One exception hierarchy for every error tierstore raises on purpose."""
+
+from __future__ import annotations
+
+
+class TierstoreError(Exception):
+    """Root of every error the library raises on purpose."""
+
+
+class UnknownTableError(TierstoreError, KeyError):
+    """A table name that the store does not hold."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else "unknown table"
+
+
+class InvalidIdsError(TierstoreError, ValueError):
+    """Row ids that are negative, out of range, or not an integer tensor."""
+
+
+class ShapeError(TierstoreError, ValueError):
+    """A tensor whose shape or dtype does not match what the call needs."""
+
+
+class ConfigError(TierstoreError, ValueError):
+    """An invalid configuration value (capacity, spec, optimizer, policy...)."""
+
+
+class ConfigMismatchError(TierstoreError):
+    """A store reopened with table specs that differ from the stored ones."""
+
+
+class StoreLockedError(TierstoreError):
+    """The store is already open for writing by another process or handle."""
+
+
+class StoreCorruptError(TierstoreError):
+    """The store's files are unreadable, truncated or inconsistent."""
+
+
+class OutOfSpaceError(TierstoreError, OSError):
+    """The disk (or the configured map limit) cannot hold more rows."""
+
+
+class StoreClosedError(TierstoreError):
+    """An operation on a store that has been closed."""
+
+
+class CapacityError(TierstoreError):
+    """A request that needs more cache rows than the configured capacity."""

@@ -1,0 +1,406 @@
+"""The tiered store: device cache -> host cache -> LMDB, lazy rows, fused optimizer updates."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .backends.lmdb_backend import LmdbBackend
+from .backends.slab import Rows, SlabTier
+from .config import TableSpec, parse_capacity, parse_size
+from .errors import (
+    ConfigError,
+    ConfigMismatchError,
+    InvalidIdsError,
+    ShapeError,
+    StoreClosedError,
+    UnknownTableError,
+)
+from .initializers import name_key
+from .stats import TierStats
+
+FORMAT_VERSION = 1
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """A batch's rows for training: sorted unique ids, inverse map, and their embeddings."""
+
+    unique: torch.Tensor  # int64 [u], sorted
+    inverse: torch.Tensor  # int64 [n], ids == unique[inverse]
+    weights: torch.Tensor  # float32 [u, dim] on the store's device
+
+
+@dataclass
+class _Table:
+    spec: TableSpec
+    index: int
+    key: int  # lazy-init key derived from (seed, name)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"invalid device {device!r}: {exc}") from exc
+
+
+def _mismatch(stored: TableSpec, given: TableSpec) -> list[str]:
+    """Fields that make a stored table incompatible with the given spec."""
+    out = []
+    for field in ("num_rows", "dim", "dtype"):
+        if getattr(stored, field) != getattr(given, field):
+            out.append(f"{field}: stored {getattr(stored, field)!r}, given {getattr(given, field)!r}")
+    if stored.optimizer.kind != given.optimizer.kind:
+        out.append(f"optimizer: stored {stored.optimizer.kind!r}, given {given.optimizer.kind!r}")
+    if stored.init != given.init:
+        out.append(f"init: stored {stored.init!r}, given {given.init!r}")
+    return out
+
+
+class TierStore:
+    """Embedding rows over three tiers (device cache, host cache, LMDB) with fused optimizers.
+
+    Upper tiers are exclusive write-back caches: a row lives in at most one cache tier, with a
+    dirty bit when it differs from LMDB. Rows never written are initialized lazily from
+    (seed, table, row, column). Every operation takes a batch of ids.
+    """
+
+    def __init__(self, path: str | os.PathLike, tables: Sequence[TableSpec] | TableSpec, *,
+                 device_capacity: int | str, host_capacity: int | str, policy: str = "lru",
+                 seed: int = 0, device: torch.device | str | None = None,
+                 map_limit: int | str | None = None) -> None:
+        tables = [tables] if isinstance(tables, TableSpec) else list(tables)
+        if not tables or not all(isinstance(t, TableSpec) for t in tables):
+            raise ConfigError("tables must be a non-empty sequence of TableSpec")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"duplicate table names in {names}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"seed must be a non-negative int, got {seed!r}")
+        self.path = Path(path)
+        self.seed = seed
+        self.device = _resolve_device(device)
+        width = max(t.payload_dim for t in tables)
+        dcap = parse_capacity(device_capacity, width * 4)
+        hcap = parse_capacity(host_capacity, width * 4)
+        limit = None if map_limit is None else parse_size(map_limit)
+        self._closed = True
+        self.backend = LmdbBackend(self.path, map_limit=limit)
+        try:
+            self._check_config(tables)
+            self.backend.open_tables(names)
+            self.device_tier = SlabTier("device", dcap, width, policy, self.device)
+            self.host_tier = SlabTier("host", hcap, width, policy, "cpu",
+                                      pin_memory=self.device.type == "cuda")
+        except BaseException:
+            self.backend.close()
+            raise
+        self.policy = policy
+        self.width = width
+        self.tables = {t.name: _Table(t, i, name_key(seed, t.name)) for i, t in enumerate(tables)}
+        self._by_index = [self.tables[n] for n in names]
+        self.ssd_stats = TierStats()
+        self._closed = False
+
+    # configuration ------------------------------------------------------------------------
+    def _check_config(self, tables: list[TableSpec]) -> None:
+        store = self.backend.get_meta("store")
+        if store is not None:
+            if store.get("format_version") != FORMAT_VERSION:
+                raise ConfigMismatchError(
+                    f"store {self.path} has format version {store.get('format_version')}, "
+                    f"this tierstore reads version {FORMAT_VERSION}")
+            if store.get("seed") != self.seed:
+                raise ConfigMismatchError(
+                    f"store {self.path} was created with seed {store.get('seed')}, given {self.seed}")
+        new: dict[str, dict] = {}
+        for spec in tables:
+            cfg = self.backend.get_meta(f"table:{spec.name}")
+            if cfg is None:
+                new[f"table:{spec.name}"] = spec.to_config()
+                continue
+            problems = _mismatch(TableSpec.from_config(cfg), spec)
+            if problems:
+                raise ConfigMismatchError(
+                    f"table {spec.name!r} in {self.path} was stored with another config: "
+                    + "; ".join(problems))
+        if store is None:
+            new["store"] = {"format_version": FORMAT_VERSION, "seed": self.seed}
+        if new:
+            self.backend.put_meta(new)
+            self.backend.sync()
+
+    # validation -----------------------------------------------------------------------------
+    def _live(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.path} is closed")
+
+    def _table(self, table: str) -> _Table:
+        self._live()
+        try:
+            return self.tables[table]
+        except (KeyError, TypeError):
+            raise UnknownTableError(
+                f"unknown table {table!r}; this store has {sorted(self.tables)}") from None
+
+    def _ids(self, tab: _Table, ids: Any) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            try:
+                ids = torch.as_tensor(np.asarray(ids))
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise InvalidIdsError(f"ids must be an integer tensor: {exc}") from exc
+        if ids.dtype not in _INT_DTYPES:
+            raise InvalidIdsError(f"ids must be an integer tensor, got dtype {ids.dtype}")
+        if ids.dim() != 1:
+            raise ShapeError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+        ids = ids.to(device="cpu", dtype=torch.int64)
+        if ids.numel():
+            lo, hi = torch.aminmax(ids)
+            if int(lo) < 0 or int(hi) >= tab.spec.num_rows:
+                bad = int(lo) if int(lo) < 0 else int(hi)
+                raise InvalidIdsError(
+                    f"row id {bad} out of range for table {tab.spec.name!r} "
+                    f"(num_rows={tab.spec.num_rows})")
+        return ids
+
+    def _grads(self, tab: _Table, grads: Any, n: int) -> torch.Tensor:
+        if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
+            raise ShapeError("grads must be a floating-point tensor")
+        if tuple(grads.shape) != (n, tab.spec.dim):
+            raise ShapeError(f"grads must have shape ({n}, {tab.spec.dim}) for table "
+                             f"{tab.spec.name!r}, got {tuple(grads.shape)}")
+        return grads.detach().to(device="cpu", dtype=torch.float32)
+
+    # public API ---------------------------------------------------------------------------
+    def read(self, table: str, ids: Any) -> torch.Tensor:
+        """Current embedding rows [n, dim] (float32, store device); never-written rows are lazy."""
+        tab = self._table(table)
+        ids = self._ids(tab, ids)
+        g = self._gather(tab, ids)
+        return g.weights.index_select(0, g.inverse.to(g.weights.device))
+
+    def gather(self, table: str, ids: Any) -> Gathered:
+        """Make a batch's rows resident (device tier first) and return them deduplicated."""
+        tab = self._table(table)
+        return self._gather(tab, self._ids(tab, ids))
+
+    def apply(self, table: str, ids: Any, grads: torch.Tensor) -> None:
+        """One optimizer step on the rows of `ids`; duplicate ids' gradients are summed first."""
+        tab = self._table(table)
+        ids = self._ids(tab, ids)
+        grads = self._grads(tab, grads, ids.numel())
+        if ids.numel() == 0:
+            return
+        uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        self._access(tab, uniq, segment_sum(grads, inv, uniq.numel()))
+
+    def apply_unique(self, table: str, unique: torch.Tensor, grads: torch.Tensor) -> None:
+        """One optimizer step on sorted unique ids (as from `gather`) with one gradient per id."""
+        tab = self._table(table)
+        unique = self._ids(tab, unique)
+        grads = self._grads(tab, grads, unique.numel())
+        if unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
+            raise InvalidIdsError("apply_unique needs sorted unique ids; use apply() otherwise")
+        if unique.numel():
+            self._access(tab, unique, grads)
+
+    def flush(self) -> None:
+        """Write every dirty cached row to LMDB in one transaction and sync it to disk."""
+        self._live()
+        parts, tiers = [], []
+        for tier in (self.device_tier, self.host_tier):
+            slots, rows = tier.dirty_rows()
+            if len(rows):
+                parts.append(rows.to(torch.device("cpu")))
+                tiers.append((tier, slots))
+        if parts:
+            self._write_down(Rows.cat(parts))
+            for tier, slots in tiers:
+                tier.dirty[slots] = False
+        self.backend.sync()
+
+    def stats(self) -> dict[str, dict]:
+        """Per-tier counters (device, host, ssd) plus store totals."""
+        self._live()
+        out = {"device": self.device_tier.stats.as_dict(), "host": self.host_tier.stats.as_dict(),
+               "ssd": self.ssd_stats.as_dict()}
+        out["device"].update(capacity=self.device_tier.capacity, resident=self.device_tier.size)
+        out["host"].update(capacity=self.host_tier.capacity, resident=self.host_tier.size)
+        out["ssd"].update(rows_stored=sum(self.backend.count(n) for n in self.tables),
+                          disk_bytes=self.backend.disk_bytes())
+        return out
+
+    def check(self) -> None:
+        """Assert internal invariants (tiers consistent, caches exclusive); for tests."""
+        self._live()
+        self.device_tier.check()
+        self.host_tier.check()
+        dt, dr = self.device_tier.resident()
+        if dr.numel():
+            both = self.host_tier.index.find(dt.cpu(), dr.cpu())
+            assert bool((both < 0).all()), "a row is cached in both device and host tiers"
+
+    def close(self) -> None:
+        """Flush dirty rows and release the store (idempotent)."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self.backend.close()
+
+    def __enter__(self) -> TierStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort: never lose acknowledged writes to GC order
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:
+            pass
+
+    @property
+    def table_specs(self) -> dict[str, TableSpec]:
+        """The specs of the tables this handle serves."""
+        return {n: t.spec for n, t in self.tables.items()}
+
+    # internals --------------------------------------------------------------------------
+    def _gather(self, tab: _Table, ids: torch.Tensor) -> Gathered:
+        if ids.numel() == 0:
+            empty = torch.empty(0, dtype=torch.int64)
+            return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
+        uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        payload = self._access(tab, uniq, None)
+        return Gathered(uniq, inv, payload[:, : tab.spec.dim])
+
+    def _access(self, tab: _Table, uniq: torch.Tensor, grads: torch.Tensor | None) -> torch.Tensor:
+        """Locate sorted unique rows, optionally update them, and promote them to the device tier.
+
+        Returns the payloads [u, width] (after the update when `grads` is given).
+        """
+        spec, dev, host = tab.spec, self.device_tier, self.host_tier
+        tabs = torch.tensor(tab.index, dtype=torch.int64)
+        uniq_d = uniq.to(dev.device)
+        dslots = dev.lookup(tabs.to(dev.device), uniq_d)
+        dhit = dslots >= 0
+        if bool(dhit.all()):
+            dev.touch(dslots)
+            payload = dev.read(dslots)
+            if grads is not None:
+                self._step(spec, payload, grads.to(payload.device))
+                dev.write(dslots, payload)
+            return payload
+        n = uniq.numel()
+        payload = torch.empty((n, self.width), dtype=torch.float32)
+        dirty = torch.zeros(n, dtype=torch.bool)
+        hit_idx = torch.nonzero(dhit).flatten()
+        hit_slots = dslots[hit_idx]
+        if hit_idx.numel():
+            hit_idx_c = hit_idx.cpu()
+            payload[hit_idx_c] = dev.read(hit_slots).cpu()
+            dirty[hit_idx_c] = dev.dirty[hit_slots].cpu()
+            dev.touch(hit_slots)
+        miss = torch.nonzero(~dhit).flatten().cpu()
+        hslots = host.lookup(tabs, uniq[miss])
+        hhit = hslots >= 0
+        if bool(hhit.any()):
+            moved = host.remove(hslots[hhit])
+            payload[miss[hhit]] = moved.payload
+            dirty[miss[hhit]] = moved.dirty
+        cold = miss[~hhit]
+        if cold.numel():
+            payload[cold] = self._load(tab, uniq[cold])
+        if grads is not None:
+            self._step(spec, payload, grads)
+            dirty[:] = True
+            if hit_idx.numel():
+                dev.write(hit_slots, payload[hit_idx.cpu()])
+        moving = Rows(tabs.expand(miss.numel()).clone(), uniq[miss], payload[miss], dirty[miss])
+        self._place(moving, protect=hit_slots)
+        return payload.to(self.device, non_blocking=True)
+
+    def _step(self, spec: TableSpec, payload: torch.Tensor, grads: torch.Tensor) -> None:
+        """Fused optimizer step on a contiguous copy of the table's payload columns."""
+        p = payload[:, : spec.payload_dim].contiguous()
+        spec.optimizer.step(p, grads, spec.dim)
+        payload[:, : spec.payload_dim] = p
+
+    def _load(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
+        """Rows from LMDB, lazily initialized where never written; [n, width] float32."""
+        spec = tab.spec
+        rows_np = rows.numpy()
+        data, found = self.backend.get(spec.name, rows_np, spec.payload_dim)
+        nfound = int(found.sum())
+        st = self.ssd_stats
+        st.lookups += len(rows_np)
+        st.hits += nfound
+        st.misses += len(rows_np) - nfound
+        st.bytes_read += nfound * spec.payload_dim * 4
+        if nfound < len(rows_np):
+            lazy = ~found
+            data[lazy, : spec.dim] = spec.init(tab.key, rows_np[lazy], spec.dim)
+        out = torch.zeros((len(rows_np), self.width), dtype=torch.float32)
+        out[:, : spec.payload_dim] = torch.from_numpy(data)
+        return out
+
+    def _place(self, moving: Rows, protect: torch.Tensor) -> None:
+        """Insert rows into the device tier; victims and overflow cascade to host, then LMDB."""
+        if len(moving) == 0:
+            return
+        k, evicted = self.device_tier.insert(moving, protect=protect)
+        down = [p for p in (evicted, moving.take(slice(k, None)) if k < len(moving) else None)
+                if p is not None and len(p)]
+        if not down:
+            return
+        spill_in = Rows.cat([p.to(torch.device("cpu")) for p in down])
+        k2, evicted2 = self.host_tier.insert(spill_in)
+        spill = [p for p in (evicted2, spill_in.take(slice(k2, None)) if k2 < len(spill_in) else None)
+                 if p is not None and len(p)]
+        if spill:
+            rows = Rows.cat(spill)
+            self._write_down(rows.take(rows.dirty))
+
+    def _write_down(self, rows: Rows) -> None:
+        """Write rows (any tables) to LMDB in one transaction."""
+        if len(rows) == 0:
+            return
+        batches = {}
+        for t in torch.unique(rows.tabs).tolist():
+            sel = rows.tabs == t
+            tab = self._by_index[t]
+            batches[tab.spec.name] = (rows.rows[sel].numpy(),
+                                      rows.payload[sel][:, : tab.spec.payload_dim].numpy())
+        written = self.backend.put(batches)
+        self.ssd_stats.writebacks += len(rows)
+        self.ssd_stats.bytes_written += written
+
+
+def segment_sum(values: torch.Tensor, inverse: torch.Tensor, n: int) -> torch.Tensor:
+    """Sum rows of `values` by group id `inverse` in a fixed, input-order sequence (no atomics)."""
+    order = torch.argsort(inverse, stable=True)
+    counts = torch.bincount(inverse, minlength=n)
+    return torch.segment_reduce(values.index_select(0, order), "sum", lengths=counts, unsafe=True)
+
+
+def open_tables(path: str | os.PathLike) -> Iterable[TableSpec]:
+    """The table specs stored in a store directory (read-only; no lock taken)."""
+    backend = LmdbBackend(path, readonly=True)
+    try:
+        return [TableSpec.from_config(backend.get_meta(k)) for k in backend.meta_keys()
+                if k.startswith("table:")]
+    finally:
+        backend.close()
