@@ -149,7 +149,7 @@ def test_tier_behaves_like_a_dict(name, data):
     tier = SlabTier("t", cap, 1, name)
     model: dict[int, float] = {}
     nbatches = data.draw(st.integers(1, 12))
-    for step in range(nbatches):
+    for _ in range(nbatches):
         keys = data.draw(st.lists(st.integers(0, 30), min_size=1, max_size=10, unique=True))
         rows = torch.tensor(keys, dtype=torch.int64)
         tabs = torch.zeros_like(rows)

@@ -423,5 +423,8 @@ def read_recording(path: str | Path) -> Trace:
             pos = start + nbytes
         else:
             raise StoreCorruptError(f"{path}: unknown chunk type {kind} at byte {pos}")
-    cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
-    return Trace(cat(tabs), cat(rows), names or ["keys"], Path(path).name)
+    return Trace(_cat(tabs), _cat(rows), names or ["keys"], Path(path).name)
+
+
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -1,4 +1,4 @@
-"""SIEVE: a FIFO queue with visited bits and a hand that sweeps from old to new, never moving slots."""
+"""SIEVE: FIFO order, visited bits, and a hand sweeping from old to new that never moves slots."""
 
 from __future__ import annotations
 

@@ -355,7 +355,7 @@ def belady(ids: np.ndarray, n_keys: int, capacity: int) -> int:
 # S3-FIFO -----------------------------------------------------------------------------------------
 @numba.njit(cache=True, nogil=True)
 def s3fifo(ids: np.ndarray, n_keys: int, capacity: int) -> int:  # pragma: no cover - compiled
-    """S3-FIFO: 10% small FIFO, 90% main FIFO (2-bit clock), a ghost FIFO of 90% as in libCacheSim."""
+    """S3-FIFO as in libCacheSim: 10% small FIFO, 90% main FIFO (2-bit clock), 90% ghost."""
     n = ids.size
     small_cap = int(capacity * 0.1)
     main_cap = capacity - small_cap

@@ -1,4 +1,4 @@
-"""Tier mode: replay a trace through a real `SlabTier` (the store's host/device cache) in batches."""
+"""Tier mode: replay a trace through a real `SlabTier` (the store's host or device cache)."""
 
 from __future__ import annotations
 
