@@ -278,6 +278,21 @@ class TierStore:
         """The specs of the tables this handle serves."""
         return {n: t.spec for n, t in self.tables.items()}
 
+    def checkpoint(self, dest: str | os.PathLike, *, step: int | None = None,
+                   extra: dict | None = None, overwrite: bool = False) -> dict:
+        """Flush, then write a consistent snapshot of every table to `dest`; returns the manifest."""
+        from .persistence import checkpoint
+
+        return checkpoint(self, dest, step=step, extra=extra, overwrite=overwrite)
+
+    @classmethod
+    def restore(cls, dest: str | os.PathLike, path: str | os.PathLike,
+                **open_kwargs: Any) -> TierStore:
+        """Replace the store at `path` with the checkpoint `dest` and open it (kwargs as __init__)."""
+        from .persistence import restore
+
+        return restore(dest, path, **open_kwargs)
+
     # internals --------------------------------------------------------------------------
     def _gather(self, tab: _Table, ids: torch.Tensor) -> Gathered:
         if ids.numel() == 0:

@@ -6,6 +6,9 @@ import errno
 import fcntl
 import json
 import os
+import threading
+from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 
 import lmdb
@@ -59,11 +62,17 @@ class LmdbBackend:
             self._release_lock()
             raise StoreCorruptError(f"cannot open LMDB store at {self.path}: {exc}") from exc
         self._dbs: dict[str, object] = {}
+        self._copy_thread: threading.Thread | None = None
         try:
+            self.check_file()
             self._meta = self.env.open_db(META_DB, create=not readonly)
+        except StoreCorruptError:
+            self.close()
+            raise
         except lmdb.Error as exc:
             self.close()
-            raise StoreCorruptError(f"store at {self.path} has no tierstore metadata: {exc}") from exc
+            raise StoreCorruptError(
+                f"store at {self.path} has no tierstore metadata: {exc}") from exc
 
     # locking ------------------------------------------------------------------------
     def _acquire_lock(self) -> None:
@@ -196,6 +205,7 @@ class LmdbBackend:
             self._grow(incoming)
 
     def _grow(self, incoming: int) -> None:
+        self.wait_for_copies()  # remapping would invalidate a snapshot being copied
         cur = self.env.info()["map_size"]
         new = max(2 * cur, self.used_bytes() + 4 * incoming + (1 << 20))
         if self.map_limit is not None:
@@ -233,6 +243,7 @@ class LmdbBackend:
         """Close the environment and release the writer lock."""
         env = getattr(self, "env", None)
         if env is not None:
+            self.wait_for_copies()
             if not self.readonly:
                 try:
                     env.sync(True)
@@ -241,3 +252,72 @@ class LmdbBackend:
             env.close()
             self.env = None
         self._release_lock()
+
+    # snapshots (persistence) -------------------------------------------------------------
+    def check_file(self) -> None:
+        """Raise StoreCorruptError when data.mdb is shorter than the pages LMDB says it holds."""
+        data = self.path / "data.mdb"
+        need = self.used_bytes()
+        have = data.stat().st_size if data.exists() else 0
+        if have < need:
+            raise StoreCorruptError(
+                f"store {self.path}: data.mdb is truncated ({have} bytes, LMDB needs {need})")
+
+    def snapshot(self) -> lmdb.Transaction:
+        """A read transaction: an MVCC snapshot that later commits do not change."""
+        # a table's database handle must exist before the transaction starts to be usable in it
+        self.open_tables([k[6:] for k in self.meta_keys() if k.startswith("table:")])
+        return self.env.begin()
+
+    def snapshot_meta(self, txn: lmdb.Transaction) -> dict[str, dict]:
+        """Every metadata record as seen by the read transaction `txn`."""
+        try:
+            return {k.decode(): json.loads(v) for k, v in txn.cursor(db=self._meta)}
+        except ValueError as exc:
+            raise StoreCorruptError(f"store {self.path}: metadata is not valid JSON") from exc
+
+    def snapshot_count(self, txn: lmdb.Transaction, table: str) -> int:
+        """Rows stored for a table as seen by the read transaction `txn`."""
+        db = self._db(table)
+        return 0 if db is None else int(txn.stat(db)["entries"])
+
+    def copy_snapshot(self, dest: str | os.PathLike, txn: lmdb.Transaction, *,
+                      compact: bool = True) -> None:
+        """Write the state seen by `txn` to dest/data.mdb (dest must be an existing directory)."""
+        try:
+            self.env.copy(str(dest), compact=compact, txn=txn)
+        except lmdb.Error as exc:
+            self._raise_io(exc)
+
+    def track_copy(self, thread: threading.Thread) -> None:
+        """Register a thread copying a snapshot; map growth and close wait for it to finish."""
+        self.wait_for_copies()
+        self._copy_thread = thread
+
+    def wait_for_copies(self) -> None:
+        """Block until a snapshot copy running in another thread has finished."""
+        t = getattr(self, "_copy_thread", None)
+        if t is not None and t is not threading.current_thread():
+            t.join()
+            self._copy_thread = None
+
+    def iter_rows(self, table: str, width: int, txn: lmdb.Transaction, chunk: int = 65536
+                  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Stream a table's rows in id order from read txn `txn`: (ids [k], payload [k, width])."""
+        db = self._db(table)
+        if db is None:
+            return
+        cur = txn.cursor(db=db)
+        if not cur.first():
+            return
+        it = cur.iternext(keys=True, values=True)
+        while True:
+            items = list(islice(it, chunk))  # the iteration runs in C: one call per chunk
+            if not items:
+                return
+            keys, vals = zip(*items)
+            data = np.frombuffer(b"".join(vals), dtype=np.float32)
+            if data.size != len(vals) * width:
+                raise StoreCorruptError(
+                    f"table {table!r}: stored rows have the wrong size ({width} floats)")
+            yield decode_keys(list(keys)), data.reshape(-1, width)

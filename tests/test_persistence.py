@@ -1,0 +1,263 @@
+"""Checkpoint, restore and resume are exact; bad inputs get clear errors and change nothing."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import tierstore as ts
+from tests.crash_worker import SPECS, dump_backend, dump_path, open_store, same, train_step
+from tierstore import persistence
+from tierstore.backends import lmdb_backend
+from tierstore.backends.lmdb_backend import LmdbBackend
+
+CAPS = [(64, 256), (0, 0), (10_000, 10_000)]
+
+
+def trained(path, steps, caps=(64, 256)):
+    store = open_store(path, *caps)
+    for step in range(1, steps + 1):
+        train_step(store, step)
+    return store
+
+
+def full_payloads(store):
+    """Payloads (weights + optimizer state) of every row ever stored, read through the store."""
+    store.flush()
+    out = {}
+    for name, (ids, _) in dump_backend(store.backend).items():
+        tab = store.tables[name]
+        uniq = torch.from_numpy(ids)
+        out[name] = store._access(tab, uniq, None)[:, : tab.spec.payload_dim].cpu().clone()
+    return out
+
+
+def test_checkpoint_restore_is_exact(tmp_path):
+    store = trained(tmp_path / "s", 5)
+    manifest = store.checkpoint(tmp_path / "ck", step=5)
+    want = dump_backend(store.backend)
+    assert manifest["step"] == 5 and manifest["seed"] == 7
+    assert {t["spec"]["name"]: t["rows_stored"] for t in manifest["tables"]} == {
+        k: len(v[0]) for k, v in want.items()}
+    assert sorted(os.listdir(tmp_path / "ck")) == ["MANIFEST.json", "data.mdb"]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no staging left
+    train_step(store, 6)  # the live store moves on; the checkpoint does not
+    store.close()
+    assert same(dump_path(tmp_path / "ck"), want)
+    back = ts.TierStore.restore(tmp_path / "ck", tmp_path / "s", device_capacity=8,
+                                host_capacity=8, device="cpu")
+    assert same(dump_backend(back.backend), want)
+    assert back.seed == 7 and set(back.tables) == {"a", "b"}
+    back.close()
+    assert persistence.verify_checkpoint(tmp_path / "ck")["step"] == 5
+
+
+@pytest.mark.parametrize("caps", CAPS)
+def test_resume_is_bit_identical(tmp_path, caps):
+    n, m = 4, 4
+    store = trained(tmp_path / "s", n)
+    store.checkpoint(tmp_path / "ck", step=n)
+    for step in range(n + 1, n + m + 1):
+        train_step(store, step)
+    want = full_payloads(store)
+    store.close()
+    back = ts.TierStore.restore(tmp_path / "ck", tmp_path / "r", device_capacity=caps[0],
+                                host_capacity=caps[1], device="cpu", policy="lfu")
+    for step in range(n + 1, n + m + 1):
+        train_step(back, step)
+    got = full_payloads(back)
+    back.close()
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def test_background_checkpoint_snapshot_ignores_later_writes(tmp_path):
+    store = trained(tmp_path / "s", 3, caps=(0, 0))  # every write goes straight to LMDB
+    store.flush()
+    want = dump_backend(store.backend)
+    pending = persistence.start_checkpoint(store, tmp_path / "ck", step=3)
+    for step in range(4, 10):  # keeps writing (and growing) while the copy runs
+        train_step(store, step)
+    manifest = pending.wait()
+    assert pending.done() and manifest["step"] == 3 and pending.pause_s >= 0
+    assert same(dump_path(tmp_path / "ck"), want)
+    store.close()
+
+
+def test_checkpoint_during_map_growth_waits(tmp_path, monkeypatch):
+    monkeypatch.setattr(lmdb_backend, "_INITIAL_MAP", 4 << 20)
+    store = open_store(tmp_path / "s", 0, 0)
+    map0 = store.backend.env.info()["map_size"]
+    ids = torch.arange(20_000) * 1000
+    store.apply("a", ids, torch.ones(20_000, 8))
+    pending = persistence.start_checkpoint(store, tmp_path / "ck")
+    big = torch.arange(200_000, 400_000) * 1000
+    store.apply("a", big, torch.ones(len(big), 8))  # may remap the map: waits for the copy
+    pending.wait()
+    assert store.backend.env.info()["map_size"] > map0  # the map did grow
+    persistence.verify_checkpoint(tmp_path / "ck")
+    assert len(dump_path(tmp_path / "ck")["a"][0]) == 20_000
+    store.close()
+
+
+def test_checkpoint_overwrite_and_existing_dest(tmp_path):
+    store = trained(tmp_path / "s", 2)
+    store.checkpoint(tmp_path / "ck", step=2)
+    with pytest.raises(ts.ConfigError, match="not empty"):
+        store.checkpoint(tmp_path / "ck", step=3)
+    assert persistence.read_manifest(tmp_path / "ck")["step"] == 2
+    train_step(store, 3)
+    store.checkpoint(tmp_path / "ck", step=3, overwrite=True)
+    assert persistence.verify_checkpoint(tmp_path / "ck")["step"] == 3
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ts.ConfigError, match="not a directory"):
+        store.checkpoint(tmp_path / "file")
+    store.close()
+
+
+def test_checkpoint_full_disk_leaves_nothing(tmp_path, monkeypatch):
+    store = trained(tmp_path / "s", 2)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persistence, "file_digest", full)
+    with pytest.raises(ts.OutOfSpaceError):
+        store.checkpoint(tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+    monkeypatch.undo()
+    train_step(store, 3)  # the store keeps working
+    store.checkpoint(tmp_path / "ck")
+    store.close()
+
+
+# hardened inputs -------------------------------------------------------------------------------
+@pytest.fixture
+def ckpt(tmp_path):
+    """A trained store (closed) at tmp/s, its checkpoint at tmp/ck and its rows."""
+    store = trained(tmp_path / "s", 3)
+    store.checkpoint(tmp_path / "ck", step=3)
+    train_step(store, 4)
+    store.close()
+    return tmp_path / "ck", tmp_path / "s", dump_path(tmp_path / "s")
+
+
+def _restore(ck, path, **kw):
+    return ts.TierStore.restore(ck, path, device_capacity=16, host_capacity=16, device="cpu", **kw)
+
+
+def test_restore_truncated_or_corrupt_checkpoint(ckpt, tmp_path):
+    ck, live, rows = ckpt
+    for how in ("truncate", "flip"):
+        bad = tmp_path / f"bad-{how}"
+        shutil.copytree(ck, bad)
+        data = bad / "data.mdb"
+        if how == "truncate":
+            os.truncate(data, data.stat().st_size // 2)
+        else:
+            with open(data, "r+b") as f:
+                f.seek(data.stat().st_size - 100)
+                f.write(b"\xff" * 8)
+        with pytest.raises(ts.StoreCorruptError):
+            persistence.verify_checkpoint(bad)
+        with pytest.raises(ts.StoreCorruptError, match="corrupt or truncated"):
+            _restore(bad, live)
+        assert same(dump_path(live), rows)  # the target store is untouched
+        assert not [p for p in os.listdir(live) if p.startswith(".")]
+
+
+def test_restore_incomplete_or_foreign_manifest(ckpt, tmp_path):
+    ck, live, rows = ckpt
+    partial = tmp_path / "partial"
+    shutil.copytree(ck, partial)
+    (partial / "MANIFEST.json").unlink()
+    with pytest.raises(ts.StoreCorruptError, match="not a complete checkpoint"):
+        _restore(partial, live)
+    for field, value, err in [("version", 99, ts.ConfigMismatchError),
+                              ("store_format_version", 0, ts.ConfigMismatchError),
+                              ("format", "other", ts.StoreCorruptError)]:
+        other = tmp_path / f"other-{field}"
+        shutil.copytree(ck, other)
+        m = json.loads((other / "MANIFEST.json").read_text())
+        m[field] = value
+        (other / "MANIFEST.json").write_text(json.dumps(m))
+        with pytest.raises(err):
+            _restore(other, live)
+    (partial / "MANIFEST.json").write_text("{not json")
+    with pytest.raises(ts.StoreCorruptError, match="unreadable"):
+        _restore(partial, live)
+    with pytest.raises(ts.ConfigMismatchError, match="seed"):
+        _restore(ck, live, seed=8)
+    assert same(dump_path(live), rows)
+
+
+def test_restore_into_locked_store(ckpt):
+    ck, live, rows = ckpt
+    holder = open_store(live, 16, 16)
+    with pytest.raises(ts.StoreLockedError):
+        _restore(ck, live)
+    holder.close()
+    assert same(dump_path(live), rows)
+
+
+def test_restore_paths_that_are_files(ckpt, tmp_path):
+    ck, live, rows = ckpt
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ts.ConfigError, match="not a directory"):
+        _restore(ck, f)
+    with pytest.raises(ts.StoreCorruptError, match="not a checkpoint"):
+        _restore(f, live)
+    with pytest.raises(ts.TierstoreError):
+        open_store(f, 1, 1)
+    assert f.read_text() == "x"
+
+
+def test_truncated_live_store_is_an_error_not_a_crash(ckpt):
+    _, live, _ = ckpt
+    data = live / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(ts.StoreCorruptError, match="truncated"):
+        open_store(live, 16, 16)
+    with pytest.raises(ts.StoreCorruptError):
+        LmdbBackend(live, readonly=True)
+
+
+def test_garbage_live_store(tmp_path):
+    path = tmp_path / "s"
+    path.mkdir()
+    (path / "data.mdb").write_bytes(os.urandom(64 << 10))
+    with pytest.raises(ts.StoreCorruptError):
+        open_store(path, 16, 16)
+
+
+def test_full_disk_keeps_flushed_rows(tmp_path):
+    path = tmp_path / "s"
+    store = open_store(path, 0, 0, map_limit="2MiB")
+    train_step(store, 1)
+    store.flush()
+    want = dump_backend(store.backend)
+    big = torch.arange(100_000) * 1000 + 1
+    with pytest.raises(ts.OutOfSpaceError):
+        store.apply("a", big, torch.ones(len(big), 8))
+    store.close()
+    again = open_store(path, 0, 0, map_limit="2MiB")
+    assert same(dump_backend(again.backend), want)
+    again.close()
+
+
+def test_restore_keeps_open_kwargs(ckpt, tmp_path):
+    ck, _, _ = ckpt
+    store = _restore(ck, tmp_path / "new", policy="lfu", map_limit="1GiB")
+    assert store.policy == "lfu" and store.backend.map_limit == 1 << 30
+    assert store.table_specs == {s.name: s for s in SPECS}
+    store.close()
+    assert np.array_equal(dump_path(tmp_path / "new")["b"][1], dump_path(ck)["b"][1])

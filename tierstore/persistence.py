@@ -1,0 +1,339 @@
+"""Checkpoints: flush, copy an MVCC snapshot of the LMDB file, publish it under a manifest.
+
+Layout of a checkpoint directory: `data.mdb` (a compacted LMDB copy of the whole store, taken in
+one read transaction right after the flush) and `MANIFEST.json` (written last). The directory is
+assembled under a hidden sibling name and renamed into place, so `dest` either holds a complete,
+checksummed checkpoint or nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .backends.lmdb_backend import LOCK_NAME
+from .config import TableSpec
+from .errors import (
+    ConfigError,
+    ConfigMismatchError,
+    OutOfSpaceError,
+    StoreCorruptError,
+    StoreLockedError,
+    TierstoreError,
+)
+
+if TYPE_CHECKING:
+    from .store import TierStore
+
+CHECKPOINT_FORMAT = "tierstore-checkpoint"
+CHECKPOINT_VERSION = 1
+MANIFEST = "MANIFEST.json"
+DATA = "data.mdb"
+_CHUNK = 8 << 20
+
+
+# small file-system helpers -------------------------------------------------------------------
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (renames, new files) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to `path` via a fsynced temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size, sha256 hex) of a file, read in bounded chunks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def os_error(exc: OSError, what: str) -> TierstoreError:
+    """Translate an OSError into the matching TierstoreError."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return OutOfSpaceError(f"{what}: out of space: {exc}")
+    return ConfigError(f"{what}: {exc}")
+
+
+def check_new_dir(dest: Path, overwrite: bool, what: str) -> None:
+    """Refuse a destination that is a file, or a non-empty directory unless `overwrite`."""
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise ConfigError(f"{what} {dest} exists and is not a directory")
+    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
+        raise ConfigError(f"{what} {dest} exists and is not empty (pass overwrite=True)")
+
+
+def publish_dir(staging: Path, dest: Path) -> None:
+    """Rename a fully written staging directory to `dest`, replacing what was there."""
+    old = None
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(dest, old)
+    os.replace(staging, dest)
+    fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def staging_dir(dest: Path) -> Path:
+    """A fresh hidden sibling directory of `dest` to assemble it in."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = dest.with_name(f".{dest.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    return staging
+
+
+# checkpoint ------------------------------------------------------------------------------------
+class PendingCheckpoint:
+    """A checkpoint whose snapshot is being copied in a background thread; `wait()` for it."""
+
+    def __init__(self, dest: Path, pause_s: float) -> None:
+        self.dest = dest
+        self.pause_s = pause_s
+        self._manifest: dict | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        """Whether the copy has finished (successfully or not)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> dict:
+        """Block until the checkpoint is published; return its manifest or raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._manifest is not None
+        return self._manifest
+
+
+def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | None = None,
+                     extra: dict | None = None, overwrite: bool = False) -> PendingCheckpoint:
+    """Flush `store`, snapshot it, and copy the snapshot to `dest` in a background thread.
+
+    The caller may keep training as soon as this returns: later writes do not reach the
+    snapshot (an LMDB read transaction). Call `wait()` on the result to get the manifest.
+    """
+    dest = Path(dest)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise ConfigError(f"step must be an int or None, got {step!r}")
+    check_new_dir(dest, overwrite, "checkpoint destination")
+    try:
+        staging = staging_dir(dest)
+    except OSError as exc:
+        raise os_error(exc, f"cannot create checkpoint {dest}") from exc
+    backend = store.backend
+    try:
+        t0 = time.perf_counter()
+        store.flush()
+        txn = backend.snapshot()
+        pause = time.perf_counter() - t0
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    pending = PendingCheckpoint(dest, pause)
+    try:
+        meta = backend.snapshot_meta(txn)
+        tables = [TableSpec.from_config(v) for k, v in sorted(meta.items())
+                  if k.startswith("table:")]
+        counts = {t.name: backend.snapshot_count(txn, t.name) for t in tables}
+    except BaseException:
+        txn.abort()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    from . import __version__
+    from .store import FORMAT_VERSION
+
+    head = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+            "store_format_version": FORMAT_VERSION, "tierstore_version": __version__,
+            "created_unix": time.time(), "step": step, "extra": extra or {},
+            "seed": (meta.get("store") or {}).get("seed", store.seed),
+            "tables": [{"spec": t.to_config(), "rows_stored": counts[t.name]} for t in tables],
+            "pause_s": pause}
+
+    def copy() -> None:
+        t1 = time.perf_counter()
+        try:
+            try:
+                backend.copy_snapshot(staging, txn, compact=True)
+            finally:
+                txn.abort()
+            data = staging / DATA
+            with open(data, "rb+") as f:
+                os.fsync(f.fileno())
+            size, digest = file_digest(data)
+            manifest = {**head, "files": {DATA: {"bytes": size, "sha256": digest}},
+                        "copy_s": time.perf_counter() - t1}
+            write_json_atomic(staging / MANIFEST, manifest)
+            publish_dir(staging, dest)
+            pending._manifest = manifest
+        except OSError as exc:
+            pending._error = os_error(exc, f"cannot write checkpoint {dest}")
+        except BaseException as exc:  # re-raised by wait()
+            pending._error = exc
+        finally:
+            if pending._error is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+
+    thread = threading.Thread(target=copy, name=f"tierstore-checkpoint-{dest.name}", daemon=False)
+    pending._thread = thread
+    backend.track_copy(thread)
+    thread.start()
+    return pending
+
+
+def checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | None = None,
+               extra: dict | None = None, overwrite: bool = False) -> dict:
+    """Flush, snapshot and copy the store to `dest`; returns the manifest once it is durable."""
+    return start_checkpoint(store, dest, step=step, extra=extra, overwrite=overwrite).wait()
+
+
+def read_manifest(dest: str | os.PathLike) -> dict:
+    """The manifest of a complete checkpoint; raises on a missing, foreign or corrupt one."""
+    dest = Path(dest)
+    if not dest.is_dir():
+        raise StoreCorruptError(f"{dest} is not a checkpoint directory")
+    path = dest / MANIFEST
+    if not path.is_file():
+        raise StoreCorruptError(f"{dest} is not a complete checkpoint (no {MANIFEST})")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise StoreCorruptError(f"checkpoint manifest {path} is unreadable: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        raise StoreCorruptError(f"{path} is not a tierstore checkpoint manifest")
+    from .store import FORMAT_VERSION
+
+    if manifest.get("version") != CHECKPOINT_VERSION:
+        raise ConfigMismatchError(
+            f"checkpoint {dest} has format version {manifest.get('version')!r}; this tierstore "
+            f"reads version {CHECKPOINT_VERSION} (use `tierstore export` to move across versions)")
+    if manifest.get("store_format_version") != FORMAT_VERSION:
+        raise ConfigMismatchError(
+            f"checkpoint {dest} holds a store of format version "
+            f"{manifest.get('store_format_version')!r}; this tierstore reads {FORMAT_VERSION}")
+    try:
+        manifest["specs"] = [TableSpec.from_config(t["spec"]) for t in manifest["tables"]]
+        files = manifest["files"][DATA]
+        int(files["bytes"]), str(files["sha256"]), int(manifest["seed"])
+    except (KeyError, TypeError, ValueError, TierstoreError) as exc:
+        raise StoreCorruptError(f"checkpoint manifest {path} is malformed: {exc!r}") from exc
+    return manifest
+
+
+def verify_checkpoint(dest: str | os.PathLike) -> dict:
+    """Check a checkpoint's manifest, file sizes and checksums; returns the manifest."""
+    dest = Path(dest)
+    manifest = read_manifest(dest)
+    want = manifest["files"][DATA]
+    data = dest / DATA
+    if not data.is_file():
+        raise StoreCorruptError(f"checkpoint {dest} is missing {DATA}")
+    size, digest = file_digest(data)
+    if size != want["bytes"] or digest != want["sha256"]:
+        raise StoreCorruptError(
+            f"checkpoint {dest}: {DATA} is corrupt or truncated ({size} bytes, sha256 "
+            f"{digest[:12]}...; manifest says {want['bytes']} bytes, {want['sha256'][:12]}...)")
+    return manifest
+
+
+# restore ---------------------------------------------------------------------------------------
+@contextmanager
+def writer_lock(path: Path) -> Iterator[None]:
+    """Hold the store's writer lock (the one TierStore takes) for the duration."""
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            raise StoreLockedError(
+                f"store {path} is open for writing elsewhere; close it before restoring") from exc
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _copy_verified(src: Path, dst: Path, size: int, sha256: str) -> None:
+    """Copy `src` to `dst` in chunks, checking size and checksum on the way; fsyncs `dst`."""
+    h = hashlib.sha256()
+    n = 0
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        while chunk := fi.read(_CHUNK):
+            h.update(chunk)
+            fo.write(chunk)
+            n += len(chunk)
+        fo.flush()
+        os.fsync(fo.fileno())
+    if n != size or h.hexdigest() != sha256:
+        raise StoreCorruptError(
+            f"checkpoint file {src} is corrupt or truncated ({n} bytes, manifest says {size})")
+
+
+def restore(dest: str | os.PathLike, path: str | os.PathLike, **open_kwargs: Any) -> TierStore:
+    """Replace the store at `path` with the checkpoint at `dest` and open it.
+
+    `open_kwargs` are TierStore's keyword arguments (device_capacity, host_capacity, policy,
+    device, map_limit; `tables`/`seed` default to the checkpoint's). The checkpoint is verified
+    while it is copied; on any error the store at `path` is left as it was.
+    """
+    from .store import TierStore
+
+    dest, path = Path(dest), Path(path)
+    manifest = read_manifest(dest)
+    seed = open_kwargs.pop("seed", manifest["seed"])
+    if seed != manifest["seed"]:
+        raise ConfigMismatchError(f"checkpoint {dest} has seed {manifest['seed']}, given {seed}")
+    tables = open_kwargs.pop("tables", manifest["specs"])
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise ConfigError(f"store path {path} exists and is not a directory")
+    src = dest / DATA
+    if not src.is_file():
+        raise StoreCorruptError(f"checkpoint {dest} is missing {DATA}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise os_error(exc, f"cannot create store directory {path}") from exc
+    with writer_lock(path):
+        tmp = path / f".{DATA}.restore-{uuid.uuid4().hex[:8]}"
+        try:
+            want = manifest["files"][DATA]
+            _copy_verified(src, tmp, int(want["bytes"]), str(want["sha256"]))
+            os.replace(tmp, path / DATA)
+            (path / "lock.mdb").unlink(missing_ok=True)  # reader table of the replaced file
+            fsync_dir(path)
+        except OSError as exc:
+            raise os_error(exc, f"cannot restore into {path}") from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+    return TierStore(path, tables, seed=seed, **open_kwargs)
