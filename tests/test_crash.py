@@ -1,0 +1,147 @@
+"""kill -9 a training process at random moments: nothing acknowledged is lost, nothing is torn."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import crash_worker as w
+from tierstore import persistence
+
+REPO = Path(__file__).resolve().parents[1]
+FLUSH_EVERY, CKPT_EVERY = 2, 5
+SMALL, BIG = (64, 256), (8192, 8192)  # BIG holds every hot row: LMDB changes only at flushes
+
+
+def digest(dump: dict) -> str:
+    """A fingerprint of a dump's exact bytes."""
+    h = hashlib.sha256()
+    for name in sorted(dump):
+        ids, pay = dump[name]
+        h.update(name.encode() + ids.tobytes() + pay.tobytes())
+    return h.hexdigest()
+
+
+class Reference:
+    """The uninterrupted run, advanced on demand: stored rows at every flush point."""
+
+    def __init__(self, path: Path) -> None:
+        self.store = w.open_store(path, *SMALL)
+        self.step = 0
+        self.digests = {0: digest(w.dump_backend(self.store.backend))}
+        self.dumps: dict[int, dict] = {}
+
+    def at(self, step: int) -> str:
+        """Digest of the stored rows after flush point `step`."""
+        while self.step < step:
+            self.step += 1
+            w.train_step(self.store, self.step)
+            if self.step % FLUSH_EVERY == 0 or self.step % CKPT_EVERY == 0:
+                self.store.flush()
+                dump = w.dump_backend(self.store.backend)
+                self.digests[self.step] = digest(dump)
+                if self.step % CKPT_EVERY == 0:
+                    self.dumps[self.step] = dump
+        return self.digests[step]
+
+    def dump(self, step: int) -> dict:
+        """Stored rows after checkpoint step `step`."""
+        self.at(step)
+        return self.dumps[step]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref = Reference(tmp_path_factory.mktemp("reference") / "store")
+    yield ref
+    ref.store.close()
+
+
+def next_flush_point(step: int) -> int:
+    """The first flush point after `step`."""
+    s = step + 1
+    while s % FLUSH_EVERY and s % CKPT_EVERY:
+        s += 1
+    return s
+
+
+def run_trial(tmp: Path, ref: Reference, rng: random.Random, caps: tuple[int, int],
+              kill_after_acks: int | None = None) -> dict:
+    """Start the worker, SIGKILL it, then check the live store and the last checkpoint."""
+    store, ckroot = tmp / "store", tmp / "ckpts"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "crash_worker.py"), str(store), str(ckroot),
+         "1000000", str(FLUSH_EVERY), str(CKPT_EVERY), str(caps[0]), str(caps[1])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    seen = []
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        if kill_after_acks is None:
+            time.sleep(rng.uniform(0.0, 1.5))
+        else:
+            seen = [proc.stdout.readline() for _ in range(kill_after_acks)]
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    out = [ln.strip() for ln in seen] + proc.stdout.read().split("\n")
+    acks = [(kind, int(s)) for kind, _, s in (ln.partition(" ") for ln in out)
+            if kind in ("F", "C")]
+    acked = max((s for _, s in acks), default=0)
+    acked_ckpt = max((s for k, s in acks if k == "C"), default=0)
+
+    # the live store reopens, every row is whole, and acknowledged rows are there
+    live = w.open_store(store, *caps)
+    now = w.dump_backend(live.backend)  # raises on a torn (wrong-size) row
+    live.close()
+    if caps == BIG:
+        allowed = {ref.at(acked), ref.at(next_flush_point(acked))}
+        assert digest(now) in allowed, f"live store is not at flush point {acked} or the next"
+    else:
+        then = ref.dump(acked_ckpt) if acked_ckpt else None
+        if then is not None:
+            for name in then:
+                assert set(then[name][0].tolist()) <= set(now[name][0].tolist())
+
+    # the last complete checkpoint is at least the last acknowledged one and restores exactly
+    done = sorted(p for p in ckroot.glob("step-*") if (p / persistence.MANIFEST).exists())
+    if acked_ckpt:
+        assert done and done[-1].name >= f"step-{acked_ckpt:06d}"
+    restored = None
+    if done:
+        for p in done:
+            persistence.verify_checkpoint(p)
+        last = done[-1]
+        step = persistence.read_manifest(last)["step"]
+        back = persistence.restore(last, tmp / "restored", device_capacity=32, host_capacity=32,
+                                   device="cpu")
+        got = w.dump_backend(back.backend)
+        back.close()
+        assert w.same(got, ref.dump(step)), f"checkpoint of step {step} differs from reference"
+        restored = step
+    return {"acked": acked, "acked_ckpt": acked_ckpt, "restored": restored,
+            "checkpoints": len(done)}
+
+
+@pytest.mark.parametrize("trial,caps,after", [(0, SMALL, None), (1, BIG, None), (2, BIG, 7)])
+def test_kill9_during_training(tmp_path, reference, trial, caps, after):
+    run_trial(tmp_path, reference, random.Random(trial), caps, kill_after_acks=after)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(24))
+def test_kill9_many(tmp_path, reference, trial):
+    rng = random.Random(100 + trial)
+    caps = SMALL if trial % 2 else BIG
+    after = rng.randint(1, 30) if trial % 3 == 0 else None
+    res = run_trial(tmp_path, reference, rng, caps, kill_after_acks=after)
+    print(f"trial {trial} caps {caps}: {res}")
