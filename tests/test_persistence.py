@@ -13,9 +13,10 @@ import torch
 
 import tierstore as ts
 from tests.crash_worker import SPECS, dump_backend, dump_path, open_store, same, train_step
-from tierstore import persistence
+from tierstore import cli, persistence
 from tierstore.backends import lmdb_backend
 from tierstore.backends.lmdb_backend import LmdbBackend
+from tierstore.export import export_store, import_store
 
 CAPS = [(64, 256), (0, 0), (10_000, 10_000)]
 
@@ -261,3 +262,127 @@ def test_restore_keeps_open_kwargs(ckpt, tmp_path):
     assert store.table_specs == {s.name: s for s in SPECS}
     store.close()
     assert np.array_equal(dump_path(tmp_path / "new")["b"][1], dump_path(ck)["b"][1])
+
+
+# export / import -------------------------------------------------------------------------------
+def _shards(exp):
+    return sorted(p for p in exp.rglob("*.zst"))
+
+
+@pytest.mark.parametrize("shuffle,level", [(True, 1), (False, 3)])
+def test_export_import_roundtrip(tmp_path, shuffle, level):
+    store = trained(tmp_path / "s", 4)
+    m = export_store(store, tmp_path / "exp", shuffle=shuffle, level=level, shard_bytes="16KiB")
+    want = dump_backend(store.backend)
+    store.close()
+    assert len(_shards(tmp_path / "exp")) > 4 and m["bytes"] < m["raw_bytes"]
+    got = import_store(tmp_path / "exp", tmp_path / "imp")
+    assert sum(t["rows"] for t in got["tables"]) == sum(len(v[0]) for v in want.values())
+    assert same(dump_path(tmp_path / "imp"), want)
+    back = open_store(tmp_path / "imp", 8, 8)  # a normal store: same seed, specs, lazy rows
+    ref = open_store(tmp_path / "s", 8, 8)
+    ids = torch.arange(0, 10**11, 10**8)
+    assert torch.equal(back.read("a", ids), ref.read("a", ids))
+    back.close()
+    ref.close()
+
+
+def test_export_from_closed_store_and_checkpoint(ckpt, tmp_path):
+    ck, live, rows = ckpt
+    export_store(live, tmp_path / "e1")
+    export_store(ck, tmp_path / "e2")
+    import_store(tmp_path / "e1", tmp_path / "i1")
+    import_store(tmp_path / "e2", tmp_path / "i2")
+    assert same(dump_path(tmp_path / "i1"), rows)
+    assert same(dump_path(tmp_path / "i2"), dump_path(ck))
+
+
+def test_export_bad_sources(ckpt, tmp_path):
+    ck, live, rows = ckpt
+    holder = open_store(live, 8, 8)
+    with pytest.raises(ts.StoreLockedError):
+        export_store(live, tmp_path / "e")
+    holder.close()
+    with pytest.raises(ts.StoreCorruptError):
+        export_store(tmp_path / "nothing", tmp_path / "e")
+    assert not (tmp_path / "nothing").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ts.ConfigError):
+        export_store(tmp_path / "file", tmp_path / "e")
+    with pytest.raises(ts.ConfigError):
+        export_store(live, tmp_path / "file")
+    with pytest.raises(ts.ConfigError):
+        export_store(live, tmp_path / "e", level=0)
+    assert not (tmp_path / "e").exists()
+    assert same(dump_path(live), rows)
+
+
+@pytest.fixture
+def exported(ckpt, tmp_path):
+    """An export (several shards) of the checkpoint."""
+    export_store(ckpt[0], tmp_path / "exp", shard_bytes="16KiB")
+    return tmp_path / "exp"
+
+
+def _nothing_left(tmp_path, path):
+    assert not path.exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_import_corrupt_or_truncated_shard(exported, tmp_path):
+    for how in ("flip", "truncate", "missing"):
+        bad = tmp_path / f"bad-{how}"
+        shutil.copytree(exported, bad)
+        shard = _shards(bad)[-1]
+        if how == "flip":
+            blob = bytearray(shard.read_bytes())
+            blob[len(blob) // 2] ^= 0xFF
+            shard.write_bytes(bytes(blob))
+        elif how == "truncate":
+            os.truncate(shard, shard.stat().st_size // 2)
+        else:
+            shard.unlink()
+        with pytest.raises(ts.StoreCorruptError):
+            import_store(bad, tmp_path / "imp")
+        _nothing_left(tmp_path, tmp_path / "imp")
+
+
+def test_import_foreign_manifest(exported, tmp_path):
+    for field, value, err in [("version", 2, ts.ConfigMismatchError),
+                              ("format", "x", ts.StoreCorruptError),
+                              ("codec", {"name": "lz4"}, ts.ConfigMismatchError)]:
+        bad = tmp_path / f"bad-{field}"
+        shutil.copytree(exported, bad)
+        m = json.loads((bad / "manifest.json").read_text())
+        m[field] = value
+        (bad / "manifest.json").write_text(json.dumps(m))
+        with pytest.raises(err):
+            import_store(bad, tmp_path / "imp")
+        _nothing_left(tmp_path, tmp_path / "imp")
+    with pytest.raises(ts.StoreCorruptError):
+        import_store(tmp_path / "nothing", tmp_path / "imp")
+
+
+def test_import_destination_checks(exported, ckpt, tmp_path):
+    _, live, rows = ckpt
+    with pytest.raises(ts.ConfigError, match="not empty"):
+        import_store(exported, live)
+    assert same(dump_path(live), rows)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ts.ConfigError, match="not a directory"):
+        import_store(exported, tmp_path / "file")
+    with pytest.raises(ts.OutOfSpaceError):
+        import_store(exported, tmp_path / "imp", map_limit="64KiB")
+    _nothing_left(tmp_path, tmp_path / "imp")
+
+
+def test_cli_export_import_verify(ckpt, tmp_path, capsys):
+    ck, live, rows = ckpt
+    assert cli.main(["checkpoint-verify", str(ck)]) == 0
+    assert cli.main(["export", str(live), str(tmp_path / "e"), "--shard-size", "8KiB"]) == 0
+    assert cli.main(["import", str(tmp_path / "e"), str(tmp_path / "i")]) == 0
+    assert same(dump_path(tmp_path / "i"), rows)
+    assert cli.main(["import", str(tmp_path / "e"), str(tmp_path / "i")]) == 2
+    assert cli.main(["checkpoint-verify", str(live)]) == 2
+    err = capsys.readouterr().err
+    assert "not empty" in err and "not a complete checkpoint" in err

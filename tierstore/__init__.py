@@ -29,3 +29,7 @@ __all__ = [
     "ConfigMismatchError", "StoreLockedError", "StoreCorruptError", "OutOfSpaceError",
     "StoreClosedError", "CapacityError",
 ]
+
+from .module import TieredEmbeddingBag, TieredEmbeddingBagCollection  # noqa: E402
+
+__all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection"]

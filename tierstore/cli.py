@@ -52,6 +52,37 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from .export import export_store
+
+    m = export_store(args.src, args.dest, level=args.level, shuffle=not args.no_shuffle,
+                     shard_bytes=args.shard_size, overwrite=args.overwrite)
+    rows = sum(t["rows"] for t in m["tables"])
+    print(f"exported {rows} rows of {len(m['tables'])} tables to {args.dest}: "
+          f"{m['raw_bytes'] / 2**20:.1f} MiB raw -> {m['bytes'] / 2**20:.1f} MiB "
+          f"({m['raw_bytes'] / max(m['bytes'], 1):.2f}x) in {m['seconds']:.1f} s")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from .export import import_store
+
+    m = import_store(args.src, args.path, map_limit=args.map_limit)
+    rows = sum(t["rows"] for t in m["tables"])
+    print(f"imported {rows} rows of {len(m['tables'])} tables into {args.path} "
+          f"in {m['import_seconds']:.1f} s")
+    return 0
+
+
+def _checkpoint_verify(args: argparse.Namespace) -> int:
+    from .persistence import verify_checkpoint
+
+    m = verify_checkpoint(args.dest)
+    print(f"checkpoint {args.dest} ok: step {m['step']}, seed {m['seed']}, "
+          f"{sum(t['rows_stored'] for t in m['tables'])} rows in {len(m['tables'])} tables")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tierstore` command."""
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
@@ -67,6 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="exercise a store on a 10**11-row table", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_demo)
+    p = sub.add_parser("export", help="portable, versioned dump of a store or checkpoint")
+    p.add_argument("src", help="store directory (not open elsewhere) or checkpoint directory")
+    p.add_argument("dest")
+    p.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
+    p.add_argument("--no-shuffle", action="store_true", help="do not byte-shuffle floats")
+    p.add_argument("--shard-size", default="32MiB", help="raw bytes per shard (default 32MiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dest")
+    p.set_defaults(func=_export)
+    p = sub.add_parser("import", help="build a new store from an export")
+    p.add_argument("src")
+    p.add_argument("path")
+    p.add_argument("--map-limit", default=None, help="cap on the store's size, e.g. 100GiB")
+    p.set_defaults(func=_import)
+    p = sub.add_parser("checkpoint-verify", help="check a checkpoint's manifest and checksums")
+    p.add_argument("dest")
+    p.set_defaults(func=_checkpoint_verify)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

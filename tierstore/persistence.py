@@ -77,6 +77,8 @@ def file_digest(path: Path) -> tuple[int, str]:
 
 def os_error(exc: OSError, what: str) -> TierstoreError:
     """Translate an OSError into the matching TierstoreError."""
+    if isinstance(exc, TierstoreError):  # OutOfSpaceError is an OSError already
+        return exc
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return OutOfSpaceError(f"{what}: out of space: {exc}")
     return ConfigError(f"{what}: {exc}")

@@ -179,7 +179,7 @@ class TierStore:
         if tuple(grads.shape) != (n, tab.spec.dim):
             raise ShapeError(f"grads must have shape ({n}, {tab.spec.dim}) for table "
                              f"{tab.spec.name!r}, got {tuple(grads.shape)}")
-        return grads.detach().to(device="cpu", dtype=torch.float32)
+        return grads.detach().to(dtype=torch.float32)
 
     # public API ---------------------------------------------------------------------------
     def read(self, table: str, ids: Any) -> torch.Tensor:
@@ -202,7 +202,7 @@ class TierStore:
         if ids.numel() == 0:
             return
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
-        self._access(tab, uniq, segment_sum(grads, inv, uniq.numel()))
+        self._access(tab, uniq, segment_sum(grads.cpu(), inv, uniq.numel()))
 
     def apply_unique(self, table: str, unique: torch.Tensor, grads: torch.Tensor) -> None:
         """One optimizer step on sorted unique ids (as from `gather`) with one gradient per id."""
@@ -340,7 +340,7 @@ class TierStore:
         if cold.numel():
             payload[cold] = self._load(tab, uniq[cold])
         if grads is not None:
-            self._step(spec, payload, grads)
+            self._step(spec, payload, grads.cpu())
             dirty[:] = True
             if hit_idx.numel():
                 dev.write(hit_slots, payload[hit_idx.cpu()])

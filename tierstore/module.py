@@ -1,0 +1,214 @@
+"""PyTorch modules over the tiered store: TieredEmbeddingBag and TieredEmbeddingBagCollection."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ConfigError, ShapeError
+from .store import TierStore, segment_sum
+
+MODES = ("sum", "mean")
+
+
+def _bag_grads(grad_out: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
+               n_unique: int, mode: str, psw: torch.Tensor | None) -> torch.Tensor:
+    """Gradient of embedding_bag w.r.t. its unique rows, summed in a fixed order (no atomics)."""
+    n = inverse.numel()
+    bags = offsets.numel()
+    lengths = torch.diff(offsets, append=torch.tensor([n], device=offsets.device))
+    bag_of = torch.repeat_interleave(torch.arange(bags, device=offsets.device), lengths)
+    g = grad_out.index_select(0, bag_of)
+    if mode == "mean":
+        g = g / lengths.index_select(0, bag_of).clamp(min=1).to(g.dtype).unsqueeze(1)
+    if psw is not None:
+        g = g * psw.unsqueeze(1)
+    return segment_sum(g, inverse, n_unique)
+
+
+class _TieredBags(torch.autograd.Function):
+    """embedding_bag over gathered unique rows; backward applies the table's fused optimizer."""
+
+    @staticmethod
+    def forward(ctx: Any, weights: torch.Tensor, psw: torch.Tensor | None, inverse: torch.Tensor,
+                offsets: torch.Tensor, mode: str, store: TierStore, table: str,
+                unique: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weights, psw, inverse, offsets)
+        ctx.mode, ctx.store, ctx.table, ctx.unique = mode, store, table, unique
+        return F.embedding_bag(inverse, weights, offsets, mode=mode, per_sample_weights=psw)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        weights, psw, inverse, offsets = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        gw = _bag_grads(grad_out, inverse, offsets, weights.shape[0], ctx.mode, psw)
+        ctx.store.apply_unique(ctx.table, ctx.unique, gw)
+        g_psw = None
+        if psw is not None and ctx.needs_input_grad[1]:
+            n = inverse.numel()
+            lengths = torch.diff(offsets, append=torch.tensor([n], device=offsets.device))
+            bag_of = torch.repeat_interleave(torch.arange(offsets.numel(), device=offsets.device),
+                                             lengths)
+            g_psw = (grad_out.index_select(0, bag_of) * weights.index_select(0, inverse)).sum(1)
+        return None, g_psw, None, None, None, None, None, None
+
+
+def _normalize(input: torch.Tensor, offsets: torch.Tensor | None,
+               per_sample_weights: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """torch.nn.EmbeddingBag's input conventions -> (flat ids, offsets, flat weights)."""
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ShapeError("offsets must be None when input is 2-D")
+        b, length = input.shape
+        offsets = torch.arange(b, dtype=torch.int64) * length
+        input = input.reshape(-1)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.reshape(-1)
+    elif input.dim() == 1:
+        if offsets is None or offsets.dim() != 1:
+            raise ShapeError("1-D input needs 1-D offsets (the start of each bag)")
+        offsets = offsets.to(device="cpu", dtype=torch.int64)
+        if offsets.numel() and (int(offsets[0]) != 0 or bool((offsets.diff() < 0).any())
+                                or int(offsets[-1]) > input.numel()):
+            raise ShapeError("offsets must start at 0, be non-decreasing and <= len(input)")
+    else:
+        raise ShapeError(f"input must be 1-D or 2-D, got shape {tuple(input.shape)}")
+    if per_sample_weights is not None and per_sample_weights.shape != input.shape:
+        raise ShapeError("per_sample_weights must have the same shape as input")
+    return input, offsets, per_sample_weights
+
+
+class TieredEmbeddingBag(nn.Module):
+    """Like torch.nn.EmbeddingBag over one store table; backward updates rows in the store."""
+
+    def __init__(self, store: TierStore, table: str, mode: str = "sum") -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        self.store = store
+        self.table = table
+        self.mode = mode
+        self.embedding_dim = store.table_specs[table].dim if table in store.table_specs else None
+        if self.embedding_dim is None:
+            store._table(table)  # raises UnknownTableError
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled embeddings [bags, dim] with nn.EmbeddingBag's conventions."""
+        ids, offsets, psw = _normalize(input, offsets, per_sample_weights)
+        if psw is not None and self.mode != "sum":
+            raise ConfigError("per_sample_weights are only supported with mode='sum'")
+        return _pool(self.store, self.table, ids, offsets, psw, self.mode)
+
+
+def _pool(store: TierStore, table: str, ids: torch.Tensor, offsets: torch.Tensor,
+          psw: torch.Tensor | None, mode: str) -> torch.Tensor:
+    g = store.gather(table, ids)
+    dev = g.weights.device
+    weights = g.weights
+    if torch.is_grad_enabled():
+        weights = weights.detach().requires_grad_(True)
+    psw = None if psw is None else psw.to(device=dev, dtype=weights.dtype)
+    return _TieredBags.apply(weights, psw, g.inverse.to(dev), offsets.to(dev), mode, store,
+                             table, g.unique)
+
+
+class TieredEmbeddingBagCollection(nn.Module):
+    """Many features over many store tables (features may share a table), jagged input.
+
+    `features` maps feature name -> table name (a list of table names means one feature per
+    table, named after it). Input is TorchRec's jagged layout: keys, values, and lengths (or
+    offsets) with one entry per (feature, sample), feature-major; a `KeyedJaggedTensor` works
+    too (duck-typed). Output: [batch, sum of dims] in feature order, or a dict per feature.
+    """
+
+    def __init__(self, store: TierStore, features: Mapping[str, str] | Sequence[str],
+                 mode: str = "sum") -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        feats = dict(features) if isinstance(features, Mapping) else {t: t for t in features}
+        if not feats:
+            raise ConfigError("features must not be empty")
+        for table in feats.values():
+            store._table(table)
+        self.store = store
+        self.mode = mode
+        self.features = feats
+        self.feature_names = list(feats)
+        self.dims = [store.table_specs[t].dim for t in feats.values()]
+        self._by_table: dict[str, list[str]] = {}
+        for f, t in feats.items():
+            self._by_table.setdefault(t, []).append(f)
+
+    def forward(self, keys: Any, values: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None, as_dict: bool = False
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Pooled embeddings of every feature: [batch, sum of dims] or {feature: [batch, dim]}."""
+        keys, values, lengths, weights = _unpack_jagged(keys, values, lengths, offsets, weights)
+        if len(keys) == 0 or lengths.numel() % len(keys):
+            raise ShapeError("lengths must hold one entry per (feature, sample)")
+        missing = [f for f in self.feature_names if f not in keys]
+        if missing:
+            raise ShapeError(f"input lacks features {missing}")
+        if weights is not None and self.mode != "sum":
+            raise ConfigError("weights are only supported with mode='sum'")
+        batch = lengths.numel() // len(keys)
+        starts = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=starts[1:])
+        kpos = {k: i for i, k in enumerate(keys)}
+        out: dict[str, torch.Tensor] = {}
+        for table, feats in self._by_table.items():
+            # one gather and one optimizer step per table, however many features share it
+            parts, lens, wparts = [], [], []
+            for f in feats:
+                i = kpos[f]
+                lo, hi = int(starts[i * batch]), int(starts[(i + 1) * batch])
+                parts.append(values[lo:hi])
+                lens.append(lengths[i * batch : (i + 1) * batch])
+                if weights is not None:
+                    wparts.append(weights[lo:hi])
+            ids = torch.cat(parts)
+            ln = torch.cat(lens)
+            offs = torch.zeros(ln.numel(), dtype=torch.int64)
+            torch.cumsum(ln[:-1], 0, out=offs[1:])
+            psw = torch.cat(wparts) if weights is not None else None
+            pooled = _pool(self.store, table, ids, offs, psw, self.mode)
+            for j, f in enumerate(feats):
+                out[f] = pooled[j * batch : (j + 1) * batch]
+        if as_dict:
+            return {f: out[f] for f in self.feature_names}
+        return torch.cat([out[f] for f in self.feature_names], dim=1)
+
+
+def _unpack_jagged(keys: Any, values: torch.Tensor | None, lengths: torch.Tensor | None,
+                   offsets: torch.Tensor | None, weights: torch.Tensor | None
+                   ) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Accept (keys, values, lengths|offsets, weights) or a KeyedJaggedTensor-like object."""
+    if hasattr(keys, "keys") and hasattr(keys, "values") and callable(keys.values):
+        kjt = keys
+        keys, values = list(kjt.keys()), kjt.values()
+        lengths = kjt.lengths() if hasattr(kjt, "lengths") else None
+        if lengths is None and hasattr(kjt, "offsets"):
+            offsets = kjt.offsets()
+        w = kjt.weights_or_none() if hasattr(kjt, "weights_or_none") else None
+        weights = w if w is not None else weights
+    keys = list(keys)
+    if values is None:
+        raise ShapeError("values are required")
+    if lengths is None:
+        if offsets is None:
+            raise ShapeError("give lengths or offsets")
+        lengths = torch.diff(offsets.to("cpu", torch.int64))
+    lengths = lengths.to("cpu", torch.int64)
+    if bool((lengths < 0).any()) or int(lengths.sum()) != values.numel():
+        raise ShapeError("lengths must be >= 0 and sum to len(values)")
+    if weights is not None and weights.shape != values.shape:
+        raise ShapeError("weights must have the same shape as values")
+    return keys, values, lengths, weights
