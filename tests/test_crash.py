@@ -86,7 +86,7 @@ def run_trial(tmp: Path, ref: Reference, rng: random.Random, caps: tuple[int, in
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         if kill_after_acks is None:
-            time.sleep(rng.uniform(0.0, 1.5))
+            time.sleep(rng.uniform(0.05, 2.0))
         else:
             seen = [proc.stdout.readline() for _ in range(kill_after_acks)]
         proc.send_signal(signal.SIGKILL)

@@ -307,17 +307,18 @@ class LmdbBackend:
         db = self._db(table)
         if db is None:
             return
-        cur = txn.cursor(db=db)
-        if not cur.first():
+        kcur, vcur = txn.cursor(db=db), txn.cursor(db=db)
+        if not (kcur.first() and vcur.first()):
             return
-        it = cur.iternext(keys=True, values=True)
+        kit = kcur.iternext(keys=True, values=False)
+        vit = vcur.iternext(keys=False, values=True)
         while True:
-            items = list(islice(it, chunk))  # the iteration runs in C: one call per chunk
-            if not items:
+            keys = list(islice(kit, chunk))  # the iteration runs in C: one call per chunk
+            vals = list(islice(vit, len(keys)))
+            if not keys:
                 return
-            keys, vals = zip(*items)
             data = np.frombuffer(b"".join(vals), dtype=np.float32)
             if data.size != len(vals) * width:
                 raise StoreCorruptError(
                     f"table {table!r}: stored rows have the wrong size ({width} floats)")
-            yield decode_keys(list(keys)), data.reshape(-1, width)
+            yield decode_keys(keys), data.reshape(-1, width)
