@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,17 @@ class _Table:
     spec: TableSpec
     index: int
     key: int  # lazy-init key derived from (seed, name)
+
+
+def _locked(fn):
+    """Serialize a store method with the store's lock (the prefetch thread shares the store)."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return fn(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
@@ -95,6 +108,9 @@ class TierStore:
         hcap = parse_capacity(host_capacity, width * 4)
         limit = None if map_limit is None else parse_size(map_limit)
         self._closed = True
+        self._lock = threading.RLock()
+        self.prefetch_stats = PrefetchStats()
+        self._last_sources = (0, 0, 0)
         self.backend = LmdbBackend(self.path, map_limit=limit)
         try:
             self._check_config(tables)
@@ -182,6 +198,7 @@ class TierStore:
         return grads.detach().to(dtype=torch.float32)
 
     # public API ---------------------------------------------------------------------------
+    @_locked
     def read(self, table: str, ids: Any) -> torch.Tensor:
         """Current embedding rows [n, dim] (float32, store device); never-written rows are lazy."""
         tab = self._table(table)
@@ -189,11 +206,13 @@ class TierStore:
         g = self._gather(tab, ids)
         return g.weights.index_select(0, g.inverse.to(g.weights.device))
 
+    @_locked
     def gather(self, table: str, ids: Any) -> Gathered:
         """Make a batch's rows resident (device tier first) and return them deduplicated."""
         tab = self._table(table)
         return self._gather(tab, self._ids(tab, ids))
 
+    @_locked
     def apply(self, table: str, ids: Any, grads: torch.Tensor) -> None:
         """One optimizer step on the rows of `ids`; duplicate ids' gradients are summed first."""
         tab = self._table(table)
@@ -204,6 +223,7 @@ class TierStore:
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
         self._access(tab, uniq, segment_sum(grads.cpu(), inv, uniq.numel()))
 
+    @_locked
     def apply_unique(self, table: str, unique: torch.Tensor, grads: torch.Tensor) -> None:
         """One optimizer step on sorted unique ids (as from `gather`) with one gradient per id."""
         tab = self._table(table)
@@ -214,6 +234,7 @@ class TierStore:
         if unique.numel():
             self._access(tab, unique, grads)
 
+    @_locked
     def flush(self) -> None:
         """Write every dirty cached row to LMDB in one transaction and sync it to disk."""
         self._live()
@@ -229,6 +250,7 @@ class TierStore:
                 tier.dirty[slots] = False
         self.backend.sync()
 
+    @_locked
     def stats(self) -> dict[str, dict]:
         """Per-tier counters (device, host, ssd) plus store totals."""
         self._live()
@@ -236,10 +258,12 @@ class TierStore:
                "ssd": self.ssd_stats.as_dict()}
         out["device"].update(capacity=self.device_tier.capacity, resident=self.device_tier.size)
         out["host"].update(capacity=self.host_tier.capacity, resident=self.host_tier.size)
+        out["prefetch"] = self.prefetch_stats.as_dict()
         out["ssd"].update(rows_stored=sum(self.backend.count(n) for n in self.tables),
                           disk_bytes=self.backend.disk_bytes())
         return out
 
+    @_locked
     def check(self) -> None:
         """Assert internal invariants (tiers consistent, caches exclusive); for tests."""
         self._live()
@@ -250,6 +274,7 @@ class TierStore:
             both = self.host_tier.index.find(dt.cpu(), dr.cpu())
             assert bool((both < 0).all()), "a row is cached in both device and host tiers"
 
+    @_locked
     def close(self) -> None:
         """Flush dirty rows and release the store (idempotent)."""
         if self._closed:
@@ -302,7 +327,8 @@ class TierStore:
         payload = self._access(tab, uniq, None)
         return Gathered(uniq, inv, payload[:, : tab.spec.dim])
 
-    def _access(self, tab: _Table, uniq: torch.Tensor, grads: torch.Tensor | None) -> torch.Tensor:
+    def _access(self, tab: _Table, uniq: torch.Tensor, grads: torch.Tensor | None,
+                count: bool = True) -> torch.Tensor:
         """Locate sorted unique rows, optionally update them, and promote them to the device tier.
 
         Returns the payloads [u, width] (after the update when `grads` is given).
@@ -310,9 +336,10 @@ class TierStore:
         spec, dev, host = tab.spec, self.device_tier, self.host_tier
         tabs = torch.tensor(tab.index, dtype=torch.int64)
         uniq_d = uniq.to(dev.device)
-        dslots = dev.lookup(tabs.to(dev.device), uniq_d)
+        dslots = dev.lookup(tabs.to(dev.device), uniq_d, count)
         dhit = dslots >= 0
         if bool(dhit.all()):
+            self._last_sources = (uniq.numel(), 0, 0)
             dev.touch(dslots)
             payload = dev.read(dslots)
             if grads is not None:
@@ -330,13 +357,16 @@ class TierStore:
             dirty[hit_idx_c] = dev.dirty[hit_slots].cpu()
             dev.touch(hit_slots)
         miss = torch.nonzero(~dhit).flatten().cpu()
-        hslots = host.lookup(tabs, uniq[miss])
+        hslots = host.lookup(tabs, uniq[miss], count)
         hhit = hslots >= 0
+        pins = torch.zeros(n, dtype=torch.int32)
         if bool(hhit.any()):
             moved = host.remove(hslots[hhit])
             payload[miss[hhit]] = moved.payload
             dirty[miss[hhit]] = moved.dirty
+            pins[miss[hhit]] = moved.pins
         cold = miss[~hhit]
+        self._last_sources = (int(hit_idx.numel()), int(hhit.sum()), int(cold.numel()))
         if cold.numel():
             payload[cold] = self._load(tab, uniq[cold])
         if grads is not None:
@@ -344,9 +374,34 @@ class TierStore:
             dirty[:] = True
             if hit_idx.numel():
                 dev.write(hit_slots, payload[hit_idx.cpu()])
-        moving = Rows(tabs.expand(miss.numel()).clone(), uniq[miss], payload[miss], dirty[miss])
+        moving = Rows(tabs.expand(miss.numel()).clone(), uniq[miss], payload[miss], dirty[miss],
+                      pins[miss])
         self._place(moving, protect=hit_slots)
         return payload.to(self.device, non_blocking=True)
+
+    # prefetch support (called by tierstore.prefetch with the store lock held) ------------
+    def _stage(self, tab: _Table, uniq: torch.Tensor) -> tuple[int, int, int]:
+        """Bring sorted unique rows up the hierarchy and pin them; returns (device, host, ssd)."""
+        self._access(tab, uniq, None, count=False)
+        self._pin(tab, uniq, 1)
+        return self._last_sources
+
+    def _pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:
+        """Add `delta` to the prefetch pins of those rows wherever they are cached."""
+        tabs = torch.tensor(tab.index, dtype=torch.int64)
+        for tier in (self.device_tier, self.host_tier):
+            slots = tier.lookup(tabs.to(tier.device), uniq.to(tier.device), count=False)
+            tier.pin(slots[slots >= 0], delta)
+
+    def _hint(self, tab: _Table, rows: torch.Tensor, next_use: torch.Tensor) -> None:
+        """Tell look-ahead policies the next known use (batch number) of cached rows."""
+        tabs = torch.tensor(tab.index, dtype=torch.int64)
+        for tier in (self.device_tier, self.host_tier):
+            if not tier.policy.wants_future:
+                continue
+            slots = tier.lookup(tabs.to(tier.device), rows.to(tier.device), count=False)
+            found = slots >= 0
+            tier.policy.on_future(slots[found], next_use.to(tier.device)[found])
 
     def _step(self, spec: TableSpec, payload: torch.Tensor, grads: torch.Tensor) -> None:
         """Fused optimizer step on a contiguous copy of the table's payload columns."""
@@ -402,6 +457,24 @@ class TierStore:
         written = self.backend.put(batches)
         self.ssd_stats.writebacks += len(rows)
         self.ssd_stats.bytes_written += written
+
+
+@dataclass
+class PrefetchStats:
+    """Counters of the prefetch pipeline: stalls, staged rows per source tier, hit rate."""
+
+    batches: int = 0
+    stall_seconds: float = 0.0
+    rows_staged: int = 0
+    staged_from_host: int = 0
+    staged_from_ssd: int = 0
+    rows_used: int = 0
+    rows_resident_at_use: int = 0
+
+    def as_dict(self) -> dict:
+        """The counters plus the prefetch hit rate (rows resident when their batch ran)."""
+        rate = self.rows_resident_at_use / self.rows_used if self.rows_used else 0.0
+        return {**self.__dict__, "hit_rate": rate}
 
 
 def segment_sum(values: torch.Tensor, inverse: torch.Tensor, n: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import json
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 
@@ -46,6 +47,12 @@ class LmdbBackend:
         self.readonly = readonly
         self.map_limit = map_limit
         self._lock_fd: int | None = None
+        self._io = threading.Condition()  # background readers vs. map resizing
+        self._readers = 0
+        self._resizing = False
+        self._io = threading.Condition()  # background readers vs. map resizing
+        self._readers = 0
+        self._resizing = False
         if self.path.exists() and not self.path.is_dir():
             raise TierstoreError(f"store path {self.path} exists and is not a directory")
         if not readonly:
@@ -204,8 +211,45 @@ class LmdbBackend:
         if need > self.env.info()["map_size"]:
             self._grow(incoming)
 
+    @contextmanager
+    def reading(self):
+        """Register a background reader; map resizing waits until no reader is active."""
+        with self._io:
+            while self._resizing:
+                self._io.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._io:
+                self._readers -= 1
+                self._io.notify_all()
+
+    def warm(self, table: str, rows: np.ndarray) -> int:
+        """Read rows and discard them, pulling their pages into the page cache; returns hits."""
+        with self.reading():
+            db = self._dbs.get(table)
+            if db is None or len(rows) == 0 or self.env is None:
+                return 0
+            keys = encode_keys(np.sort(rows))
+            with self.env.begin(db=db, buffers=True) as txn:
+                get = txn.get
+                return sum(1 for k in keys if get(k) is not None)
+
     def _grow(self, incoming: int) -> None:
         self.wait_for_copies()  # remapping would invalidate a snapshot being copied
+        with self._io:
+            self._resizing = True
+            while self._readers:
+                self._io.wait()
+        try:
+            self._grow_now(incoming)
+        finally:
+            with self._io:
+                self._resizing = False
+                self._io.notify_all()
+
+    def _grow_now(self, incoming: int) -> None:
         cur = self.env.info()["map_size"]
         new = max(2 * cur, self.used_bytes() + 4 * incoming + (1 << 20))
         if self.map_limit is not None:

@@ -19,28 +19,34 @@ class Rows:
     rows: torch.Tensor  # int64 [n] row id
     payload: torch.Tensor  # float32 [n, width]
     dirty: torch.Tensor  # bool [n]
+    pins: torch.Tensor | None = None  # int32 [n] prefetch pins travelling with the rows
 
     def __len__(self) -> int:
         return int(self.rows.numel())
 
     def take(self, sel: torch.Tensor) -> Rows:
         """Rows selected by an index or mask tensor."""
-        return Rows(self.tabs[sel], self.rows[sel], self.payload[sel], self.dirty[sel])
+        return Rows(self.tabs[sel], self.rows[sel], self.payload[sel], self.dirty[sel],
+                    None if self.pins is None else self.pins[sel])
 
     def to(self, device: torch.device) -> Rows:
         """The same rows on another device."""
         if self.rows.device == device:
             return self
         return Rows(self.tabs.to(device), self.rows.to(device), self.payload.to(device),
-                    self.dirty.to(device))
+                    self.dirty.to(device), None if self.pins is None else self.pins.to(device))
 
     @staticmethod
     def cat(parts: list[Rows]) -> Rows:
         """Concatenate batches (on the first part's device)."""
         dev = parts[0].rows.device
         parts = [p.to(dev) for p in parts]
+        pins = None
+        if any(p.pins is not None for p in parts):
+            pins = torch.cat([p.pins if p.pins is not None else
+                              torch.zeros(len(p), dtype=torch.int32, device=dev) for p in parts])
         return Rows(torch.cat([p.tabs for p in parts]), torch.cat([p.rows for p in parts]),
-                    torch.cat([p.payload for p in parts]), torch.cat([p.dirty for p in parts]))
+                    torch.cat([p.payload for p in parts]), torch.cat([p.dirty for p in parts]), pins)
 
 
 class SlabTier:
@@ -73,9 +79,11 @@ class SlabTier:
         """Number of occupied slots."""
         return self.capacity - int(self._free.numel())
 
-    def lookup(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def lookup(self, tabs: torch.Tensor, rows: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Slots holding the keys (-1 where absent); counts lookups, hits and misses."""
         slots = self.index.find(tabs, rows)
+        if not count:
+            return slots
         hits = int((slots >= 0).sum())
         self.stats.lookups += rows.numel()
         self.stats.hits += hits
@@ -99,7 +107,8 @@ class SlabTier:
     def remove(self, slots: torch.Tensor) -> Rows:
         """Take rows out of the tier (to move them elsewhere); returns them with dirty bits."""
         out = Rows(self.index.tab_of[slots].clone(), self.index.row_of[slots].clone(),
-                   self.slab.index_select(0, slots), self.dirty[slots].clone())
+                   self.slab.index_select(0, slots), self.dirty[slots].clone(),
+                   self.pins[slots].clone())
         self._release(slots)
         return out
 
@@ -147,10 +156,18 @@ class SlabTier:
         self.index.add(rows.tabs, rows.rows, slots)
         self.slab[slots] = rows.payload
         self.dirty[slots] = rows.dirty
+        if rows.pins is not None:
+            self.pins[slots] = rows.pins
         self.occupied[slots] = True
         self.policy.on_insert(slots)
         self.stats.insertions += k
         return k, evicted
+
+    def pin(self, slots: torch.Tensor, delta: int) -> None:
+        """Add `delta` to the prefetch pins of resident slots (never below zero)."""
+        if slots.numel():
+            self.pins.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
+            self.pins.clamp_(min=0)
 
     def dirty_rows(self) -> tuple[torch.Tensor, Rows]:
         """Slots and rows of every dirty resident row (for flushing)."""

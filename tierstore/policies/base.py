@@ -20,6 +20,7 @@ class Policy:
     """
 
     name: ClassVar[str] = ""
+    wants_future: ClassVar[bool] = False  # True for policies that use `on_future` hints
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
         self.capacity = int(capacity)

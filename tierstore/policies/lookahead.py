@@ -22,6 +22,7 @@ class Lookahead(Policy):
     """
 
     name = "lookahead"
+    wants_future = True
     default_fallback = "lru"
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu",

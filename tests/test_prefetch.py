@@ -1,0 +1,169 @@
+"""The prefetch pipeline: bit-identical results at any depth, clean shutdown, stats."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+import tierstore as ts
+from tierstore.prefetch import Prefetcher
+
+FEATS = {"f1": "a", "f2": "a", "f3": "b"}
+
+
+def _specs(policy_opt=None):
+    return [ts.TableSpec("a", 10**11, 3, optimizer=policy_opt or ts.Adagrad(0.2)),
+            ts.TableSpec("b", 40, 5, optimizer=ts.RowWiseAdagrad(0.3))]
+
+
+def _batches(n_steps, seed=3, batch=4):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n_steps):
+        lengths = torch.randint(0, 5, (3 * batch,), generator=gen)
+        vals = []
+        for i, t in enumerate(FEATS.values()):
+            n = int(lengths[i * batch : (i + 1) * batch].sum())
+            vals.append(torch.randint(0, 40, (n,), generator=gen) * (1 if t == "b" else 7919))
+        yield {"sparse": (list(FEATS), torch.cat(vals), lengths), "target": torch.randn(batch, 1,
+                                                                                       generator=gen)}
+
+
+def _train(path, depth, caps=(2, 3), policy="lru", steps=30, delay=None):
+    store = ts.TierStore(path, _specs(), device_capacity=caps[0], host_capacity=caps[1],
+                         policy=policy, device="cpu")
+    ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(11, 1)
+    dopt = torch.optim.SGD(dense.parameters(), lr=0.05)
+    with Prefetcher(store, _batches(steps), depth=depth, features=FEATS,
+                    extract=lambda b: b["sparse"], delay=delay) as pf:
+        for b in pf:
+            out = ebc(*b["sparse"])
+            loss = (dense(out) - b["target"]).pow(2).mean()
+            dopt.zero_grad()
+            loss.backward()
+            dopt.step()
+    store.check()
+    stats = store.stats()
+    result = {"a": store._access(store.tables["a"], torch.arange(40) * 7919, None).clone(),
+              "b": store._access(store.tables["b"], torch.arange(40), None).clone(),
+              "dense": dense.weight.detach().clone()}
+    store.close()
+    return result, stats
+
+
+def _delays(seed):
+    rng = random.Random(seed)
+    return lambda: rng.random() * 0.004
+
+
+def test_bit_identical_at_every_depth_with_random_delays(tmp_path):
+    base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5))
+    for depth in (0, 1, 2, 8):
+        for policy in ("lru", "lookahead"):
+            got, stats = _train(tmp_path / f"d{depth}{policy}", depth, policy=policy,
+                                delay=_delays(depth))
+            for k in base:
+                assert torch.equal(got[k], base[k]), (depth, policy, k)
+            assert stats["prefetch"]["batches"] == 30
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(20))
+def test_stress_many_trials(tmp_path, trial):
+    base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5), steps=40)
+    rng = random.Random(trial)
+    depth = rng.choice([1, 2, 3, 8])
+    caps = (rng.randint(0, 6), rng.randint(0, 6))
+    got, _ = _train(tmp_path / "t", depth, caps=caps, policy=rng.choice(["lru", "lfu", "lookahead"]),
+                    steps=40, delay=_delays(trial))
+    for k in base:
+        assert torch.equal(got[k], base[k]), (depth, caps, k)
+
+
+def test_staging_moves_rows_up_and_pins_them(tmp_path):
+    spec = ts.TableSpec("a", 1000, 4, optimizer=ts.SGD(0.1))
+    with ts.TierStore(tmp_path / "s", [spec], device_capacity=20, host_capacity=100,
+                      device="cpu") as store:
+        store.apply("a", torch.arange(200), torch.ones(200, 4))
+        store.flush()
+        batches = [{"a": torch.arange(100, 110)}, {"a": torch.arange(120, 130)},
+                   {"a": torch.arange(140, 150)}]
+        with Prefetcher(store, batches, depth=2) as pf:
+            first = next(pf)
+            # wait until the stager has staged the window (bounded)
+            for _ in range(200):
+                if len(pf._window) == 3:
+                    break
+                threading.Event().wait(0.01)
+            assert sorted(pf._window) == [0, 1, 2]
+            tab = store.tables["a"]
+            for ids in (torch.arange(100, 110), torch.arange(140, 150)):
+                d = store.device_tier.index.find(torch.tensor(tab.index), ids)
+                h = store.host_tier.index.find(torch.tensor(tab.index), ids)
+                assert bool(((d >= 0) | (h >= 0)).all())
+                pins = torch.cat([store.device_tier.pins[d[d >= 0]], store.host_tier.pins[h[h >= 0]]])
+                assert bool((pins > 0).all())
+            # a flood of other rows must not evict pinned ones
+            store.read("a", torch.arange(500, 1000))
+            h = store.host_tier.index.find(torch.tensor(tab.index), torch.arange(140, 150))
+            d = store.device_tier.index.find(torch.tensor(tab.index), torch.arange(140, 150))
+            assert bool(((d >= 0) | (h >= 0)).all())
+            assert torch.equal(first["a"], torch.arange(100, 110))
+            rest = list(pf)
+        assert len(rest) == 2
+        assert int(store.device_tier.pins.sum()) == 0 and int(store.host_tier.pins.sum()) == 0
+        st = store.stats()["prefetch"]
+        assert st["batches"] == 3 and st["rows_staged"] == 30
+        assert st["staged_from_ssd"] + st["staged_from_host"] == 30 and st["staged_from_ssd"] >= 20
+        assert st["stall_seconds"] >= 0
+
+
+def test_update_after_staging_is_seen(tmp_path):
+    spec = ts.TableSpec("a", 100, 2, optimizer=ts.SGD(1.0))
+    with ts.TierStore(tmp_path / "s", [spec], device_capacity=1, host_capacity=1,
+                      device="cpu") as store:
+        batches = [{"a": torch.tensor([1, 2, 3])}, {"a": torch.tensor([1, 2, 3])}]
+        with Prefetcher(store, batches, depth=1) as pf:
+            next(pf)
+            before = store.read("a", torch.tensor([1, 2, 3]))
+            store.apply("a", torch.tensor([1, 2, 3]), torch.ones(3, 2))
+            next(pf)
+            assert torch.equal(store.read("a", torch.tensor([1, 2, 3])), before - 1)
+
+
+def test_consumer_stops_early_and_errors_surface(tmp_path):
+    spec = ts.TableSpec("a", 100, 2)
+    with ts.TierStore(tmp_path / "s", [spec], device_capacity=4, host_capacity=4,
+                      device="cpu") as store:
+        before = threading.active_count()
+        for _ in range(3):
+            pf = Prefetcher(store, ({"a": torch.tensor([i % 100])} for i in range(10**6)), depth=3)
+            next(pf)
+            pf.close()
+        assert threading.active_count() == before
+
+        def bad_source():
+            yield {"a": torch.tensor([1])}
+            raise RuntimeError("reader broke")
+
+        with pytest.raises(ts.TierstoreError, match="reader broke"):
+            with Prefetcher(store, bad_source(), depth=2) as pf:
+                for _ in pf:
+                    pass
+        with pytest.raises(ts.InvalidIdsError):
+            with Prefetcher(store, [{"a": torch.tensor([1])}, {"a": torch.tensor([500])}],
+                            depth=1) as pf:
+                list(pf)
+        with pytest.raises(ValueError):
+            with Prefetcher(store, [{"a": torch.tensor([1])}] * 5, depth=2) as pf:
+                for _ in pf:
+                    raise ValueError("training step failed")
+        assert threading.active_count() == before
+        assert int(store.host_tier.pins.sum()) == 0 and int(store.device_tier.pins.sum()) == 0
+        store.check()
+        with pytest.raises(ts.ConfigError):
+            Prefetcher(store, [], depth=-1)

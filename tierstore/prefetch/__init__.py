@@ -1,0 +1,5 @@
+"""The look-ahead prefetch pipeline."""
+
+from .pipeline import Prefetcher
+
+__all__ = ["Prefetcher"]

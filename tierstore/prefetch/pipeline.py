@@ -1,0 +1,249 @@
+"""The look-ahead pipeline: stage upcoming batches' rows LMDB -> host -> device before use."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, ShapeError, TierstoreError
+from ..store import TierStore
+
+_END = object()
+
+
+def _jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, list[torch.Tensor]]:
+    """Table -> id tensors of a jagged batch (KeyedJaggedTensor-like, (keys, values, lengths), dict)."""
+    if isinstance(sparse, Mapping):
+        items = [(k, torch.as_tensor(v)) for k, v in sparse.items()]
+    else:
+        if hasattr(sparse, "keys") and hasattr(sparse, "values") and callable(sparse.values):
+            keys, values = list(sparse.keys()), sparse.values()
+            lengths = sparse.lengths() if hasattr(sparse, "lengths") else None
+            if lengths is None:
+                lengths = torch.diff(sparse.offsets())
+        elif isinstance(sparse, (tuple, list)) and len(sparse) == 3:
+            keys, values, lengths = list(sparse[0]), sparse[1], sparse[2]
+        else:
+            raise ShapeError("a batch must be jagged (keys, values, lengths), a KeyedJaggedTensor, "
+                             "or a {feature: ids} dict; pass extract= to pick it out of the batch")
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        if len(keys) == 0 or lengths.numel() % len(keys):
+            raise ShapeError("lengths must hold one entry per (feature, sample)")
+        per_key = lengths.view(len(keys), -1).sum(1).tolist()
+        items = list(zip(keys, torch.split(torch.as_tensor(values), per_key)))
+    out: dict[str, list[torch.Tensor]] = {}
+    for key, ids in items:
+        table = features.get(key, key) if features is not None else key
+        out.setdefault(table, []).append(ids.reshape(-1))
+    return out
+
+
+class Prefetcher:
+    """Iterate over batches while the rows of the next `depth` batches are staged in the background.
+
+    Staged rows are pinned (protected from eviction) until their batch has been used: batch i is
+    released when the consumer asks for batch i+1. Cold rows are first read from LMDB by
+    `readers` threads without the store lock (py-lmdb releases the GIL), which pulls their pages
+    into the page cache; staging then moves them into the caches under the store lock, so a row
+    staged early still reflects every update made before its batch runs. Look-ahead policies
+    receive each staged row's next use within the window.
+    """
+
+    def __init__(self, store: TierStore, batches: Iterable[Any], depth: int = 2, *,
+                 features: Mapping[str, str] | None = None,
+                 extract: Callable[[Any], Any] | None = None, readers: int = 4,
+                 delay: Callable[[], float] | None = None) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ConfigError(f"depth must be an int >= 0, got {depth!r}")
+        if readers < 1:
+            raise ConfigError(f"readers must be >= 1, got {readers!r}")
+        self.store = store
+        self.depth = depth
+        self.features = dict(features) if features is not None else None
+        self.extract = extract or (lambda b: b)
+        self.delay = delay  # test hook: seconds to sleep inside staging
+        self._source = iter(batches)
+        self._window: dict[int, dict[str, torch.Tensor]] = {}  # staged, unreleased batches
+        self._consumed = -1
+        self._closed = False
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._ready: queue.Queue = queue.Queue()
+        self._permits = threading.Semaphore(depth + 1)
+        self._pool = ThreadPoolExecutor(readers, thread_name_prefix="tierstore-read") \
+            if depth > 0 else None
+        self._thread: threading.Thread | None = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._run, name="tierstore-prefetch",
+                                            daemon=True)
+            self._thread.start()
+
+    # consumer side ------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        self._release(self._consumed)
+        if self.depth == 0:
+            try:
+                batch = next(self._source)
+            except StopIteration:
+                self.close()
+                raise
+            self._consumed += 1
+            self.store.prefetch_stats.batches += 1
+            return batch
+        t0 = time.perf_counter()
+        while True:
+            try:
+                item = self._ready.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self._error is not None or (self._thread is not None and
+                                               not self._thread.is_alive() and self._ready.empty()):
+                    self._raise_worker_error()
+        stats = self.store.prefetch_stats
+        stats.stall_seconds += time.perf_counter() - t0
+        if item is _END:
+            self._raise_worker_error()
+            self.close()
+            raise StopIteration
+        step, batch = item
+        self._consumed = step
+        stats.batches += 1
+        return batch
+
+    def _raise_worker_error(self) -> None:
+        err = self._error
+        if err is not None:
+            self.close()
+            if isinstance(err, TierstoreError):
+                raise err
+            raise TierstoreError(f"prefetch pipeline failed: {err!r}") from err
+
+    def _release(self, step: int) -> None:
+        """Unpin batch `step` (its backward has run) and hint its rows' next uses."""
+        ids = self._window.pop(step, None)
+        if ids is None:
+            return
+        store = self.store
+        with store._lock:
+            if store._closed:
+                return
+            for table, uniq in ids.items():
+                tab = store._table(table)
+                store._pin(tab, uniq, -1)
+                self._hint_next_uses(tab, uniq, step)
+        self._permits.release()
+
+    def _hint_next_uses(self, tab: Any, uniq: torch.Tensor, step: int) -> None:
+        """For rows of batch `step`, send their next use among the staged batches."""
+        if not (self.store.device_tier.policy.wants_future or self.store.host_tier.policy.wants_future):
+            return
+        remaining = uniq
+        for later in sorted(k for k in self._window if k > step):
+            other = self._window[later].get(tab.spec.name)
+            if other is None or remaining.numel() == 0:
+                continue
+            hit = torch.isin(remaining, other)
+            if bool(hit.any()):
+                self.store._hint(tab, remaining[hit], torch.full((int(hit.sum()),), later))
+                remaining = remaining[~hit]
+
+    def close(self) -> None:
+        """Stop the pipeline, join its threads and unpin whatever is still staged."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for _ in range(self.depth + 2):
+            self._permits.release()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for step in sorted(self._window):
+            self._release(step)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # staging side -------------------------------------------------------------------------
+    def _run(self) -> None:
+        step = self._consumed
+        try:
+            for batch in self._source:
+                self._permits.acquire()
+                if self._stop.is_set():
+                    return
+                step += 1
+                self._stage(step, batch)
+                self._ready.put((step, batch))
+        except BaseException as exc:  # surfaced to the consumer
+            self._error = exc
+        finally:
+            self._ready.put(_END)
+
+    def _stage(self, step: int, batch: Any) -> None:
+        store = self.store
+        per_table = {t: torch.unique(torch.cat(parts).to("cpu", torch.int64))
+                     for t, parts in _jagged_ids(self.extract(batch), self.features).items()}
+        with store._lock:
+            tabs = {t: store._table(t) for t in per_table}
+            for t, uniq in per_table.items():
+                store._ids(tabs[t], uniq)  # validate before anything moves
+        # warm the page cache for rows not cached, in parallel and without the store lock
+        futures = []
+        for t, uniq in per_table.items():
+            with store._lock:
+                cold = uniq[self._uncached(tabs[t], uniq)]
+            for chunk in np.array_split(cold.numpy(), max(1, len(cold) // 4096)):
+                if len(chunk):
+                    futures.append(self._pool.submit(store.backend.warm, t, chunk))
+        for f in futures:
+            f.result()
+        if self.delay is not None:
+            time.sleep(self.delay())
+        stats = store.prefetch_stats
+        with store._lock:
+            if store._closed or self._stop.is_set():
+                return
+            for t, uniq in per_table.items():
+                d, h, s = store._stage(tabs[t], uniq)
+                stats.rows_used += uniq.numel()
+                stats.rows_resident_at_use += d + h
+                stats.rows_staged += h + s
+                stats.staged_from_host += h
+                stats.staged_from_ssd += s
+                # rows with no earlier use in the window get this step as their next use
+                earlier = [w[t] for k, w in self._window.items() if t in w]
+                fresh = uniq if not earlier else uniq[~torch.isin(uniq, torch.cat(earlier))]
+                if fresh.numel():
+                    store._hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
+            self._window[step] = per_table
+
+    def _uncached(self, tab: Any, uniq: torch.Tensor) -> torch.Tensor:
+        store = self.store
+        tabs = torch.tensor(tab.index, dtype=torch.int64)
+        d = store.device_tier.lookup(tabs.to(store.device_tier.device),
+                                     uniq.to(store.device_tier.device), count=False).cpu()
+        h = store.host_tier.lookup(tabs, uniq, count=False)
+        return (d < 0) & (h < 0)
