@@ -1,0 +1,367 @@
+"""`python -m bench.training`: embedding training steps/s of tierstore vs torch and FBGEMM, same run.
+
+Workload (issue 4): 8 tables x 1,000,000 rows x dim 64, batch 2048, 1-20 ids per bag drawn from
+Zipf(1.05) (rank -> id through a fixed random permutation per table), row-wise Adagrad; each step
+is forward (sum pooling) + backward (grad_out fixed) + optimizer update of the touched rows.
+
+Configurations:
+- tierstore_resident: device tier large enough for every row; the rows the run touches are
+  loaded into it before timing (lazily initialized, so LMDB holds nothing).
+- tierstore_cache10 / tierstore_cache1: device + host tiers (half each) hold 10% / 1% of all rows;
+  LMDB holds every row (pre-populated before timing unless --init lazy); caches warmed up first.
+- torch_embeddingbag: nn.EmbeddingBag(sparse=True) per table + row-wise Adagrad in torch ops.
+- fbgemm_cpu: FBGEMM's SplitTableBatchedEmbeddingBagsCodegen (HOST / CPU, EXACT_ROWWISE_ADAGRAD),
+  skipped when fbgemm_gpu is not importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from tierstore import RowWiseAdagrad, TableSpec, TierStore, TieredEmbeddingBagCollection
+
+from .common import OUT_DIR, bar_plot, num_threads, save, table, thread_settings
+
+LR, EPS = 0.01, 1e-8
+BASELINE = "fbgemm_cpu"
+
+
+class Workload:
+    """A pool of pre-generated batches (jagged, feature-major) cycled through by every config."""
+
+    def __init__(self, tables: int, rows: int, dim: int, batch: int, max_len: int, alpha: float,
+                 pool: int, seed: int = 0) -> None:
+        self.tables, self.rows, self.dim, self.batch = tables, rows, dim, batch
+        rng = np.random.default_rng(seed)
+        ranks = np.arange(1, rows + 1, dtype=np.float64)
+        cdf = np.cumsum(ranks ** -alpha)
+        cdf /= cdf[-1]
+        perms = [rng.permutation(rows) for _ in range(tables)]
+        self.steps = []
+        for _ in range(pool):
+            lengths = rng.integers(1, max_len + 1, size=(tables, batch))
+            ids = []
+            for t in range(tables):
+                r = np.searchsorted(cdf, rng.random(int(lengths[t].sum())), side="right")
+                ids.append(perms[t][np.minimum(r, rows - 1)])
+            self.steps.append((torch.from_numpy(np.concatenate(ids)).to(torch.int64),
+                               torch.from_numpy(lengths.reshape(-1)).to(torch.int64)))
+        self.grad_out = torch.randn(batch, tables * dim, generator=torch.Generator().manual_seed(seed))
+        self.names = [f"t{i}" for i in range(tables)]
+
+    def touched(self, t: int) -> torch.Tensor:
+        """Sorted unique ids of table t over the whole pool."""
+        parts = []
+        for values, lengths in self.steps:
+            per = lengths.view(self.tables, self.batch).sum(1)
+            lo = int(per[:t].sum())
+            parts.append(values[lo : lo + int(per[t])])
+        return torch.unique(torch.cat(parts))
+
+    def ids_per_step(self, i: int) -> int:
+        """Number of ids in pool step i."""
+        return int(self.steps[i % len(self.steps)][0].numel())
+
+
+class Runner:
+    """One configuration: `step(i)` runs forward + backward + update on pool batch i."""
+
+    name = ""
+
+    def step(self, i: int) -> None:
+        """One training step."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release memory and files."""
+
+
+class TierstoreRunner(Runner):
+    """TieredEmbeddingBagCollection over a TierStore with the given cache capacities."""
+
+    def __init__(self, wl: Workload, name: str, work: Path, frac: float | None, init: str,
+                 log=print) -> None:
+        self.name, self.wl = name, wl
+        total = wl.tables * wl.rows
+        specs = [TableSpec(n, wl.rows, wl.dim, optimizer=RowWiseAdagrad(lr=LR, eps=EPS))
+                 for n in wl.names]
+        if frac is None:
+            dcap, hcap = total, 0
+        else:
+            dcap = hcap = max(1, int(total * frac / 2))
+        self.capacity = {"device": dcap, "host": hcap}
+        self.path = work / name
+        self.store = TierStore(self.path, specs, device_capacity=dcap, host_capacity=hcap)
+        self.init = "lazy (touched rows preloaded into the device tier)" if frac is None else init
+        t0 = time.perf_counter()
+        if frac is None:
+            for n, t in zip(wl.names, range(wl.tables)):
+                self.store.read(n, wl.touched(t))
+        elif init == "populated":
+            width = specs[0].payload_dim
+            rng = np.random.default_rng(3)
+            chunk = 1 << 18
+            for n in wl.names:
+                for lo in range(0, wl.rows, chunk):
+                    ids = np.arange(lo, min(lo + chunk, wl.rows), dtype=np.int64)
+                    pay = rng.standard_normal((len(ids), width), dtype=np.float32) * 0.05
+                    pay[:, wl.dim :] = 0.0
+                    self.store.backend.put({n: (ids, pay)})
+            self.store.backend.sync()
+        self.setup_s = time.perf_counter() - t0
+        log(f"{name}: setup {self.setup_s:.1f} s", file=sys.stderr, flush=True)
+        self.ebc = TieredEmbeddingBagCollection(self.store, wl.names)
+
+    def step(self, i: int) -> None:
+        """One training step."""
+        values, lengths = self.wl.steps[i % len(self.wl.steps)]
+        out = self.ebc(self.wl.names, values, lengths)
+        out.backward(self.wl.grad_out)
+
+    def close(self) -> None:
+        """Close the store and delete it."""
+        self.store.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+class TorchRunner(Runner):
+    """nn.EmbeddingBag(sparse=True) per table + row-wise Adagrad written in torch ops."""
+
+    name = "torch_embeddingbag"
+
+    def __init__(self, wl: Workload) -> None:
+        self.wl = wl
+        self.embs = nn.ModuleList(nn.EmbeddingBag(wl.rows, wl.dim, mode="sum", sparse=True)
+                                  for _ in range(wl.tables))
+        self.acc = [torch.zeros(wl.rows) for _ in range(wl.tables)]
+
+    def step(self, i: int) -> None:
+        """One training step."""
+        values, lengths = self.wl.steps[i % len(self.wl.steps)]
+        per = lengths.view(self.wl.tables, self.wl.batch)
+        outs, lo = [], 0
+        for t, emb in enumerate(self.embs):
+            n = int(per[t].sum())
+            offs = torch.zeros(self.wl.batch, dtype=torch.int64)
+            torch.cumsum(per[t][:-1], 0, out=offs[1:])
+            outs.append(emb(values[lo : lo + n], offs))
+            lo += n
+        torch.cat(outs, 1).backward(self.wl.grad_out)
+        with torch.no_grad():
+            for emb, acc in zip(self.embs, self.acc):
+                g = emb.weight.grad.coalesce()
+                idx, v = g.indices()[0], g.values()
+                acc.index_add_(0, idx, v.mul(v).mean(1))
+                scale = acc.index_select(0, idx).sqrt_().add_(EPS).reciprocal_().mul_(-LR)
+                emb.weight.index_add_(0, idx, v.mul_(scale.unsqueeze(1)))
+                emb.weight.grad = None
+
+
+class FbgemmRunner(Runner):
+    """FBGEMM's CPU table-batched embedding bags with fused exact row-wise Adagrad."""
+
+    name = BASELINE
+
+    def __init__(self, wl: Workload) -> None:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            OptimType,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        self.wl = wl
+        specs = [(wl.rows, wl.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * wl.tables
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=specs, optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR,
+            eps=EPS, pooling_mode=PoolingMode.SUM)
+        self.offsets = []
+        for _, lengths in wl.steps:
+            offs = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+            torch.cumsum(lengths, 0, out=offs[1:])
+            self.offsets.append(offs)
+
+    def step(self, i: int) -> None:
+        """One training step."""
+        k = i % len(self.wl.steps)
+        out = self.tbe(self.wl.steps[k][0], self.offsets[k])
+        out.backward(self.wl.grad_out)
+
+
+def fbgemm_available() -> str | None:
+    """None when FBGEMM's CPU TBE imports, else the reason it does not."""
+    try:
+        import fbgemm_gpu  # noqa: F401
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except Exception as exc:  # ImportError, or an OSError from its shared library
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def measure(runner: Runner, wl: Workload, threads: int, warmup: int, blocks: int, steps: int,
+            profile: list[str] | None) -> dict:
+    """Median samples/s and ids/s over `blocks` blocks of `steps` steps, after `warmup` steps."""
+    i = 0
+    for _ in range(warmup):
+        runner.step(i)
+        i += 1
+    srates, irates, ms = [], [], []
+    for _ in range(blocks):
+        n_ids = sum(wl.ids_per_step(j) for j in range(i, i + steps))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.step(i)
+            i += 1
+        dt = time.perf_counter() - t0
+        srates.append(wl.batch * steps / dt)
+        irates.append(n_ids / dt)
+        ms.append(1000 * dt / steps)
+    if profile is not None:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            runner.step(i)
+            i += 1
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        profile.append(f"==== {runner.name} threads={threads} ({steps} steps) ====\n{buf.getvalue()}")
+    return {"config": runner.name, "threads": threads, "samples_per_s": statistics.median(srates),
+            "ids_per_s": statistics.median(irates), "ms_per_step": statistics.median(ms),
+            "samples_per_s_blocks": srates, "blocks": blocks, "steps_per_block": steps}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__.splitlines()[0])
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--max-len", type=int, default=20, help="bag lengths are uniform in 1..max-len")
+    p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
+    p.add_argument("--pool", type=int, default=64, help="distinct pre-generated batches, cycled")
+    p.add_argument("--threads", default="1,default")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per config and thread count")
+    p.add_argument("--blocks", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    p.add_argument("--configs", default="tierstore_resident,tierstore_cache10,tierstore_cache1,"
+                   "torch_embeddingbag,fbgemm_cpu")
+    p.add_argument("--init", choices=("populated", "lazy"), default="populated",
+                   help="cache configs: LMDB pre-populated with every row, or rows lazily initialized")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=str(OUT_DIR))
+    p.add_argument("--profile", action="store_true", help="also cProfile one block per config")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quick", action="store_true", help="a short run: 8 x 100k rows, batch 512")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.batch, args.pool = 100_000, 512, 16
+        args.warmup, args.blocks, args.steps = 3, 3, 5
+    return args
+
+
+FRACTIONS = {"tierstore_resident": None, "tierstore_cache10": 0.10, "tierstore_cache1": 0.01}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the training benchmark, print a table, write JSON (+ PNG) under --out."""
+    args = parse_args(argv)
+    threads = thread_settings(args.threads)
+    configs = [c for c in args.configs.split(",") if c]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_training_", dir=args.workdir or out_dir))
+    t0 = time.perf_counter()
+    wl = Workload(args.tables, args.rows, args.dim, args.batch, args.max_len, args.alpha, args.pool)
+    print(f"workload: {len(wl.steps)} batches in {time.perf_counter() - t0:.1f} s, "
+          f"{statistics.mean(wl.ids_per_step(i) for i in range(len(wl.steps))):,.0f} ids/step",
+          file=sys.stderr, flush=True)
+    skipped: dict[str, str] = {}
+    prof: list[str] | None = [] if args.profile else None
+    records: list[dict] = []
+    try:
+        for name in configs:
+            if name == BASELINE:
+                why = fbgemm_available()
+                if why is not None:
+                    skipped[name] = why
+                    print(f"skipping {name}: {why}", file=sys.stderr)
+                    continue
+                runner: Runner = FbgemmRunner(wl)
+            elif name == "torch_embeddingbag":
+                runner = TorchRunner(wl)
+            elif name in FRACTIONS:
+                runner = TierstoreRunner(wl, name, work, FRACTIONS[name], args.init)
+            else:
+                raise SystemExit(f"unknown config {name!r}")
+            try:
+                for n in threads:
+                    with num_threads(n):
+                        rec = measure(runner, wl, n, args.warmup, args.blocks, args.steps, prof)
+                    if isinstance(runner, TierstoreRunner):
+                        rec.update(capacity=runner.capacity, init=runner.init, setup_s=runner.setup_s,
+                                   stats=runner.store.stats())
+                    records.append(rec)
+                    print(f"{name} threads={n}: {rec['samples_per_s']:,.0f} samples/s, "
+                          f"{rec['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
+            finally:
+                runner.close()
+                del runner
+                gc.collect()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for r in records:
+        same = {x["config"]: x for x in records if x["threads"] == r["threads"]}
+        base = same.get(BASELINE)
+        res = same.get("tierstore_resident")
+        r["vs_fbgemm"] = r["samples_per_s"] / base["samples_per_s"] if base else None
+        r["vs_resident"] = r["samples_per_s"] / res["samples_per_s"] if res else None
+    print(table(records, [("config", "config", "s"), ("threads", "thr", "d"),
+                          ("samples_per_s", "samples/s", ",.0f"), ("ids_per_s", "ids/s", ",.0f"),
+                          ("ms_per_step", "ms/step", ".1f"), ("vs_fbgemm", "vs fbgemm", ".3f"),
+                          ("vs_resident", "vs resident", ".3f")]))
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    meta = {"bench": "training", "argv": sys.argv[1:] if argv is None else argv,
+            "tables": args.tables, "rows": args.rows, "dim": args.dim, "batch": args.batch,
+            "max_len": args.max_len, "alpha": args.alpha, "pool": args.pool, "init": args.init,
+            "threads": threads, "quick": args.quick, "skipped": skipped,
+            "targets": {"tierstore_resident vs fbgemm_cpu": 1.0, "tierstore_cache1 vs resident": 0.5}}
+    path = save("training", records, meta, out_dir)
+    print(f"wrote {path}")
+    if prof is not None:
+        ppath = out_dir / "training_profile.txt"
+        ppath.write_text("\n".join(prof))
+        print(f"wrote {ppath}")
+    if not args.no_plot and records:
+        names = list(dict.fromkeys(r["config"] for r in records))
+        groups = {f"{n} thread(s)": [next((r["samples_per_s"] for r in records
+                                           if r["config"] == c and r["threads"] == n), 0.0)
+                                     for c in names] for n in threads}
+        bar_plot(out_dir / "training.png", names, groups, "samples/s (median of blocks)",
+                 f"bench.training: {args.tables} x {args.rows:,} x {args.dim}, batch {args.batch}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
