@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tierstore import RowWiseAdagrad, TableSpec, TierStore, TieredEmbeddingBagCollection
+from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
 
 from .common import OUT_DIR, bar_plot, num_threads, save, table, thread_settings
 
