@@ -1,0 +1,58 @@
+"""Smoke tests: each benchmark main runs at tiny sizes and writes sane JSON records (not timed)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from bench import store as bench_store
+from bench import training as bench_training
+
+
+def _load(path):
+    data = json.loads(path.read_text())
+    assert data["meta"]["torch"]
+    return data["records"]
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_store_smoke(tmp_path):
+    rc = bench_store.main(["--batches", "128", "--threads", "1", "--blocks", "1",
+                           "--rows-per-block", "128", "--cap", "512", "--cold-blocks", "1",
+                           "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    recs = _load(tmp_path / "store.json")
+    cases = {(r["case"], r["op"]) for r in recs}
+    for case in ("device_hit", "host_hit", "lmdb_cached", "lmdb_cold"):
+        assert {(case, "read"), (case, "apply")} <= cases
+    for r in recs:
+        assert r["batch"] == 128 and r["threads"] == 1
+        assert _positive(r["rows_per_s"]) and _positive(r["ceiling_rows_per_s"])
+        assert math.isclose(r["ratio"], r["rows_per_s"] / r["ceiling_rows_per_s"])
+        assert r["ceiling"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_store_")]  # work dir gone
+
+
+def test_bench_training_smoke(tmp_path):
+    configs = "tierstore_resident,tierstore_cache1,torch_embeddingbag,fbgemm_cpu"
+    rc = bench_training.main(["--tables", "2", "--rows", "2000", "--batch", "32", "--pool", "2",
+                              "--warmup", "1", "--blocks", "1", "--steps", "2", "--threads", "1",
+                              "--configs", configs, "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    data = json.loads((tmp_path / "training.json").read_text())
+    recs = data["records"]
+    got = {r["config"] for r in recs}
+    expected = set(configs.split(",")) - set(data["meta"]["skipped"])
+    assert got == expected
+    for r in recs:
+        assert _positive(r["samples_per_s"]) and _positive(r["ids_per_s"]) and _positive(r["ms_per_step"])
+        assert r["ids_per_s"] > r["samples_per_s"]  # at least one id per bag
+        assert r["vs_resident"] is not None
+    res = next(r for r in recs if r["config"] == "tierstore_resident")
+    assert res["vs_resident"] == 1.0
+    cache = next(r for r in recs if r["config"] == "tierstore_cache1")
+    assert cache["capacity"]["device"] + cache["capacity"]["host"] <= 2 * 2000 * 0.01 + 2
+    assert cache["stats"]["ssd"]["lookups"] > 0
