@@ -25,8 +25,10 @@ class StoreVsDict(RuleBasedStateMachine):
 
     @initialize(opt_a=st.sampled_from(OPTIMIZERS), opt_b=st.sampled_from(OPTIMIZERS),
                 dev_cap=st.integers(0, 5), host_cap=st.integers(0, 8),
-                policy=st.sampled_from(["lru", "lfu"]), seed=st.integers(0, 3))
-    def setup(self, opt_a, opt_b, dev_cap, host_cap, policy, seed):
+                policy=st.sampled_from(["lru", "lfu"]), seed=st.integers(0, 3),
+                kernels=st.booleans())
+    def setup(self, opt_a, opt_b, dev_cap, host_cap, policy, seed, kernels):
+        self.kernels = kernels  # False: the pure-torch index path the CUDA tier uses
         self.dir = tempfile.mkdtemp()
         self.specs = [ts.TableSpec("a", BIG, 3, optimizer=opt_a),
                       ts.TableSpec("b", BIG, 5, optimizer=opt_b, init=ts.NormalInit(0.5))]
@@ -35,8 +37,10 @@ class StoreVsDict(RuleBasedStateMachine):
         self.store = self._open(dev_cap, host_cap, policy)
 
     def _open(self, dev_cap, host_cap, policy):
-        return ts.TierStore(self.dir, self.specs, device_capacity=dev_cap,
-                            host_capacity=host_cap, policy=policy, seed=self.seed, device="cpu")
+        store = ts.TierStore(self.dir, self.specs, device_capacity=dev_cap,
+                             host_capacity=host_cap, policy=policy, seed=self.seed, device="cpu")
+        store.device_tier.index.use_kernels = store.host_tier.index.use_kernels = self.kernels
+        return store
 
     @rule(table=st.sampled_from(["a", "b"]), ids=ID_LISTS)
     def read(self, table, ids):
@@ -59,7 +63,7 @@ class StoreVsDict(RuleBasedStateMachine):
         self.store.flush()
 
     @rule(dev_cap=st.integers(0, 5), host_cap=st.integers(0, 8),
-          policy=st.sampled_from(["lru", "lfu"]))
+          policy=st.sampled_from(["lru", "lfu", "fifo", "clock", "sieve", "s3fifo"]))
     def reopen(self, dev_cap, host_cap, policy):
         self.store.close()
         self.store = self._open(dev_cap, host_cap, policy)

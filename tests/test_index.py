@@ -1,0 +1,56 @@
+"""The hash index behaves like a dict, on the numba path and on the pure-torch (CUDA) path."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import torch
+from hypothesis import given, settings
+
+from tierstore.index import HashIndex
+
+KEYS = st.tuples(st.integers(0, 3), st.one_of(st.integers(0, 50), st.integers(0, 2**63 - 1)))
+OPS = st.lists(st.tuples(st.booleans(), st.lists(KEYS, max_size=12)), max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, capacity=st.integers(1, 40), kernels=st.booleans())
+def test_index_matches_dict(ops, capacity, kernels):
+    idx = HashIndex(capacity)
+    idx.use_kernels = kernels
+    ref: dict[tuple[int, int], int] = {}
+    free = list(range(capacity))
+    for insert, keys in ops:
+        if insert:
+            new = list(dict.fromkeys(k for k in keys if k not in ref))[: len(free)]
+            slots = [free.pop() for _ in new]
+            if new:
+                idx.add(torch.tensor([k[0] for k in new]), torch.tensor([k[1] for k in new]),
+                        torch.tensor(slots))
+            ref.update(zip(new, slots))
+        else:
+            gone = list(dict.fromkeys(k for k in keys if k in ref))
+            slots = [ref.pop(k) for k in gone]
+            idx.remove(torch.tensor(slots, dtype=torch.int64))
+            free.extend(slots)
+        idx.check()
+        probe = list(ref) + keys
+        if probe:
+            got = idx.find(torch.tensor([k[0] for k in probe]), torch.tensor([k[1] for k in probe]))
+            assert got.tolist() == [ref.get(k, -1) for k in probe]
+
+
+def test_torch_and_numba_paths_agree_on_a_big_batch():
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.unique(torch.randint(0, 10**12, (20_000,), generator=gen))
+    slots = torch.randperm(rows.numel(), generator=gen)
+    found = []
+    for kernels in (True, False):
+        idx = HashIndex(rows.numel())
+        idx.use_kernels = kernels
+        idx.add(torch.tensor(1), rows, slots)
+        idx.remove(slots[:5000])
+        q = torch.cat([rows, rows + 1])
+        found.append(idx.find(torch.tensor(1), q))
+        idx.check()
+    assert torch.equal(found[0], found[1])
+    assert int((found[0] >= 0).sum()) == rows.numel() - 5000
