@@ -85,10 +85,11 @@ def run_trial(tmp: Path, ref: Reference, rng: random.Random, caps: tuple[int, in
     seen = []
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        # counting acks (not seconds) keeps the kill points spread over the run on a busy machine
+        acks = kill_after_acks if kill_after_acks is not None else rng.randint(0, 20)
+        seen = [proc.stdout.readline() for _ in range(acks)]
         if kill_after_acks is None:
-            time.sleep(rng.uniform(0.05, 2.0))
-        else:
-            seen = [proc.stdout.readline() for _ in range(kill_after_acks)]
+            time.sleep(rng.uniform(0.0, 0.3))  # anywhere in the next steps, flushes, copies
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
