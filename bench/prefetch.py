@@ -1,0 +1,125 @@
+"""`python -m bench.prefetch`: training throughput with the look-ahead pipeline off and on.
+
+The training benchmark's workload (bench.training) with caches holding 1% of the rows and LMDB
+holding every row, page-cached and cold (pages dropped with posix_fadvise(DONTNEED) before each
+measured run), with prefetch off (depth 0) and on (depths 1, 2, 4), beside the all-resident
+throughput measured in the same run. Reports samples/s, ratio to all-resident, and stall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tierstore.prefetch import Prefetcher
+
+from .common import OUT_DIR, num_threads, save, table
+from .training import TierstoreRunner, Workload
+
+
+def drop_page_cache(path: Path) -> None:
+    """Ask the kernel to drop the cached pages of the store's data file."""
+    data = path / "data.mdb"
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def run(runner: TierstoreRunner, wl: Workload, depth: int, start: int, blocks: int,
+        steps: int) -> dict:
+    """Median samples/s over blocks of steps fed through a Prefetcher of the given depth."""
+    store = runner.store
+    rates, stalls = [], []
+    i = start
+    for _ in range(blocks):
+        batches = (wl.steps[j % len(wl.steps)] for j in range(i, i + steps))
+        before = store.prefetch_stats.stall_seconds
+        t0 = time.perf_counter()
+        with Prefetcher(store, batches, depth=depth, features={n: n for n in wl.names},
+                        extract=lambda b: (wl.names, b[0], b[1])) as pf:
+            for values, lengths in pf:
+                runner.ebc(wl.names, values, lengths).backward(wl.grad_out)
+        dt = time.perf_counter() - t0
+        rates.append(wl.batch * steps / dt)
+        stalls.append((store.prefetch_stats.stall_seconds - before) / steps * 1000)
+        i += steps
+    return {"samples_per_s": statistics.median(rates), "stall_ms_per_step": statistics.median(stalls),
+            "samples_per_s_blocks": rates, "next_step": i}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the prefetch benchmark; print a table and write JSON under --out."""
+    p = argparse.ArgumentParser(prog="python -m bench.prefetch", description=__doc__.splitlines()[0])
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--max-len", type=int, default=20)
+    p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--pool", type=int, default=64)
+    p.add_argument("--depths", default="0,1,2,4")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--blocks", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default=str(OUT_DIR))
+    p.add_argument("--quick", action="store_true", help="8 x 100k rows, batch 512, short blocks")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.batch, args.pool, args.blocks, args.steps, args.warmup = 100_000, 512, 16, 2, 4, 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_prefetch_", dir=out))
+    wl = Workload(args.tables, args.rows, args.dim, args.batch, args.max_len, args.alpha, args.pool)
+    records = []
+    try:
+        with num_threads(args.threads):
+            resident = TierstoreRunner(wl, "resident", work, None, "lazy", log=print)
+            for i in range(args.warmup):
+                resident.step(i)
+            base = run(resident, wl, 0, args.warmup, args.blocks, args.steps)
+            resident.close()
+            records.append({"config": "all_resident", "lmdb": "-", "depth": 0, **base, "ratio": 1.0})
+            print(f"all resident: {base['samples_per_s']:,.0f} samples/s", file=sys.stderr)
+            cached = TierstoreRunner(wl, "cache1", work, 0.01, "populated", log=print)
+            step = 0
+            for i in range(args.warmup):
+                cached.step(i)
+                step += 1
+            for lmdb_state in ("page-cached", "cold"):
+                for depth in [int(d) for d in args.depths.split(",")]:
+                    cached.store.flush()
+                    if lmdb_state == "cold":
+                        drop_page_cache(cached.path)
+                    rec = run(cached, wl, depth, step, args.blocks, args.steps)
+                    step = rec["next_step"]
+                    rec.update(config="cache_1pct", lmdb=lmdb_state, depth=depth,
+                               ratio=rec["samples_per_s"] / base["samples_per_s"])
+                    records.append(rec)
+                    print(f"1% cache, {lmdb_state}, depth {depth}: {rec['samples_per_s']:,.0f} "
+                          f"samples/s ({rec['ratio']:.2f}x), stall {rec['stall_ms_per_step']:.1f} ms/step",
+                          file=sys.stderr, flush=True)
+            stats = cached.store.stats()
+            cached.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(table(records, [("config", "config", "s"), ("lmdb", "LMDB", "s"), ("depth", "depth", "d"),
+                          ("samples_per_s", "samples/s", ",.0f"), ("ratio", "x resident", ".2f"),
+                          ("stall_ms_per_step", "stall ms/step", ".1f")]))
+    meta = {"args": vars(args), "torch_threads": args.threads, "final_stats": stats}
+    path = save("prefetch", records, meta, out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
