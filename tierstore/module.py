@@ -37,16 +37,16 @@ class _TieredBags(torch.autograd.Function):
     def forward(ctx: Any, weights: torch.Tensor, psw: torch.Tensor | None, inverse: torch.Tensor,
                 offsets: torch.Tensor, mode: str, store: TierStore, table: str,
                 unique: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(weights, psw, inverse, offsets)
-        ctx.mode, ctx.store, ctx.table, ctx.unique = mode, store, table, unique
+        ctx.save_for_backward(weights, psw, inverse, offsets, unique)
+        ctx.mode, ctx.store, ctx.table = mode, store, table
         return F.embedding_bag(inverse, weights, offsets, mode=mode, per_sample_weights=psw)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        weights, psw, inverse, offsets = ctx.saved_tensors
+        weights, psw, inverse, offsets, unique = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         gw = _bag_grads(grad_out, inverse, offsets, weights.shape[0], ctx.mode, psw)
-        ctx.store.apply_unique(ctx.table, ctx.unique, gw)
+        ctx.store.apply_unique(ctx.table, unique, gw)
         g_psw = None
         if psw is not None and ctx.needs_input_grad[1]:
             n = inverse.numel()

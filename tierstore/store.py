@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,17 @@ from .initializers import name_key
 from .stats import TierStats
 
 FORMAT_VERSION = 1
+_OPEN_STORES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_stores() -> None:
+    """Flush and close stores still open at exit, before the interpreter tears torch down."""
+    for store in list(_OPEN_STORES):
+        try:
+            store.close()
+        except Exception:
+            pass
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -127,6 +141,7 @@ class TierStore:
         self._by_index = [self.tables[n] for n in names]
         self.ssd_stats = TierStats()
         self._closed = False
+        _OPEN_STORES.add(self)
 
     # configuration ------------------------------------------------------------------------
     def _check_config(self, tables: list[TableSpec]) -> None:
@@ -293,7 +308,7 @@ class TierStore:
 
     def __del__(self) -> None:  # best effort: never lose acknowledged writes to GC order
         try:
-            if not getattr(self, "_closed", True):
+            if not getattr(self, "_closed", True) and not sys.is_finalizing():
                 self.close()
         except Exception:
             pass
