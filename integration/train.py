@@ -64,7 +64,7 @@ class TrainConfig:
     checkpoint_interval: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
-    threads: int = 0
+    threads: int = 1
     progress: bool = True
     device: str = "cpu"
 
@@ -85,6 +85,11 @@ class TrainConfig:
         _sizes(self.bottom), _sizes(self.top)
 
 
+def _capacity(text: str) -> int | str:
+    """A capacity option: a plain number is a row count, anything else a size like '64MiB'."""
+    return int(text) if text.strip().isdigit() else text
+
+
 def _sizes(text: str) -> list[int]:
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
@@ -95,8 +100,8 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-DEMO = dict(tables="criteo", steps=240, batch=4096, eval_interval=80, eval_batches=8,
-            checkpoint_interval=120, device_capacity="64MiB", host_capacity="512MiB",
+DEMO = dict(tables="criteo", steps=300, batch=4096, eval_interval=100, eval_batches=8,
+            checkpoint_interval=150, device_capacity="32MiB", host_capacity="128MiB",
             run_dir="runs/demo")
 
 
@@ -125,10 +130,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -202,7 +207,7 @@ class Trainer:
                                   f"pick another --run-dir")
             shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(marker, asdict(self.cfg))
+        _write_text(marker, json.dumps(asdict(self.cfg), indent=2))
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint directory, or None."""
@@ -215,7 +220,8 @@ class Trainer:
         return path
 
     def _open_store(self) -> TierStore:
-        kw = dict(device_capacity=self.cfg.device_capacity, host_capacity=self.cfg.host_capacity,
+        kw = dict(device_capacity=_capacity(self.cfg.device_capacity),
+                  host_capacity=_capacity(self.cfg.host_capacity),
                   policy=self.cfg.policy, seed=self.cfg.seed, device=self.cfg.device)
         store_path = self.run_dir / "store"
         latest = self.latest() if self.cfg.resume else None
@@ -245,10 +251,10 @@ class Trainer:
         self.store.checkpoint(staging / "store", step=self.step)
         _save_torch(staging / "dense.pt", {"model": self.model.state_dict(),
                                            "optimizer": self.opt.state_dict()})
-        _write_json(staging / "state.json", {"step": self.step, "config": asdict(self.cfg)})
+        _write_text(staging / "state.json", json.dumps({"step": self.step, "config": asdict(self.cfg)}))
         os.replace(staging, final)
         _fsync_dir(self.ckpt_dir)
-        _write_json(self.ckpt_dir / "LATEST", name)
+        _write_text(self.ckpt_dir / "LATEST", name)
         old = sorted(p for p in self.ckpt_dir.glob("step-*") if p.name != name)
         for p in old[: max(0, len(old) - self.cfg.keep_checkpoints + 1)]:
             shutil.rmtree(p, ignore_errors=True)
@@ -331,7 +337,26 @@ class Trainer:
         t_start = time.perf_counter()
         bar = tqdm(total=cfg.steps, initial=self.step, unit="step", disable=not cfg.progress,
                    dynamic_ncols=True, file=sys.stderr)
-        it = self.train_batches()
+        source = self.train_batches()
+        it: Iterator[Batch] = (Prefetcher(self.store, source, depth=cfg.prefetch, extract=Batch.jagged)
+                               if cfg.prefetch else source)
+        try:
+            self._loop(it, bar, t_start, start_step, held_out)
+        finally:
+            if cfg.prefetch:
+                it.close()  # type: ignore[attr-defined]
+            bar.close()
+        train_s = time.perf_counter() - t_start
+        final = self.evaluate(held_out)
+        self.store.flush()
+        dense_path = self.run_dir / "final_dense.pt"
+        _save_torch(dense_path, {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                                 "step": self.step})
+        return self._summary(train_s, start_step, final)
+
+    def _loop(self, it: Iterator[Batch], bar: tqdm, t_start: float, start_step: int,
+              held_out: list[Batch]) -> None:
+        cfg = self.cfg
         loss_ema = math.nan
         while self.step < cfg.steps:
             t0 = time.perf_counter()
@@ -350,14 +375,6 @@ class Trainer:
                 print(f"CHECKPOINT {self.step}", flush=True)
             if cfg.progress and (self.step % 10 == 0 or self.step == cfg.steps):
                 bar.set_postfix_str(self._postfix(t_start, start_step, loss_ema))
-        bar.close()
-        train_s = time.perf_counter() - t_start
-        final = self.evaluate(held_out)
-        self.store.flush()
-        dense_path = self.run_dir / "final_dense.pt"
-        _save_torch(dense_path, {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                                 "step": self.step})
-        return self._summary(train_s, start_step, final)
 
     def _postfix(self, t_start: float, start_step: int, loss: float) -> str:
         st = self.store.stats()
@@ -383,6 +400,7 @@ class Trainer:
             "times": dict(self.times),
             "stall_s": self.times["data"] + self.times["lookup"],
             "tiers": {k: st[k] for k in ("device", "host", "ssd")},
+            "prefetch": st.get("prefetch", {}),
             "rows_stored": rows_stored,
             "disk_bytes": st["ssd"]["disk_bytes"],
             "raw_row_bytes": rows_stored * payload_bytes,
@@ -467,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint-interval", type=int, default=None)
     ap.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
     ap.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
-    ap.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: default)")
+    ap.add_argument("--threads", type=int, default=d.threads,
+                    help="torch threads (0: torch default; 1 is fastest on a busy 2-core machine)")
     ap.add_argument("--device", default=d.device)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--json", default=None, help="write the summary to this JSON file")
