@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CRITEO_CSV = ROOT / "../shared/data/criteo/criteo_sample_deepctr.csv"
 needs_criteo = pytest.mark.skipif(not CRITEO_CSV.is_file(), reason="Criteo sample not present")
 
-TINY = ["--tables", "uniform:1000000000", "--dim", "8", "--batch", "128", "--hot", "3000",
+TINY = ["--tables", "uniform:1000000000", "--dim", "8", "--batch", "64", "--hot", "3000",
         "--device-capacity", "2000", "--host-capacity", "6000", "--bottom", "16", "--top", "16",
         "--eval-batches", "2", "--no-progress", "--threads", "1"]
 
@@ -126,14 +126,14 @@ def test_criteo_reader_csv_tsv_and_gzip_agree(tmp_path):
 def test_train_on_criteo_sample(tmp_path):
     run = tmp_path / "run"
     assert tr.main([*TINY, "--data", str(CRITEO_CSV), "--tables", "kaggle", "--batch", "40",
-                    "--steps", "6", "--run-dir", str(run)]) == 0
+                    "--steps", "4", "--run-dir", str(run)]) == 0
     assert (run / "final_dense.pt").is_file()
 
 
 def test_tiny_training_beats_chance(tmp_path, capsys):
     cfg = tr.TrainConfig(run_dir=str(tmp_path / "run"), tables="uniform:100000000000", dim=8,
-                         batch=512, steps=60, hot=2000, bottom="16", top="32", eval_batches=4,
-                         eval_interval=30, device_capacity="4000", host_capacity="20000",
+                         batch=256, steps=40, hot=1000, bottom="16", top="32", eval_batches=4,
+                         eval_interval=20, device_capacity="8000", host_capacity="16000",
                          progress=False, lr=0.1, dense_lr=0.01)
     t = tr.Trainer(cfg)
     try:
@@ -167,7 +167,7 @@ def _cli(run_dir: Path, *extra: str) -> list[str]:
 
 def test_resume_after_kill_is_bit_identical(tmp_path, capsys):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    steps = ["--steps", "16", "--checkpoint-interval", "4"]
+    steps = ["--steps", "12", "--checkpoint-interval", "4"]
     full = tmp_path / "full"
     assert tr.main([*TINY, "--run-dir", str(full), *steps]) == 0
     killed = tmp_path / "killed"
@@ -175,7 +175,7 @@ def test_resume_after_kill_is_bit_identical(tmp_path, capsys):
                             stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith("CHECKPOINT 8"):
+        if line.startswith("CHECKPOINT 4"):
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait()
@@ -184,10 +184,10 @@ def test_resume_after_kill_is_bit_identical(tmp_path, capsys):
     capsys.readouterr()
     assert tr.main([*TINY, "--run-dir", str(killed), *steps, "--resume", "--device-capacity", "500"]) == 0
     out = capsys.readouterr().out
-    assert "steps 8 -> 16" in out or "steps 12 -> 16" in out
+    assert "steps 4 -> 12" in out
     a = torch.load(full / "final_dense.pt", weights_only=True)
     b = torch.load(killed / "final_dense.pt", weights_only=True)
-    assert a["step"] == b["step"] == 16
+    assert a["step"] == b["step"] == 12
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
