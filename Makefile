@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m tierstore.demo
+	$(PY) -m integration.train --demo
 
 test: $(STAMP)
 	$(PY) -m ruff check tierstore tests bench integration

@@ -100,8 +100,8 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-DEMO = dict(tables="criteo", steps=300, batch=4096, eval_interval=100, eval_batches=8,
-            checkpoint_interval=150, device_capacity="32MiB", host_capacity="128MiB",
+DEMO = dict(tables="criteo", steps=200, batch=4096, eval_interval=50, eval_batches=8,
+            checkpoint_interval=100, device_capacity="32MiB", host_capacity="128MiB",
             run_dir="runs/demo")
 
 
