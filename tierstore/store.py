@@ -236,7 +236,12 @@ class TierStore:
         if ids.numel() == 0:
             return
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
-        self._access(tab, uniq, segment_sum(grads.cpu(), inv, uniq.numel()))
+        grads = grads.cpu()
+        if uniq.numel() == ids.numel():  # no duplicates: just put the gradients in id order
+            summed = torch.empty_like(grads).index_copy_(0, inv, grads)
+        else:
+            summed = segment_sum(grads, inv, uniq.numel())
+        self._access(tab, uniq, summed)
 
     @_locked
     def apply_unique(self, table: str, unique: torch.Tensor, grads: torch.Tensor) -> None:
