@@ -153,6 +153,20 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
+def rss_parts() -> dict[str, int]:
+    """Resident bytes now: total, anonymous (heap, tensors) and file-backed (LMDB's mmap)."""
+    out = {"rss": psutil.Process().memory_info().rss, "anon": 0, "file": 0}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                    key = "anon" if line.startswith("RssAnon") else "file"
+                    out[key] += int(line.split()[1]) * 1024
+    except OSError:
+        out["anon"] = out["rss"]
+    return out
+
+
 def peak_rss() -> int:
     """Peak resident set size of this process, bytes."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -188,6 +202,7 @@ class Trainer:
         self.evals: list[dict] = []
         self.checkpoints: list[int] = []
         self.rows_stored_start = 0
+        self.peak_anon = 0
 
     # run directory / checkpoints ----------------------------------------------------------------
     def _prepare_dir(self) -> None:
@@ -373,6 +388,8 @@ class Trainer:
                 path = self.checkpoint()
                 bar.write(f"checkpoint {path}")
                 print(f"CHECKPOINT {self.step}", flush=True)
+            if self.step % 10 == 0 or self.step == cfg.steps:
+                self.peak_anon = max(self.peak_anon, rss_parts()["anon"])
             if cfg.progress and (self.step % 10 == 0 or self.step == cfg.steps):
                 bar.set_postfix_str(self._postfix(t_start, start_step, loss_ema))
 
@@ -388,6 +405,8 @@ class Trainer:
         st = self.store.stats()
         steps = self.step - start_step
         rows_stored = st["ssd"]["rows_stored"]
+        latest = self.latest() if self.checkpoints else None
+        mem = rss_parts()
         payload_bytes = 4 * self.specs[0].payload_dim
         return {
             "config": asdict(self.cfg),
@@ -407,9 +426,13 @@ class Trainer:
             "disk_per_row": st["ssd"]["disk_bytes"] / rows_stored if rows_stored else 0.0,
             "payload_bytes_per_row": payload_bytes,
             "checkpoint_bytes": _dir_bytes(self.ckpt_dir),
+            "last_checkpoint_store_bytes": _dir_bytes(latest / "store") if latest else 0,
             "checkpoints": list(self.checkpoints),
-            "rss_bytes": psutil.Process().memory_info().rss,
+            "rss_bytes": mem["rss"],
+            "rss_anon_bytes": mem["anon"],
+            "rss_file_bytes": mem["file"],
             "peak_rss_bytes": peak_rss(),
+            "peak_anon_bytes": max(self.peak_anon, mem["anon"]),
             "cache_bytes": (st["device"]["capacity"] + st["host"]["capacity"]) * 4 * self.store.width,
             "evals": list(self.evals),
             "final_auc": final["auc"],
@@ -436,8 +459,10 @@ def format_summary(s: dict) -> str:
         f"{'stall (data + lookup)':<22} {s['stall_s']:.1f} s",
         f"{'held-out AUC':<22} {s['final_auc']:.4f}  (log loss {s['final_logloss']:.4f}, "
         f"CTR {s['eval_ctr']:.3f})",
-        f"{'resident memory':<22} {s['rss_bytes'] / mib:,.0f} MiB now, {s['peak_rss_bytes'] / mib:,.0f} MiB "
-        f"peak (caches {s['cache_bytes'] / mib:,.0f} MiB)",
+        f"{'resident memory':<22} {s['rss_bytes'] / mib:,.0f} MiB now ({s['rss_anon_bytes'] / mib:,.0f} "
+        f"anonymous + {s['rss_file_bytes'] / mib:,.0f} LMDB/file pages), "
+        f"peak {s['peak_rss_bytes'] / mib:,.0f} MiB (anonymous {s['peak_anon_bytes'] / mib:,.0f}); "
+        f"caches {s['cache_bytes'] / mib:,.0f} MiB",
         f"{'bytes on disk':<22} {s['disk_bytes'] / mib:,.1f} MiB store for {s['rows_stored']:,} rows "
         f"({s['disk_per_row']:.0f} B/row, raw {s['payload_bytes_per_row']} B), "
         f"checkpoints {s['checkpoint_bytes'] / mib:,.1f} MiB",
