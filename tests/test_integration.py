@@ -182,7 +182,8 @@ def test_resume_after_kill_is_bit_identical(tmp_path, capsys):
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / "final_dense.pt").exists()
     capsys.readouterr()
-    assert tr.main([*TINY, "--run-dir", str(killed), *steps, "--resume", "--device-capacity", "500"]) == 0
+    other = ["--device-capacity", "500"] + (["--prefetch", "2"] if tr.Prefetcher is not None else [])
+    assert tr.main([*TINY, "--run-dir", str(killed), *steps, "--resume", *other]) == 0
     out = capsys.readouterr().out
     assert "steps 4 -> 12" in out
     a = torch.load(full / "final_dense.pt", weights_only=True)
