@@ -6,15 +6,17 @@ import numpy as np
 import torch
 
 from tierstore import TableSpec
+from tierstore.fused import BatchUpdate
 from tierstore.initializers import name_key
 
 
 class DictStore:
     """What the store must behave like: a dict (table, row) -> payload, lazily initialized."""
 
-    def __init__(self, specs: list[TableSpec], seed: int = 0) -> None:
+    def __init__(self, specs: list[TableSpec], seed: int = 0, fused: bool = True) -> None:
         self.specs = {s.name: s for s in specs}
         self.seed = seed
+        self.fused = fused  # same update math as the store: numba kernels or the torch path
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
 
     def _payload(self, table: str, row: int) -> torch.Tensor:
@@ -44,8 +46,8 @@ class DictStore:
         if ids.numel() == 0:
             return
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
-        g = torch.zeros(uniq.numel(), spec.dim).index_add_(0, inv, grads)
         p = torch.stack([self._payload(table, int(i)) for i in uniq]).contiguous()
-        spec.optimizer.step(p, g, spec.dim)
+        BatchUpdate(spec.optimizer, spec.dim, uniq.numel(), inv, grads,
+                    use_kernel=self.fused).apply(p, torch.arange(uniq.numel()))
         for i, row in enumerate(uniq.tolist()):
             self.rows[(table, row)] = p[i].clone()

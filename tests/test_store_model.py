@@ -33,13 +33,14 @@ class StoreVsDict(RuleBasedStateMachine):
         self.specs = [ts.TableSpec("a", BIG, 3, optimizer=opt_a),
                       ts.TableSpec("b", BIG, 5, optimizer=opt_b, init=ts.NormalInit(0.5))]
         self.seed = seed
-        self.model = DictStore(self.specs, seed)
+        self.model = DictStore(self.specs, seed, fused=kernels)
         self.store = self._open(dev_cap, host_cap, policy)
 
     def _open(self, dev_cap, host_cap, policy):
         store = ts.TierStore(self.dir, self.specs, device_capacity=dev_cap,
                              host_capacity=host_cap, policy=policy, seed=self.seed, device="cpu")
         store.device_tier.index.use_kernels = store.host_tier.index.use_kernels = self.kernels
+        store.fused = self.kernels
         return store
 
     @rule(table=st.sampled_from(["a", "b"]), ids=ID_LISTS)

@@ -10,24 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError, ShapeError
-from .store import TierStore, segment_sum
+from .store import TierStore
 
 MODES = ("sum", "mean")
-
-
-def _bag_grads(grad_out: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
-               n_unique: int, mode: str, psw: torch.Tensor | None) -> torch.Tensor:
-    """Gradient of embedding_bag w.r.t. its unique rows, summed in a fixed order (no atomics)."""
-    n = inverse.numel()
-    bags = offsets.numel()
-    lengths = torch.diff(offsets, append=torch.tensor([n], device=offsets.device))
-    bag_of = torch.repeat_interleave(torch.arange(bags, device=offsets.device), lengths)
-    g = grad_out.index_select(0, bag_of)
-    if mode == "mean":
-        g = g / lengths.index_select(0, bag_of).clamp(min=1).to(g.dtype).unsqueeze(1)
-    if psw is not None:
-        g = g * psw.unsqueeze(1)
-    return segment_sum(g, inverse, n_unique)
 
 
 class _TieredBags(torch.autograd.Function):
@@ -45,8 +30,7 @@ class _TieredBags(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         weights, psw, inverse, offsets, unique = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        gw = _bag_grads(grad_out, inverse, offsets, weights.shape[0], ctx.mode, psw)
-        ctx.store.apply_unique(ctx.table, unique, gw)
+        ctx.store.apply_bags(ctx.table, unique, inverse, offsets, grad_out, psw, ctx.mode)
         g_psw = None
         if psw is not None and ctx.needs_input_grad[1]:
             n = inverse.numel()

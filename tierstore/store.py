@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._kernels import HAVE_NUMBA
 from .backends.lmdb_backend import LmdbBackend
 from .backends.slab import Rows, SlabTier
 from .config import TableSpec, parse_capacity, parse_size
@@ -27,6 +28,7 @@ from .errors import (
     StoreClosedError,
     UnknownTableError,
 )
+from .fused import BatchUpdate
 from .initializers import name_key
 from .stats import TierStats
 
@@ -125,6 +127,7 @@ class TierStore:
         self._lock = threading.RLock()
         self.prefetch_stats = PrefetchStats()
         self._last_sources = (0, 0, 0)
+        self.fused = HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
         self.backend = LmdbBackend(self.path, map_limit=limit)
         try:
             self._check_config(tables)
@@ -236,12 +239,8 @@ class TierStore:
         if ids.numel() == 0:
             return
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
-        grads = grads.cpu()
-        if uniq.numel() == ids.numel():  # no duplicates: just put the gradients in id order
-            summed = torch.empty_like(grads).index_copy_(0, inv, grads)
-        else:
-            summed = segment_sum(grads, inv, uniq.numel())
-        self._access(tab, uniq, summed)
+        self._access(tab, uniq, BatchUpdate(tab.spec.optimizer, tab.spec.dim, uniq.numel(), inv,
+                                            grads.cpu(), use_kernel=self.fused))
 
     @_locked
     def apply_unique(self, table: str, unique: torch.Tensor, grads: torch.Tensor) -> None:
@@ -252,7 +251,39 @@ class TierStore:
         if unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
             raise InvalidIdsError("apply_unique needs sorted unique ids; use apply() otherwise")
         if unique.numel():
-            self._access(tab, unique, grads)
+            n = unique.numel()
+            self._access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, n,
+                                                  torch.arange(n), grads.cpu(), use_kernel=self.fused))
+
+    @_locked
+    def apply_bags(self, table: str, unique: torch.Tensor, inverse: torch.Tensor,
+                   offsets: torch.Tensor, grad_out: torch.Tensor,
+                   per_sample_weights: torch.Tensor | None = None, mode: str = "sum") -> None:
+        """One optimizer step from the output gradient of an embedding bag over gathered rows.
+
+        `unique`/`inverse` come from `gather` (ids == unique[inverse]); `offsets` start each bag;
+        `grad_out` is [bags, dim]. Gradients are summed per row in input order and the update is
+        fused (one pass over the rows, in place where they live).
+        """
+        tab = self._table(table)
+        unique = self._ids(tab, unique)
+        n = inverse.numel()
+        bags = offsets.numel()
+        grad_out = self._grads(tab, grad_out, bags).cpu()
+        if unique.numel() == 0 or n == 0:
+            return
+        offsets = offsets.to("cpu", torch.int64)
+        inverse = inverse.to("cpu", torch.int64)
+        lengths = torch.diff(offsets, append=torch.tensor([n]))
+        bag_of = torch.repeat_interleave(torch.arange(bags), lengths)
+        scale = None
+        if mode == "mean":
+            scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag_of)
+        if per_sample_weights is not None:
+            psw = per_sample_weights.detach().to("cpu", torch.float32).reshape(-1)
+            scale = psw if scale is None else scale * psw
+        self._access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(),
+                                              inverse, grad_out, bag_of, scale, self.fused))
 
     @_locked
     def flush(self) -> None:
@@ -347,13 +378,13 @@ class TierStore:
         payload = self._access(tab, uniq, None)
         return Gathered(uniq, inv, payload[:, : tab.spec.dim])
 
-    def _access(self, tab: _Table, uniq: torch.Tensor, grads: torch.Tensor | None,
-                count: bool = True) -> torch.Tensor:
+    def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
+                count: bool = True) -> torch.Tensor | None:
         """Locate sorted unique rows, optionally update them, and promote them to the device tier.
 
-        Returns the payloads [u, width] (after the update when `grads` is given).
+        Returns the payloads [u, width] when reading (`update` is None), else None.
         """
-        spec, dev, host = tab.spec, self.device_tier, self.host_tier
+        dev, host = self.device_tier, self.host_tier
         tabs = torch.tensor(tab.index, dtype=torch.int64)
         uniq_d = uniq.to(dev.device)
         dslots = dev.lookup(tabs.to(dev.device), uniq_d, count)
@@ -361,11 +392,11 @@ class TierStore:
         if bool(dhit.all()):
             self._last_sources = (uniq.numel(), 0, 0)
             dev.touch(dslots)
-            payload = dev.read(dslots)
-            if grads is not None:
-                self._step(spec, payload, grads.to(payload.device))
-                dev.write(dslots, payload)
-            return payload
+            if update is None:
+                return dev.read(dslots)
+            update.apply(dev.slab, dslots)  # in place in the device slab
+            dev.dirty[dslots] = True
+            return None
         n = uniq.numel()
         payload = torch.empty((n, self.width), dtype=torch.float32)
         dirty = torch.zeros(n, dtype=torch.bool)
@@ -389,15 +420,15 @@ class TierStore:
         self._last_sources = (int(hit_idx.numel()), int(hhit.sum()), int(cold.numel()))
         if cold.numel():
             payload[cold] = self._load(tab, uniq[cold])
-        if grads is not None:
-            self._step(spec, payload, grads.cpu())
+        if update is not None:
+            update.apply(payload, torch.arange(n))
             dirty[:] = True
             if hit_idx.numel():
                 dev.write(hit_slots, payload[hit_idx.cpu()])
         moving = Rows(tabs.expand(miss.numel()).clone(), uniq[miss], payload[miss], dirty[miss],
                       pins[miss])
         self._place(moving, protect=hit_slots)
-        return payload.to(self.device, non_blocking=True)
+        return None if update is not None else payload.to(self.device, non_blocking=True)
 
     # prefetch support (called by tierstore.prefetch with the store lock held) ------------
     def _stage(self, tab: _Table, uniq: torch.Tensor) -> tuple[int, int, int]:
@@ -422,12 +453,6 @@ class TierStore:
             slots = tier.lookup(tabs.to(tier.device), rows.to(tier.device), count=False)
             found = slots >= 0
             tier.policy.on_future(slots[found], next_use.to(tier.device)[found])
-
-    def _step(self, spec: TableSpec, payload: torch.Tensor, grads: torch.Tensor) -> None:
-        """Fused optimizer step on a contiguous copy of the table's payload columns."""
-        p = payload[:, : spec.payload_dim].contiguous()
-        spec.optimizer.step(p, grads, spec.dim)
-        payload[:, : spec.payload_dim] = p
 
     def _load(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
         """Rows from LMDB, lazily initialized where never written; [n, width] float32."""

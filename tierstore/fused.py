@@ -1,0 +1,193 @@
+"""Fused gradient aggregation + optimizer update, in place on a tier's rows.
+
+One numba kernel per optimizer walks the unique rows of a batch; for each it sums the gradients
+of its positions in input order (a CSR built by a stable counting sort: deterministic, no
+atomics) and updates the row's embedding and optimizer state in place. Each row's arithmetic is
+the same wherever the row lives (a device slab, a host slab, or a gathered payload tensor), so
+results never depend on placement. The pure-torch path (segment sum, then `Optimizer.step` on a
+gathered copy) serves CUDA tensors and machines without numba; tests compare the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ._kernels import HAVE_NUMBA
+from .optimizers import Optimizer
+
+if HAVE_NUMBA:
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def csr_by_group(inverse, n_groups):  # pragma: no cover - compiled
+        """Stable counting sort of positions by group: (perm, starts)."""
+        starts = np.zeros(n_groups + 1, dtype=np.int64)
+        for i in range(inverse.shape[0]):
+            starts[inverse[i] + 1] += 1
+        for g in range(n_groups):
+            starts[g + 1] += starts[g]
+        fill = starts[:-1].copy()
+        perm = np.empty(inverse.shape[0], dtype=np.int64)
+        for i in range(inverse.shape[0]):
+            g = inverse[i]
+            perm[fill[g]] = i
+            fill[g] += 1
+        return perm, starts
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim):  # pragma: no cover
+        for d in range(dim):
+            g[d] = np.float32(0.0)
+        for k in range(starts[u], starts[u + 1]):
+            p = perm[k]
+            b = bag_of[p] if bag_of.shape[0] else p
+            if scale.shape[0]:
+                s = scale[p]
+                for d in range(dim):
+                    g[d] += grad_out[b, d] * s
+            else:
+                for d in range(dim):
+                    g[d] += grad_out[b, d]
+
+    @numba.njit(cache=True, nogil=True)
+    def sgd_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params):  # pragma: no cover
+        lr, wd = np.float32(params[0]), np.float32(params[1])
+        g = np.empty(dim, dtype=np.float32)
+        for u in range(slots.shape[0]):
+            _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
+            row = table[slots[u]]
+            for d in range(dim):
+                row[d] = row[d] - lr * (g[d] + wd * row[d])
+
+    @numba.njit(cache=True, nogil=True)
+    def adagrad_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params):  # pragma: no cover
+        lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
+        g = np.empty(dim, dtype=np.float32)
+        for u in range(slots.shape[0]):
+            _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
+            row = table[slots[u]]
+            for d in range(dim):
+                gd = g[d] + wd * row[d]
+                acc = row[dim + d] + gd * gd
+                row[dim + d] = acc
+                row[d] = row[d] - lr * gd / (np.sqrt(acc) + eps)
+
+    @numba.njit(cache=True, nogil=True)
+    def rowwise_adagrad_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale,
+                               params):  # pragma: no cover
+        lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
+        g = np.empty(dim, dtype=np.float32)
+        inv_dim = np.float32(1.0) / np.float32(dim)
+        for u in range(slots.shape[0]):
+            _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
+            row = table[slots[u]]
+            sq = np.float32(0.0)
+            for d in range(dim):
+                g[d] = g[d] + wd * row[d]
+                sq += g[d] * g[d]
+            acc = row[dim] + sq * inv_dim
+            row[dim] = acc
+            mult = lr / (np.sqrt(acc) + eps)
+            for d in range(dim):
+                row[d] = row[d] - mult * g[d]
+
+    @numba.njit(cache=True, nogil=True)
+    def adam_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params):  # pragma: no cover
+        lr, b1, b2 = params[0], params[1], params[2]
+        eps, wd = np.float32(params[3]), np.float32(params[4])
+        one_b1, one_b2 = np.float32(1.0 - b1), np.float32(1.0 - b2)
+        g = np.empty(dim, dtype=np.float32)
+        for u in range(slots.shape[0]):
+            _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
+            row = table[slots[u]]
+            t = row[3 * dim] + np.float32(1.0)
+            row[3 * dim] = t
+            tt = np.float64(t)
+            step = np.float32(lr * np.sqrt(1.0 - b2**tt) / (1.0 - b1**tt))
+            for d in range(dim):
+                gd = g[d] + wd * row[d]
+                m = row[dim + d] + (gd - row[dim + d]) * one_b1
+                v = row[2 * dim + d] + (gd * gd - row[2 * dim + d]) * one_b2
+                row[dim + d] = m
+                row[2 * dim + d] = v
+                row[d] = row[d] - step * (m / (np.sqrt(v) + eps))
+
+    KERNELS = {"sgd": sgd_kernel, "adagrad": adagrad_kernel,
+               "rowwise_adagrad": rowwise_adagrad_kernel, "adam": adam_kernel}
+else:  # pragma: no cover
+    KERNELS = {}
+
+
+def _params(opt: Optimizer) -> np.ndarray:
+    """Hyperparameters in the order the optimizer's kernel reads them."""
+    cfg = opt.to_config()
+    order = {"sgd": ("lr", "weight_decay"), "adagrad": ("lr", "eps", "weight_decay"),
+             "rowwise_adagrad": ("lr", "eps", "weight_decay")}
+    if opt.kind == "adam":
+        b1, b2 = cfg["betas"]
+        return np.array([cfg["lr"], b1, b2, cfg["eps"], cfg["weight_decay"]], dtype=np.float64)
+    return np.array([cfg[k] for k in order[opt.kind]], dtype=np.float64)
+
+
+@dataclass
+class BatchUpdate:
+    """One optimizer step for a batch's unique rows, from per-position gradient rows.
+
+    Position p of the batch belongs to unique row `inverse[p]` and takes gradient row
+    `grad_out[bag_of[p]] * scale[p]` (`bag_of=None`: row p itself; `scale=None`: 1).
+    """
+
+    optimizer: Optimizer
+    dim: int
+    n_unique: int
+    inverse: torch.Tensor
+    grad_out: torch.Tensor
+    bag_of: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    use_kernel: bool = True
+
+    def __post_init__(self) -> None:
+        self._csr = None
+
+    def kernel_for(self, table: torch.Tensor):
+        """The numba kernel to use on `table`, or None for the torch path."""
+        if not (self.use_kernel and table.device.type == "cpu" and self.grad_out.device.type == "cpu"):
+            return None
+        return KERNELS.get(self.optimizer.kind)
+
+    def apply(self, table: torch.Tensor, slots: torch.Tensor) -> None:
+        """Update rows `table[slots[u]]` (u = unique index) in place."""
+        kernel = self.kernel_for(table)
+        if kernel is None:
+            self._apply_torch(table, slots)
+            return
+        if self._csr is None:
+            self._csr = csr_by_group(self.inverse.numpy(), self.n_unique)
+        perm, starts = self._csr
+        empty_i = np.empty(0, dtype=np.int64)
+        empty_f = np.empty(0, dtype=np.float32)
+        kernel(table.numpy(), slots.numpy(), self.dim, perm, starts,
+               empty_i if self.bag_of is None else self.bag_of.numpy(),
+               self.grad_out.contiguous().numpy(),
+               empty_f if self.scale is None else self.scale.contiguous().numpy(),
+               _params(self.optimizer))
+
+    def summed_grads(self) -> torch.Tensor:
+        """Gradient per unique row, summed in input order (the torch path)."""
+        from .store import segment_sum
+
+        g = self.grad_out if self.bag_of is None else self.grad_out.index_select(0, self.bag_of)
+        if self.scale is not None:
+            g = g * self.scale.unsqueeze(1)
+        return segment_sum(g, self.inverse, self.n_unique)
+
+    def _apply_torch(self, table: torch.Tensor, slots: torch.Tensor) -> None:
+        pdim = self.dim + self.optimizer.state_dim(self.dim)
+        grads = self.summed_grads().to(table.device)
+        slots = slots.to(table.device)
+        p = table.index_select(0, slots)[:, :pdim].contiguous()
+        self.optimizer.step(p, grads, self.dim)
+        table[slots, :pdim] = p
