@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['peak_rss_bytes'] / 2**20:>7,.0f}Mi {r['peak_anon_bytes'] / 2**20:>6,.0f}Mi "
               f"{r['cache_bytes'] / 2**20:>6,.0f}Mi "
               f"{r['rows_stored']:>13,} {r['disk_per_row']:>10.1f} {r['disk_over_raw']:>6.2f} "
-              f"{r['auc']:>6.3f}")
+              f"{r['checkpoint_over_raw']:>10.2f} {r['auc']:>6.3f}")
     last = results[-1]
     print(f"\ntargets: largest keeps {last['throughput_vs_first']:.2f}x of the first's throughput "
           f"(>= 0.5); peak RSS - caches = {max(r['rss_over_caches_gib'] for r in results):.2f} GiB "
