@@ -241,3 +241,19 @@ with ts.TierStore({str(tmp_path / 's')!r}, [spec], device_capacity=10_000,
     grown_mib = float(out.stdout.strip().splitlines()[-1])
     caches_mib = 110_000 * 33 * 4 / 2**20
     assert grown_mib < caches_mib + 200, grown_mib
+
+
+def test_store_records_requested_ids(tmp_path):
+    from tierstore.traces import read_recording
+
+    specs = [ts.TableSpec("a", BIG, 2), ts.TableSpec("b", 10, 2)]
+    rec = tmp_path / "run.tsrec"
+    with _open(tmp_path / "s", specs, record=rec) as s:
+        s.read("a", torch.tensor([5, BIG - 1, 5]))
+        g = s.gather("b", torch.tensor([3, 1]))
+        s.apply_unique("b", g.unique, torch.ones(2, 2))  # backward of a gather: not a new request
+        s.apply("a", torch.tensor([7]), torch.ones(1, 2))
+    trace = read_recording(rec)
+    names = [trace.table_names[i] for i in trace.tables]
+    assert names == ["a", "a", "a", "b", "b", "a"]
+    assert trace.rows.tolist() == [5, BIG - 1, 5, 3, 1, 7]

@@ -107,7 +107,8 @@ class TierStore:
     def __init__(self, path: str | os.PathLike, tables: Sequence[TableSpec] | TableSpec, *,
                  device_capacity: int | str, host_capacity: int | str, policy: str = "lru",
                  seed: int = 0, device: torch.device | str | None = None,
-                 map_limit: int | str | None = None) -> None:
+                 map_limit: int | str | None = None,
+                 record: str | os.PathLike | None = None) -> None:
         tables = [tables] if isinstance(tables, TableSpec) else list(tables)
         if not tables or not all(isinstance(t, TableSpec) for t in tables):
             raise ConfigError("tables must be a non-empty sequence of TableSpec")
@@ -144,6 +145,11 @@ class TierStore:
         self._by_index = [self.tables[n] for n in names]
         self.ssd_stats = TierStats()
         self._closed = False
+        self._recorder = None
+        if record is not None:
+            from .traces import TraceRecorder
+
+            self._recorder = TraceRecorder(record)
         _OPEN_STORES.add(self)
 
     # configuration ------------------------------------------------------------------------
@@ -221,6 +227,7 @@ class TierStore:
         """Current embedding rows [n, dim] (float32, store device); never-written rows are lazy."""
         tab = self._table(table)
         ids = self._ids(tab, ids)
+        self._record(table, ids)
         g = self._gather(tab, ids)
         return g.weights.index_select(0, g.inverse.to(g.weights.device))
 
@@ -228,7 +235,9 @@ class TierStore:
     def gather(self, table: str, ids: Any) -> Gathered:
         """Make a batch's rows resident (device tier first) and return them deduplicated."""
         tab = self._table(table)
-        return self._gather(tab, self._ids(tab, ids))
+        ids = self._ids(tab, ids)
+        self._record(table, ids)
+        return self._gather(tab, ids)
 
     @_locked
     def apply(self, table: str, ids: Any, grads: torch.Tensor) -> None:
@@ -238,6 +247,7 @@ class TierStore:
         grads = self._grads(tab, grads, ids.numel())
         if ids.numel() == 0:
             return
+        self._record(table, ids)
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
         self._access(tab, uniq, BatchUpdate(tab.spec.optimizer, tab.spec.dim, uniq.numel(), inv,
                                             grads.cpu(), use_kernel=self.fused))
@@ -335,6 +345,8 @@ class TierStore:
         finally:
             self._closed = True
             self.backend.close()
+            if self._recorder is not None:
+                self._recorder.close()
 
     def __enter__(self) -> TierStore:
         return self
@@ -370,6 +382,11 @@ class TierStore:
         return restore(dest, path, **open_kwargs)
 
     # internals --------------------------------------------------------------------------
+    def _record(self, table: str, ids: torch.Tensor) -> None:
+        """Append the requested ids to the access trace, when recording."""
+        if self._recorder is not None:
+            self._recorder.record(table, ids)
+
     def _gather(self, tab: _Table, ids: torch.Tensor) -> Gathered:
         if ids.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64)
