@@ -228,6 +228,17 @@ class TierStore:
         tab = self._table(table)
         ids = self._ids(tab, ids)
         self._record(table, ids)
+        dev = self.device_tier
+        if ids.numel() and dev.capacity:
+            # fast path: every id resident in the device tier -> one lookup and one gather
+            slots = dev.lookup(torch.tensor(tab.index, device=dev.device), ids.to(dev.device),
+                               count=False)
+            if bool((slots >= 0).all()):
+                n = ids.numel()
+                dev.stats.lookups += n
+                dev.stats.hits += n
+                dev.touch(slots)
+                return dev.slab[:, : tab.spec.dim].index_select(0, slots)
         g = self._gather(tab, ids)
         return g.weights.index_select(0, g.inverse.to(g.weights.device))
 
