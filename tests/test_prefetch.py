@@ -167,3 +167,16 @@ def test_consumer_stops_early_and_errors_surface(tmp_path):
         store.check()
         with pytest.raises(ts.ConfigError):
             Prefetcher(store, [], depth=-1)
+
+
+def test_prefetcher_over_a_collection_with_feature_names(tmp_path):
+    specs = [ts.TableSpec("users", 1000, 2), ts.TableSpec("items", 1000, 3)]
+    with ts.TierStore(tmp_path / "s", specs, device_capacity=8, host_capacity=8,
+                      device="cpu") as store:
+        ebc = ts.TieredEmbeddingBagCollection(store, [("u", "users"), ("i", "items"), ("j", "items")])
+        batches = [(["u", "i", "j"], torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([1, 1, 1, 1, 1, 1]))
+                   for _ in range(4)]
+        with Prefetcher(ebc, batches, depth=2) as pf:
+            outs = [ebc(*b) for b in pf]
+        assert len(outs) == 4 and outs[0].shape == (2, 2 + 3 + 3)
+        assert store.stats()["prefetch"]["batches"] == 4

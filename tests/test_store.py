@@ -257,3 +257,10 @@ def test_store_records_requested_ids(tmp_path):
     names = [trace.table_names[i] for i in trace.tables]
     assert names == ["a", "a", "a", "b", "b", "a"]
     assert trace.rows.tolist() == [5, BIG - 1, 5, 3, 1, 7]
+
+
+def test_init_by_name(tmp_path):
+    assert ts.TableSpec("t", 5, 2, init="normal").init == ts.NormalInit()
+    assert ts.TableSpec("t", 5, 2, init="constant").init == ts.ConstantInit()
+    with pytest.raises(ts.ConfigError):
+        ts.TableSpec("t", 5, 2, init="xavier")

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
-from .initializers import Initializer, UniformInit, initializer_from_config
+from .initializers import INITIALIZERS, Initializer, UniformInit, initializer_from_config
 from .optimizers import SGD, Optimizer, optimizer_from_config
 
 MAX_ROWS = 2**63 - 1
@@ -39,8 +39,12 @@ class TableSpec:
             raise ConfigError(f"dim must be an int in [1, 65536], got {self.dim!r}")
         if not isinstance(self.optimizer, Optimizer):
             raise ConfigError(f"optimizer must be a tierstore optimizer, got {self.optimizer!r}")
+        if isinstance(self.init, str):  # "uniform" / "normal" / "constant" with defaults
+            if self.init not in INITIALIZERS:
+                raise ConfigError(f"unknown init {self.init!r}; known: {sorted(INITIALIZERS)}")
+            object.__setattr__(self, "init", INITIALIZERS[self.init]())
         if not isinstance(self.init, Initializer):
-            raise ConfigError(f"init must be a tierstore initializer, got {self.init!r}")
+            raise ConfigError(f"init must be a tierstore initializer or its name, got {self.init!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 

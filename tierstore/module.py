@@ -116,7 +116,10 @@ class TieredEmbeddingBagCollection(nn.Module):
         super().__init__()
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
-        feats = dict(features) if isinstance(features, Mapping) else {t: t for t in features}
+        if isinstance(features, Mapping):
+            feats = dict(features)
+        else:  # table names (one feature each) or (feature, table) pairs
+            feats = dict(f if isinstance(f, (tuple, list)) else (f, f) for f in features)
         if not feats:
             raise ConfigError("features must not be empty")
         for table in feats.values():

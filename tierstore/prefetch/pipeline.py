@@ -56,7 +56,7 @@ class Prefetcher:
     receive each staged row's next use within the window.
     """
 
-    def __init__(self, store: TierStore, batches: Iterable[Any], depth: int = 2, *,
+    def __init__(self, store: TierStore | Any, batches: Iterable[Any], depth: int = 2, *,
                  features: Mapping[str, str] | None = None,
                  extract: Callable[[Any], Any] | None = None, readers: int = 4,
                  delay: Callable[[], float] | None = None) -> None:
@@ -64,6 +64,12 @@ class Prefetcher:
             raise ConfigError(f"depth must be an int >= 0, got {depth!r}")
         if readers < 1:
             raise ConfigError(f"readers must be >= 1, got {readers!r}")
+        if not isinstance(store, TierStore) and hasattr(store, "store") and hasattr(store, "features"):
+            # a TieredEmbeddingBagCollection: take its store and feature -> table map
+            features = store.features if features is None else features
+            store = store.store
+        if not isinstance(store, TierStore):
+            raise ConfigError("Prefetcher needs a TierStore or a TieredEmbeddingBagCollection")
         self.store = store
         self.depth = depth
         self.features = dict(features) if features is not None else None
