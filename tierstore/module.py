@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError, ShapeError
-from .store import TierStore
+from .store import Gathered, TierStore
 
 MODES = ("sum", "mean")
 
@@ -21,16 +21,20 @@ class _TieredBags(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, weights: torch.Tensor, psw: torch.Tensor | None, inverse: torch.Tensor,
                 offsets: torch.Tensor, mode: str, store: TierStore, table: str,
-                unique: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(weights, psw, inverse, offsets, unique)
-        ctx.mode, ctx.store, ctx.table = mode, store, table
+                gathered: Gathered) -> torch.Tensor:
+        ctx.save_for_backward(weights, psw, inverse, offsets)
+        ctx.mode, ctx.store, ctx.table, ctx.gathered = mode, store, table, gathered
         return F.embedding_bag(inverse, weights, offsets, mode=mode, per_sample_weights=psw)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        weights, psw, inverse, offsets, unique = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        ctx.store.apply_bags(ctx.table, unique, inverse, offsets, grad_out, psw, ctx.mode)
+        weights, psw, inverse, offsets = ctx.saved_tensors
+        store = ctx.store
+        with store._lock:
+            store._live()
+            store._apply_bags(store._table(ctx.table), ctx.gathered, offsets,
+                              grad_out.contiguous(), psw, ctx.mode)
+        ctx.gathered = None
         g_psw = None
         if psw is not None and ctx.needs_input_grad[1]:
             n = inverse.numel()
@@ -99,7 +103,7 @@ def _pool(store: TierStore, table: str, ids: torch.Tensor, offsets: torch.Tensor
         weights = weights.detach().requires_grad_(True)
     psw = None if psw is None else psw.to(device=dev, dtype=weights.dtype)
     return _TieredBags.apply(weights, psw, g.inverse.to(dev), offsets.to(dev), mode, store,
-                             table, g.unique)
+                             table, g)
 
 
 class TieredEmbeddingBagCollection(nn.Module):

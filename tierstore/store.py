@@ -54,6 +54,8 @@ class Gathered:
     unique: torch.Tensor  # int64 [u], sorted
     inverse: torch.Tensor  # int64 [n], ids == unique[inverse]
     weights: torch.Tensor  # float32 [u, dim] on the store's device
+    slots: torch.Tensor | None = None  # device-tier slots of `unique` when all were resident
+    generation: int = -1  # the device tier's generation when `slots` was taken
 
 
 @dataclass
@@ -288,9 +290,17 @@ class TierStore:
         """
         tab = self._table(table)
         unique = self._ids(tab, unique)
+        grad_out = self._grads(tab, grad_out, offsets.numel())
+        self._apply_bags(tab, Gathered(unique, inverse, grad_out[:0]), offsets, grad_out,
+                         per_sample_weights, mode)
+
+    def _apply_bags(self, tab: _Table, g: Gathered, offsets: torch.Tensor, grad_out: torch.Tensor,
+                    per_sample_weights: torch.Tensor | None, mode: str) -> None:
+        """`apply_bags` on trusted input from `gather`; reuses its device slots when still valid."""
+        unique, inverse = g.unique, g.inverse
         n = inverse.numel()
         bags = offsets.numel()
-        grad_out = self._grads(tab, grad_out, bags).cpu()
+        grad_out = grad_out.detach().to("cpu", torch.float32)
         if unique.numel() == 0 or n == 0:
             return
         offsets = offsets.to("cpu", torch.int64)
@@ -303,8 +313,14 @@ class TierStore:
         if per_sample_weights is not None:
             psw = per_sample_weights.detach().to("cpu", torch.float32).reshape(-1)
             scale = psw if scale is None else scale * psw
-        self._access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(),
-                                              inverse, grad_out, bag_of, scale, self.fused))
+        update = BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(), inverse, grad_out,
+                             bag_of, scale, self.fused)
+        dev = self.device_tier
+        if g.slots is not None and g.generation == dev.generation:
+            update.apply(dev.slab, g.slots)  # rows still where gather found them: update in place
+            dev.dirty[g.slots] = True
+            return
+        self._access(tab, unique, update)
 
     @_locked
     def flush(self) -> None:
@@ -404,7 +420,8 @@ class TierStore:
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
         payload = self._access(tab, uniq, None)
-        return Gathered(uniq, inv, payload[:, : tab.spec.dim])
+        return Gathered(uniq, inv, payload[:, : tab.spec.dim], self._last_dslots,
+                        self.device_tier.generation)
 
     def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
                 count: bool = True) -> torch.Tensor | None:
@@ -419,12 +436,14 @@ class TierStore:
         dhit = dslots >= 0
         if bool(dhit.all()):
             self._last_sources = (uniq.numel(), 0, 0)
+            self._last_dslots = dslots
             dev.touch(dslots)
             if update is None:
                 return dev.read(dslots)
             update.apply(dev.slab, dslots)  # in place in the device slab
             dev.dirty[dslots] = True
             return None
+        self._last_dslots = None
         n = uniq.numel()
         payload = torch.empty((n, self.width), dtype=torch.float32)
         dirty = torch.zeros(n, dtype=torch.bool)

@@ -73,6 +73,7 @@ class SlabTier:
         self.pins = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)
         self._free = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, device=self.device)
         self.stats = TierStats()
+        self.generation = 0  # bumped whenever a slot changes owner (insert or release)
 
     @property
     def size(self) -> int:
@@ -113,6 +114,7 @@ class SlabTier:
         return out
 
     def _release(self, slots: torch.Tensor) -> None:
+        self.generation += 1
         self.policy.on_evict(slots)
         self.index.remove(slots)
         self.dirty[slots] = False
@@ -150,6 +152,7 @@ class SlabTier:
         k = min(n, nfree)
         if k == 0:
             return 0, evicted
+        self.generation += 1
         slots = self._free[-k:].flip(0)
         self._free = self._free[:-k]
         rows = rows.take(slice(0, k)).to(self.device)
