@@ -264,3 +264,23 @@ def test_init_by_name(tmp_path):
     assert ts.TableSpec("t", 5, 2, init="constant").init == ts.ConstantInit()
     with pytest.raises(ts.ConfigError):
         ts.TableSpec("t", 5, 2, init="xavier")
+
+
+def test_second_process_cannot_open_for_writing(tmp_path):
+    spec = ts.TableSpec("t", 50, 4)
+    with _open(tmp_path / "s", [spec]) as s:
+        s.apply("t", torch.tensor([1]), torch.ones(1, 4))
+        s.flush()
+        code = f"""
+import tierstore as ts
+try:
+    ts.TierStore({str(tmp_path / 's')!r}, [ts.TableSpec("t", 50, 4)], device_capacity=1,
+                 host_capacity=1, device="cpu")
+except ts.StoreLockedError as exc:
+    print("locked:", exc)
+"""
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert out.stdout.startswith("locked:"), out.stdout + out.stderr
+        assert torch.equal(s.read("t", torch.tensor([1])), s.read("t", torch.tensor([1])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout == ""  # free again once closed
