@@ -100,8 +100,8 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-DEMO = dict(tables="criteo", steps=200, batch=4096, eval_interval=50, eval_batches=8,
-            checkpoint_interval=100, device_capacity="32MiB", host_capacity="128MiB",
+DEMO = dict(tables="criteo", steps=300, batch=4096, eval_interval=100, eval_batches=8, prefetch=2,
+            checkpoint_interval=150, device_capacity="32MiB", host_capacity="128MiB",
             run_dir="runs/demo")
 
 
@@ -386,8 +386,8 @@ class Trainer:
                 bar.write(f"step {self.step}: held-out AUC {e['auc']:.4f}, log loss {e['logloss']:.4f}")
             if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
                 path = self.checkpoint()
-                bar.write(f"checkpoint {path}")
-                print(f"CHECKPOINT {self.step}", flush=True)
+                bar.write(f"checkpoint step {self.step}: {path}", file=sys.stdout)
+                sys.stdout.flush()
             if self.step % 10 == 0 or self.step == cfg.steps:
                 self.peak_anon = max(self.peak_anon, rss_parts()["anon"])
             if cfg.progress and (self.step % 10 == 0 or self.step == cfg.steps):
@@ -445,6 +445,14 @@ class Trainer:
         self.store.close()
 
 
+def _prefetch_line(s: dict) -> str:
+    p = s.get("prefetch") or {}
+    if not s["config"]["prefetch"] or not p.get("batches"):
+        return ""
+    return (f"; prefetch depth {s['config']['prefetch']}: waited {p['stall_seconds']:.1f} s for staging, "
+            f"staged {p['rows_staged']:,} rows, {p['hit_rate']:.3f} of used rows resident in time")
+
+
 def format_summary(s: dict) -> str:
     """The end-of-run summary table."""
     mib = 2**20
@@ -456,7 +464,7 @@ def format_summary(s: dict) -> str:
         f"{'throughput':<22} {s['samples_per_s']:,.0f} samples/s ({s['ids_per_s'] / 1e6:.2f} M ids/s), "
         f"{s['train_s']:.1f} s",
         f"{'time split':<22} " + ", ".join(f"{k} {v:.1f}s" for k, v in s["times"].items()),
-        f"{'stall (data + lookup)':<22} {s['stall_s']:.1f} s",
+        f"{'stall (data + lookup)':<22} {s['stall_s']:.1f} s" + _prefetch_line(s),
         f"{'held-out AUC':<22} {s['final_auc']:.4f}  (log loss {s['final_logloss']:.4f}, "
         f"CTR {s['eval_ctr']:.3f})",
         f"{'resident memory':<22} {s['rss_bytes'] / mib:,.0f} MiB now ({s['rss_anon_bytes'] / mib:,.0f} "
@@ -504,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device-capacity", default=None)
     ap.add_argument("--host-capacity", default=None)
     ap.add_argument("--policy", default=d.policy)
-    ap.add_argument("--prefetch", type=int, default=d.prefetch, help="look-ahead depth in batches")
+    ap.add_argument("--prefetch", type=int, default=None, help="look-ahead depth in batches (default 0)")
     ap.add_argument("--eval-interval", type=int, default=None)
     ap.add_argument("--eval-batches", type=int, default=None)
     ap.add_argument("--checkpoint-interval", type=int, default=None)

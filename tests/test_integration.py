@@ -175,7 +175,7 @@ def test_resume_after_kill_is_bit_identical(tmp_path, capsys):
                             stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith("CHECKPOINT 4"):
+        if line.startswith("checkpoint step 4:"):
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait()
