@@ -260,7 +260,8 @@ class Trainer:
         name = f"step-{self.step:09d}"
         final = self.ckpt_dir / name
         staging = self.ckpt_dir / f".{name}.partial"
-        shutil.rmtree(staging, ignore_errors=True)
+        for leftover in self.ckpt_dir.glob(".step-*.partial"):  # from a run killed mid-checkpoint
+            shutil.rmtree(leftover, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
         staging.mkdir()
         self.store.checkpoint(staging / "store", step=self.step)
@@ -284,16 +285,20 @@ class Trainer:
             yield from self.synth.batches(self.cfg.batch, start=self.step)
             return
         assert self.tsv is not None
-        skip = self.cfg.eval_batches + self.step
+        head = self.cfg.eval_batches
+        skip = head + self.step
         while True:  # cycle over the file after the held-out head
             n = 0
             for b in self.tsv.batches(self.cfg.batch, skip=skip):
                 n += 1
                 yield b
-            if n == 0 and skip == self.cfg.eval_batches:
-                raise ConfigError(f"{self.cfg.data} has no training rows after the "
-                                  f"{self.cfg.eval_batches} held-out batches")
-            skip = self.cfg.eval_batches
+            if n == 0 and skip == head:
+                raise ConfigError(f"{self.cfg.data} has no training rows after the {head} held-out batches")
+            if n == 0:  # resumed past the first epoch: find the position within the epoch
+                per_epoch = sum(1 for _ in self.tsv.batches(self.cfg.batch, skip=head))
+                skip = head + (skip - head) % max(per_epoch, 1)
+                continue
+            skip = head
 
     def eval_batches(self) -> list[Batch]:
         """Held-out batches: a separate synthetic stream, or the first batches of the file."""

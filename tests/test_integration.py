@@ -123,11 +123,16 @@ def test_criteo_reader_csv_tsv_and_gzip_agree(tmp_path):
 
 
 @needs_criteo
-def test_train_on_criteo_sample(tmp_path):
-    run = tmp_path / "run"
-    assert tr.main([*TINY, "--data", str(CRITEO_CSV), "--tables", "kaggle", "--batch", "40",
-                    "--steps", "4", "--run-dir", str(run)]) == 0
-    assert (run / "final_dense.pt").is_file()
+def test_train_on_criteo_sample_and_resume_across_epochs(tmp_path):
+    # 200 rows / 40 = 5 batches: 2 held out, 3 per training epoch; 7 steps cross two epoch ends
+    opts = [*TINY, "--data", str(CRITEO_CSV), "--tables", "kaggle", "--batch", "40", "--steps", "7"]
+    assert tr.main([*opts, "--run-dir", str(tmp_path / "full")]) == 0
+    part = tmp_path / "part"
+    assert tr.main([*opts[:-1], "4", "--checkpoint-interval", "4", "--run-dir", str(part)]) == 0
+    assert tr.main([*opts, "--resume", "--run-dir", str(part)]) == 0
+    a = torch.load(tmp_path / "full" / "final_dense.pt", weights_only=True)
+    b = torch.load(part / "final_dense.pt", weights_only=True)
+    assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
 
 
 def test_tiny_training_beats_chance(tmp_path, capsys):
