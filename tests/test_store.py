@@ -284,3 +284,11 @@ except ts.StoreLockedError as exc:
         assert torch.equal(s.read("t", torch.tensor([1])), s.read("t", torch.tensor([1])))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout == ""  # free again once closed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
+    for device in ("cuda", "tpu:7"):
+        with pytest.raises(ts.ConfigError):
+            ts.TierStore(tmp_path / "s", [ts.TableSpec("t", 5, 2)], device_capacity=1,
+                         host_capacity=1, device=device)

@@ -80,9 +80,12 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(f"invalid device {device!r}: {exc}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} requested but CUDA is not available")
+    return dev
 
 
 def _mismatch(stored: TableSpec, given: TableSpec) -> list[str]:
