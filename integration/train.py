@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
-from tierstore.errors import ConfigError, StoreCorruptError
+from tierstore.errors import ConfigError, StoreCorruptError, StoreLockedError, TierstoreError
 
 from .data import SPARSE_NAMES, Batch, CriteoTSV, SyntheticCriteo, parse_tables
 from .model import DLRM
@@ -172,6 +173,18 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _lock_run(run_dir: Path) -> int:
+    """Hold an exclusive lock on a run directory (a sibling lock file) for the trainer's life."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir.parent / f".{run_dir.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        raise StoreLockedError(f"run directory {run_dir} is in use by another trainer") from exc
+    return fd
+
+
 class Trainer:
     """One training run: the store, the DLRM, the data streams, checkpoints and metrics."""
 
@@ -190,14 +203,24 @@ class Trainer:
         else:
             self.synth, self.tsv = None, CriteoTSV(cfg.data, self.cards)
         self.step = 0
-        self._prepare_dir()
-        self.store = self._open_store()
-        torch.manual_seed(cfg.seed)
-        ebc = TieredEmbeddingBagCollection(self.store, SPARSE_NAMES)
-        self.model = DLRM(ebc, bottom=_sizes(cfg.bottom), top=_sizes(cfg.top))
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.dense_lr)
-        if cfg.resume and self.latest() is not None:
-            self._load_dense(self.latest())
+        self._lock_fd = _lock_run(self.run_dir)
+        try:
+            self._prepare_dir()
+            self.store = self._open_store()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        try:
+            torch.manual_seed(cfg.seed)
+            ebc = TieredEmbeddingBagCollection(self.store, SPARSE_NAMES)
+            self.model = DLRM(ebc, bottom=_sizes(cfg.bottom), top=_sizes(cfg.top))
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.dense_lr)
+            latest = self.latest() if cfg.resume else None
+            if latest is not None:
+                self._load_dense(latest)
+        except BaseException:
+            self.close()
+            raise
         self.times = dict(data=0.0, lookup=0.0, compute=0.0, eval=0.0, checkpoint=0.0)
         self.evals: list[dict] = []
         self.checkpoints: list[int] = []
@@ -446,8 +469,13 @@ class Trainer:
         }
 
     def close(self) -> None:
-        """Flush and close the store."""
-        self.store.close()
+        """Flush and close the store, and release the run directory."""
+        try:
+            self.store.close()
+        finally:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
 
 def _prefetch_line(s: dict) -> str:
@@ -549,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)
     except ConfigError as exc:
         ap.error(str(exc))
+    except TierstoreError as exc:  # a locked, corrupt or foreign store or checkpoint
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        return 1
     try:
         print(f"training DLRM: 26 tables, {sum(trainer.cards):.3g} rows, dim {cfg.dim}, "
               f"batch {cfg.batch}, steps {trainer.step} -> {cfg.steps}, caches "

@@ -209,3 +209,16 @@ def test_resume_rejects_changed_model_options(tmp_path):
     assert tr.main([*TINY, "--steps", "2", "--run-dir", str(run)]) == 0
     with pytest.raises(SystemExit):
         tr.main([*TINY, "--steps", "4", "--run-dir", str(run), "--resume", "--dim", "4"])
+
+
+def test_a_run_directory_in_use_is_refused(tmp_path, capsys):
+    cfg = tr.TrainConfig(run_dir=str(tmp_path / "run"), tables="uniform:1000", progress=False)
+    t = tr.Trainer(cfg)
+    try:
+        assert tr.main(["--tables", "uniform:1000", "--run-dir", cfg.run_dir, "--no-progress"]) == 1
+        assert "in use" in capsys.readouterr().err
+        assert (tmp_path / "run" / "run.json").is_file()
+    finally:
+        t.close()
+    assert tr.main(["--tables", "uniform:1000", "--run-dir", cfg.run_dir, "--no-progress",
+                    "--steps", "1", "--batch", "8", "--eval-batches", "1"]) == 0
