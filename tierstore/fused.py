@@ -115,10 +115,45 @@ if HAVE_NUMBA:
                 row[2 * dim + d] = v
                 row[d] = row[d] - step * (m / (np.sqrt(v) + eps))
 
+    @numba.njit(cache=True, nogil=True)
+    def pool_kernel(table, rows, inverse, offsets, n_total, dim, psw, mean, out):  # pragma: no cover
+        """out[b] = (weighted) sum or mean of rows `table[rows[inverse[p]]]` over bag b's positions."""
+        bags = offsets.shape[0]
+        has_w = psw.shape[0] > 0
+        for b in range(bags):
+            lo = offsets[b]
+            hi = offsets[b + 1] if b + 1 < bags else n_total
+            acc = out[b]
+            for d in range(dim):
+                acc[d] = np.float32(0.0)
+            for p in range(lo, hi):
+                src = table[rows[inverse[p]]]
+                if has_w:
+                    w = psw[p]
+                    for d in range(dim):
+                        acc[d] += src[d] * w
+                else:
+                    for d in range(dim):
+                        acc[d] += src[d]
+            if mean and hi > lo:
+                cnt = np.float32(hi - lo)
+                for d in range(dim):
+                    acc[d] = acc[d] / cnt
+
     KERNELS = {"sgd": sgd_kernel, "adagrad": adagrad_kernel,
                "rowwise_adagrad": rowwise_adagrad_kernel, "adam": adam_kernel}
 else:  # pragma: no cover
     KERNELS = {}
+
+
+def pool(table: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
+         dim: int, psw: torch.Tensor | None, mean: bool) -> torch.Tensor:
+    """Pooled bags [len(offsets), dim] from rows of `table` (the numba kernel; CPU tensors)."""
+    out = torch.empty((offsets.numel(), dim), dtype=torch.float32)
+    pool_kernel(table.numpy(), rows.numpy(), inverse.numpy(), offsets.numpy(), inverse.numel(), dim,
+                np.empty(0, dtype=np.float32) if psw is None else psw.contiguous().numpy(), mean,
+                out.numpy())
+    return out
 
 
 def _params(opt: Optimizer) -> np.ndarray:

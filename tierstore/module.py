@@ -6,43 +6,49 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError, ShapeError
-from .store import Gathered, TierStore
+from .store import TierStore
 
 MODES = ("sum", "mean")
 
 
 class _TieredBags(torch.autograd.Function):
-    """embedding_bag over gathered unique rows; backward applies the table's fused optimizer."""
+    """Pooled bags over store rows; backward applies the table's fused optimizer in place."""
 
     @staticmethod
-    def forward(ctx: Any, weights: torch.Tensor, psw: torch.Tensor | None, inverse: torch.Tensor,
-                offsets: torch.Tensor, mode: str, store: TierStore, table: str,
-                gathered: Gathered) -> torch.Tensor:
-        ctx.save_for_backward(weights, psw, inverse, offsets)
-        ctx.mode, ctx.store, ctx.table, ctx.gathered = mode, store, table, gathered
-        return F.embedding_bag(inverse, weights, offsets, mode=mode, per_sample_weights=psw)
+    def forward(ctx: Any, anchor: torch.Tensor, psw: torch.Tensor | None, store: TierStore,
+                table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str) -> torch.Tensor:
+        with store._lock:
+            tab = store._table(table)
+            ids = store._ids(tab, ids)
+            store._record(table, ids)
+            out, g = store._pool_forward(tab, ids, offsets, psw, mode,
+                                         need_weights=bool(ctx.needs_input_grad[1]))
+        ctx.save_for_backward(psw, offsets)
+        ctx.mode, ctx.store, ctx.table, ctx.gathered = mode, store, table, g
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        weights, psw, inverse, offsets = ctx.saved_tensors
-        store = ctx.store
+        psw, offsets = ctx.saved_tensors
+        store, g = ctx.store, ctx.gathered
+        ctx.gathered = None
         with store._lock:
             store._live()
-            store._apply_bags(store._table(ctx.table), ctx.gathered, offsets,
-                              grad_out.contiguous(), psw, ctx.mode)
-        ctx.gathered = None
+            store._apply_bags(store._table(ctx.table), g, offsets, grad_out.contiguous(), psw,
+                              ctx.mode)
         g_psw = None
         if psw is not None and ctx.needs_input_grad[1]:
-            n = inverse.numel()
-            lengths = torch.diff(offsets, append=torch.tensor([n], device=offsets.device))
-            bag_of = torch.repeat_interleave(torch.arange(offsets.numel(), device=offsets.device),
-                                             lengths)
-            g_psw = (grad_out.index_select(0, bag_of) * weights.index_select(0, inverse)).sum(1)
-        return None, g_psw, None, None, None, None, None, None
+            n = g.inverse.numel()
+            dev = g.weights.device
+            offs = offsets.to(dev)
+            lengths = torch.diff(offs, append=torch.tensor([n], device=dev))
+            bag_of = torch.repeat_interleave(torch.arange(offs.numel(), device=dev), lengths)
+            rows = g.weights.index_select(0, g.inverse.to(dev))
+            g_psw = (grad_out.to(dev).index_select(0, bag_of) * rows).sum(1).to(psw.device)
+        return None, g_psw, None, None, None, None, None
 
 
 def _normalize(input: torch.Tensor, offsets: torch.Tensor | None,
@@ -96,14 +102,9 @@ class TieredEmbeddingBag(nn.Module):
 
 def _pool(store: TierStore, table: str, ids: torch.Tensor, offsets: torch.Tensor,
           psw: torch.Tensor | None, mode: str) -> torch.Tensor:
-    g = store.gather(table, ids)
-    dev = g.weights.device
-    weights = g.weights
-    if torch.is_grad_enabled():
-        weights = weights.detach().requires_grad_(True)
-    psw = None if psw is None else psw.to(device=dev, dtype=weights.dtype)
-    return _TieredBags.apply(weights, psw, g.inverse.to(dev), offsets.to(dev), mode, store,
-                             table, g)
+    # a leaf that requires grad, so autograd runs our backward (which updates the store)
+    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+    return _TieredBags.apply(anchor, psw, store, table, ids, offsets.to("cpu", torch.int64), mode)
 
 
 class TieredEmbeddingBagCollection(nn.Module):

@@ -29,6 +29,7 @@ from .errors import (
     UnknownTableError,
 )
 from .fused import BatchUpdate
+from .fused import pool as fused_pool
 from .initializers import name_key
 from .stats import TierStats
 
@@ -296,6 +297,43 @@ class TierStore:
         grad_out = self._grads(tab, grad_out, offsets.numel())
         self._apply_bags(tab, Gathered(unique, inverse, grad_out[:0]), offsets, grad_out,
                          per_sample_weights, mode)
+
+    def _pool_forward(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
+                      psw: torch.Tensor | None, mode: str, need_weights: bool
+                      ) -> tuple[torch.Tensor, Gathered]:
+        """Pooled embeddings of bags over validated ids, and what the backward needs.
+
+        With the numba kernels on a CPU store, bags are pooled straight from the device slab
+        when every row is resident (no copy), otherwise from the gathered payloads: the same
+        kernel, the same bits. Elsewhere, `F.embedding_bag` over the gathered rows.
+        """
+        dim = tab.spec.dim
+        dev = self.device_tier
+        mean = mode == "mean"
+        if not (self.fused and dev.device.type == "cpu"):
+            g = self._gather(tab, ids)
+            w = g.weights.to(self.device)
+            out = torch.nn.functional.embedding_bag(
+                g.inverse.to(w.device), w, offsets.to(w.device), mode=mode,
+                per_sample_weights=None if psw is None else psw.to(w.device, w.dtype))
+            return out, g
+        if ids.numel() == 0:
+            return torch.zeros(offsets.numel(), dim), self._gather(tab, ids)
+        uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        psw = None if psw is None else psw.detach().to("cpu", torch.float32)
+        dslots = dev.lookup(torch.tensor(tab.index), uniq, count=False)
+        if bool((dslots >= 0).all()):
+            u = uniq.numel()
+            dev.stats.lookups += u
+            dev.stats.hits += u
+            dev.touch(dslots)
+            out = fused_pool(dev.slab, dslots, inv, offsets, dim, psw, mean)
+            weights = dev.slab.index_select(0, dslots)[:, :dim] if need_weights else \
+                torch.empty(0, dim)
+            return out, Gathered(uniq, inv, weights, dslots, dev.generation)
+        payload = self._access(tab, uniq, None)
+        out = fused_pool(payload, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
+        return out, Gathered(uniq, inv, payload[:, :dim], self._last_dslots, dev.generation)
 
     def _apply_bags(self, tab: _Table, g: Gathered, offsets: torch.Tensor, grad_out: torch.Tensor,
                     per_sample_weights: torch.Tensor | None, mode: str) -> None:
