@@ -34,6 +34,7 @@ from .initializers import name_key
 from .stats import TierStats
 
 FORMAT_VERSION = 1
+FLUSH_CHUNK = 65536  # rows per LMDB transaction when flushing
 _OPEN_STORES: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -365,17 +366,15 @@ class TierStore:
 
     @_locked
     def flush(self) -> None:
-        """Write every dirty cached row to LMDB in one transaction and sync it to disk."""
+        """Write every dirty cached row to LMDB and sync it to disk.
+
+        Rows go down in transactions of at most `FLUSH_CHUNK` rows, so flushing a large cache
+        needs bounded extra memory; the flush is acknowledged (durable) when it returns.
+        """
         self._live()
-        parts, tiers = [], []
         for tier in (self.device_tier, self.host_tier):
-            slots, rows = tier.dirty_rows()
-            if len(rows):
-                parts.append(rows.to(torch.device("cpu")))
-                tiers.append((tier, slots))
-        if parts:
-            self._write_down(Rows.cat(parts))
-            for tier, slots in tiers:
+            for slots, rows in tier.dirty_chunks(FLUSH_CHUNK):
+                self._write_down(rows.to(torch.device("cpu")))
                 tier.dirty[slots] = False
         self.backend.sync()
 

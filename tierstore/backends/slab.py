@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -71,14 +72,16 @@ class SlabTier:
         self.dirty = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
         self.occupied = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
         self.pins = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)
-        self._free = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, device=self.device)
+        # free slots as a preallocated stack: _free_buf[:_nfree], top at the end
+        self._free_buf = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, device=self.device)
+        self._nfree = self.capacity
         self.stats = TierStats()
         self.generation = 0  # bumped whenever a slot changes owner (insert or release)
 
     @property
     def size(self) -> int:
         """Number of occupied slots."""
-        return self.capacity - int(self._free.numel())
+        return self.capacity - self._nfree
 
     def lookup(self, tabs: torch.Tensor, rows: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Slots holding the keys (-1 where absent); counts lookups, hits and misses."""
@@ -120,7 +123,9 @@ class SlabTier:
         self.dirty[slots] = False
         self.occupied[slots] = False
         self.pins[slots] = 0
-        self._free = torch.cat([self._free, slots.flip(0)])
+        m = slots.numel()
+        self._free_buf[self._nfree : self._nfree + m] = slots.flip(0)
+        self._nfree += m
 
     def evictable(self, protect: torch.Tensor | None = None) -> torch.Tensor:
         """Mask of slots a policy may choose: occupied, unpinned, not in `protect`."""
@@ -138,7 +143,7 @@ class SlabTier:
         n = len(rows)
         if n == 0 or self.capacity == 0:
             return 0, None
-        nfree = int(self._free.numel())
+        nfree = self._nfree
         evicted = None
         if n > nfree:
             ok = self.evictable(protect)
@@ -148,13 +153,13 @@ class SlabTier:
                 evicted = self.remove(victims)
                 self.stats.evictions += need
                 self.stats.writebacks += int(evicted.dirty.sum())
-            nfree = int(self._free.numel())
+            nfree = self._nfree
         k = min(n, nfree)
         if k == 0:
             return 0, evicted
         self.generation += 1
-        slots = self._free[-k:].flip(0)
-        self._free = self._free[:-k]
+        slots = self._free_buf[self._nfree - k : self._nfree].flip(0)
+        self._nfree -= k
         rows = rows.take(slice(0, k)).to(self.device)
         self.index.add(rows.tabs, rows.rows, slots)
         self.slab[slots] = rows.payload
@@ -172,11 +177,13 @@ class SlabTier:
             self.pins.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
             self.pins.clamp_(min=0)
 
-    def dirty_rows(self) -> tuple[torch.Tensor, Rows]:
-        """Slots and rows of every dirty resident row (for flushing)."""
-        slots = torch.nonzero(self.dirty & self.occupied).flatten()
-        return slots, Rows(self.index.tab_of[slots], self.index.row_of[slots],
-                           self.slab.index_select(0, slots), self.dirty[slots])
+    def dirty_chunks(self, chunk: int) -> Iterator[tuple[torch.Tensor, Rows]]:
+        """Slots and rows of the dirty resident rows, `chunk` rows at a time (for flushing)."""
+        dirty = torch.nonzero(self.dirty & self.occupied).flatten()
+        for lo in range(0, dirty.numel(), chunk):
+            slots = dirty[lo : lo + chunk]
+            yield slots, Rows(self.index.tab_of[slots], self.index.row_of[slots],
+                              self.slab.index_select(0, slots), self.dirty[slots])
 
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tabs, rows) of every occupied slot."""
@@ -187,9 +194,10 @@ class SlabTier:
         """Assert the tier's invariants: index, occupancy, free list and policy agree."""
         self.index.check()
         assert self.index.live == int(self.occupied.sum())
-        assert int(self._free.numel()) + self.index.live == self.capacity
-        if self._free.numel():
-            assert not bool(self.occupied[self._free].any())
-            assert self._free.unique().numel() == self._free.numel()
+        free = self._free_buf[: self._nfree]
+        assert self._nfree + self.index.live == self.capacity
+        if free.numel():
+            assert not bool(self.occupied[free].any())
+            assert free.unique().numel() == free.numel()
         assert not bool((self.dirty & ~self.occupied).any())
         self.policy.check()
