@@ -5,11 +5,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import operator
 import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from itertools import islice
+from itertools import islice, repeat
 from pathlib import Path
 
 import lmdb
@@ -21,12 +22,13 @@ META_DB = b"__tierstore_meta__"
 LOCK_NAME = "tierstore.lock"
 _INITIAL_MAP = 1 << 30
 _KEY_DTYPE = np.dtype(">u8")  # big-endian: byte order == row id order
+_KEY_VOID = np.dtype("V8")  # raw 8-byte records: `.tolist()` gives `bytes` (no NUL stripping)
 
 
 def encode_keys(rows: np.ndarray) -> list[bytes]:
     """Encode row ids as 8-byte big-endian keys that sort like the ids."""
-    buf = np.ascontiguousarray(rows, dtype=_KEY_DTYPE).tobytes()
-    return [buf[i : i + 8] for i in range(0, len(buf), 8)]
+    # one C pass: a void view's tolist() yields one 8-byte `bytes` per id ("S8" would strip NULs)
+    return np.ascontiguousarray(rows, dtype=_KEY_DTYPE).ravel().view(_KEY_VOID).tolist()
 
 
 def decode_keys(keys: list[bytes]) -> np.ndarray:
@@ -148,17 +150,18 @@ class LmdbBackend:
         order = np.argsort(rows, kind="stable")  # sorted keys read the B-tree in order
         keys = encode_keys(rows[order])
         with self.env.begin(db=db) as txn:
-            get = txn.get
-            vals = [get(k) for k in keys]
-        hit = np.fromiter((v is not None for v in vals), dtype=bool, count=n)
-        if hit.any():
-            blob = b"".join(v for v in vals if v is not None)
-            data = np.frombuffer(blob, dtype=np.float32)
-            if data.size != int(hit.sum()) * width:
+            vals = list(map(txn.get, keys))  # the loop runs in C; a missing key gives None
+        hit = np.fromiter(map(operator.is_not, vals, repeat(None)), dtype=bool, count=n)
+        nhit = int(np.count_nonzero(hit))
+        if nhit:
+            # filter(None) drops the misses (and an empty stored value, caught by the size check)
+            data = np.frombuffer(b"".join(filter(None, vals)), dtype=np.float32)
+            if data.size != nhit * width:
                 raise StoreCorruptError(
                     f"table {table!r}: stored rows have the wrong size (expected {width} floats)")
-            out[order[hit]] = data.reshape(-1, width)
-            found[order[hit]] = True
+            dest = order if nhit == n else order[hit]
+            out[dest] = data.reshape(nhit, width)
+            found[dest] = True
         return out, found
 
     def put(self, batches: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
@@ -167,6 +170,8 @@ class LmdbBackend:
         if total == 0:
             return 0
         self._ensure_room(total)
+        # open table handles first: open_db inside our write txn would wait on itself
+        dbs = {table: self._db(table) for table in batches}
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -174,10 +179,12 @@ class LmdbBackend:
                         order = np.argsort(rows, kind="stable")
                         keys = encode_keys(rows[order])
                         blob = np.ascontiguousarray(payload[order], dtype=np.float32)
+                        # one `bytes` per row from a void view; zip feeds putmulti lazily, so
+                        # no list of (key, value) tuples is built (and scanned by the GC)
                         w = blob.shape[1] * 4
-                        raw = blob.tobytes()
-                        items = [(k, raw[i * w : (i + 1) * w]) for i, k in enumerate(keys)]
-                        txn.cursor(db=self._db(table)).putmulti(items)
+                        vals = (blob.view(f"V{w}").ravel().tolist() if w else
+                                [b""] * len(keys))
+                        txn.cursor(db=dbs[table]).putmulti(zip(keys, vals))
                 return total
             except lmdb.MapFullError:
                 self._grow(total)
