@@ -217,11 +217,15 @@ class LmdbCase:
         st, b = self.store, self.batch
         for p in self.hot:  # warm the page cache and fill both caches
             st.read(TABLE, torch.from_numpy(p))
-        it = {"i": 0}
+        it = {"i": 0, "c": 0}
 
-        def nxt():
+        def nxt():  # the store's rotation: every batch was evicted since its last use
             it["i"] = (it["i"] + 1) % self.ROT
             return self.hot[it["i"]]
+
+        def nxt_raw():  # the ceiling's own rotation, so it does not shift the store's
+            it["c"] = (it["c"] + 1) % self.ROT
+            return self.hot[it["c"]]
 
         raw = self._raw()
         out = []
@@ -231,13 +235,13 @@ class LmdbCase:
                     st.read(TABLE, torch.from_numpy(nxt()))
 
                 def ceil():
-                    raw.read(nxt())
+                    raw.read(nxt_raw())
             else:
                 def run():
                     st.apply(TABLE, torch.from_numpy(nxt()), self.grads)
 
                 def ceil():
-                    raw.read_write(nxt())
+                    raw.read_write(nxt_raw())
             before = st.stats()["ssd"]["lookups"]
             r = median_rate(run, b, blocks=blocks, reps=reps)
             assert st.stats()["ssd"]["lookups"] - before == b * blocks * reps, "a row hit a cache"
