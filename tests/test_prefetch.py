@@ -62,13 +62,17 @@ def _delays(seed):
 
 def test_bit_identical_at_every_depth_with_random_delays(tmp_path):
     base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5))
+    staged = 0
     for depth in (0, 1, 2, 8):
-        for policy in ("lru", "lookahead"):
-            got, stats = _train(tmp_path / f"d{depth}{policy}", depth, policy=policy,
-                                delay=_delays(depth))
+        # tiny caches (windows do not fit: warm-up only) and caches that hold a short window
+        for caps, policy in (((2, 3), "lru"), ((40, 60), "lookahead"), ((30, 50), "lru")):
+            got, stats = _train(tmp_path / f"d{depth}{policy}{caps[0]}", depth, caps=caps,
+                                policy=policy, delay=_delays(depth))
             for k in base:
-                assert torch.equal(got[k], base[k]), (depth, policy, k)
+                assert torch.equal(got[k], base[k]), (depth, caps, policy, k)
             assert stats["prefetch"]["batches"] == 30
+            staged += stats["prefetch"]["rows_staged"]
+    assert staged > 0  # the staging path itself ran, not only the warm-up
 
 
 @pytest.mark.slow
@@ -77,7 +81,7 @@ def test_stress_many_trials(tmp_path, trial):
     base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5), steps=40)
     rng = random.Random(trial)
     depth = rng.choice([1, 2, 3, 8])
-    caps = (rng.randint(0, 6), rng.randint(0, 6))
+    caps = rng.choice([(rng.randint(0, 6), rng.randint(0, 6)), (rng.randint(20, 60), rng.randint(20, 90))])
     got, _ = _train(tmp_path / "t", depth, caps=caps, policy=rng.choice(["lru", "lfu", "lookahead"]),
                     steps=40, delay=_delays(trial))
     for k in base:

@@ -596,6 +596,7 @@ class PrefetchStats:
     """Counters of the prefetch pipeline: stalls, staged rows per source tier, hit rate."""
 
     batches: int = 0
+    warm_only: int = 0  # batches whose window could not stay cached: LMDB pages warmed, no pins
     stall_seconds: float = 0.0
     rows_staged: int = 0
     staged_from_host: int = 0

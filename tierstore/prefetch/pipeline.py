@@ -232,6 +232,16 @@ class Prefetcher:
         with store._lock:
             if store._closed or self._stop.is_set():
                 return
+            window_rows = sum(u.numel() for w in self._window.values() for u in w.values())
+            batch_rows = sum(u.numel() for u in per_table.values())
+            cache_rows = store.device_tier.capacity + store.host_tier.capacity
+            if 2 * (window_rows + batch_rows) > cache_rows:
+                # the window cannot stay cached: staging would only evict rows the running step
+                # needs, so this batch gets the page-cache warm-up (done above) and no pins
+                stats.warm_only += 1
+                stats.rows_used += batch_rows
+                self._window[step] = {}
+                return
             for t, uniq in per_table.items():
                 d, h, s = store._stage(tabs[t], uniq)
                 stats.rows_used += uniq.numel()
