@@ -491,7 +491,7 @@ class TierStore:
         hit_slots = dslots[hit_idx]
         if hit_idx.numel():
             hit_idx_c = hit_idx.cpu()
-            payload[hit_idx_c] = dev.read(hit_slots).cpu()
+            payload.index_copy_(0, hit_idx_c, dev.read(hit_slots).cpu())
             dirty[hit_idx_c] = dev.dirty[hit_slots].cpu()
             dev.touch(hit_slots)
         miss = torch.nonzero(~dhit).flatten().cpu()
@@ -500,13 +500,13 @@ class TierStore:
         pins = torch.zeros(n, dtype=torch.int32)
         if bool(hhit.any()):
             moved = host.remove(hslots[hhit])
-            payload[miss[hhit]] = moved.payload
+            payload.index_copy_(0, miss[hhit], moved.payload)
             dirty[miss[hhit]] = moved.dirty
             pins[miss[hhit]] = moved.pins
         cold = miss[~hhit]
         self._last_sources = (int(hit_idx.numel()), int(hhit.sum()), int(cold.numel()))
         if cold.numel():
-            payload[cold] = self._load(tab, uniq[cold])
+            payload.index_copy_(0, cold, self._load(tab, uniq[cold]))
         if update is not None:
             update.apply(payload, torch.arange(n))
             dirty[:] = True

@@ -110,9 +110,9 @@ class SlabTier:
 
     def remove(self, slots: torch.Tensor) -> Rows:
         """Take rows out of the tier (to move them elsewhere); returns them with dirty bits."""
-        out = Rows(self.index.tab_of[slots].clone(), self.index.row_of[slots].clone(),
-                   self.slab.index_select(0, slots), self.dirty[slots].clone(),
-                   self.pins[slots].clone())
+        # advanced indexing and index_select return copies: the rows outlive their slots
+        out = Rows(self.index.tab_of[slots], self.index.row_of[slots],
+                   self.slab.index_select(0, slots), self.dirty[slots], self.pins[slots])
         self._release(slots)
         return out
 
@@ -162,7 +162,7 @@ class SlabTier:
         self._nfree -= k
         rows = rows.take(slice(0, k)).to(self.device)
         self.index.add(rows.tabs, rows.rows, slots)
-        self.slab[slots] = rows.payload
+        self.slab.index_copy_(0, slots, rows.payload)
         self.dirty[slots] = rows.dirty
         if rows.pins is not None:
             self.pins[slots] = rows.pins
