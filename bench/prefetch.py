@@ -9,7 +9,6 @@ throughput measured in the same run. Reports samples/s, ratio to all-resident, a
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -20,18 +19,8 @@ from pathlib import Path
 from tierstore.prefetch import Prefetcher
 
 from .common import OUT_DIR, num_threads, save, table
+from .store import drop_page_cache
 from .training import TierstoreRunner, Workload
-
-
-def drop_page_cache(path: Path) -> None:
-    """Ask the kernel to drop the cached pages of the store's data file."""
-    data = path / "data.mdb"
-    fd = os.open(data, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def run(runner: TierstoreRunner, wl: Workload, depth: int, start: int, blocks: int,
@@ -99,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 for depth in [int(d) for d in args.depths.split(",")]:
                     cached.store.flush()
                     if lmdb_state == "cold":
-                        drop_page_cache(cached.path)
+                        drop_page_cache(cached.path / "data.mdb")
                     rec = run(cached, wl, depth, step, args.blocks, args.steps)
                     step = rec["next_step"]
                     rec.update(config="cache_1pct", lmdb=lmdb_state, depth=depth,

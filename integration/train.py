@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
 from tierstore.errors import ConfigError, StoreCorruptError, StoreLockedError, TierstoreError
+from tierstore.persistence import fsync_dir
 
 from .data import SPARSE_NAMES, Batch, CriteoTSV, SyntheticCriteo, parse_tables
 from .model import DLRM
@@ -123,14 +124,6 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return (rank_pos - pos * (pos + 1) / 2) / (pos * neg)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -138,7 +131,7 @@ def _write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _save_torch(path: Path, obj: Any) -> None:
@@ -292,7 +285,7 @@ class Trainer:
                                            "optimizer": self.opt.state_dict()})
         _write_text(staging / "state.json", json.dumps({"step": self.step, "config": asdict(self.cfg)}))
         os.replace(staging, final)
-        _fsync_dir(self.ckpt_dir)
+        fsync_dir(self.ckpt_dir)
         _write_text(self.ckpt_dir / "LATEST", name)
         old = sorted(p for p in self.ckpt_dir.glob("step-*") if p.name != name)
         for p in old[: max(0, len(old) - self.cfg.keep_checkpoints + 1)]:

@@ -26,3 +26,22 @@ class TierStats:
     def as_dict(self) -> dict:
         """The counters and the hit rate as a plain dict."""
         return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+@dataclass
+class PrefetchStats:
+    """Counters of the prefetch pipeline: stalls, staged rows per source tier, hit rate."""
+
+    batches: int = 0
+    warm_only: int = 0  # batches whose window could not stay cached: LMDB pages warmed, no pins
+    stall_seconds: float = 0.0
+    rows_staged: int = 0
+    staged_from_host: int = 0
+    staged_from_ssd: int = 0
+    rows_used: int = 0
+    rows_resident_at_use: int = 0
+
+    def as_dict(self) -> dict:
+        """The counters plus the prefetch hit rate (rows resident when their batch ran)."""
+        rate = self.rows_resident_at_use / self.rows_used if self.rows_used else 0.0
+        return {**self.__dict__, "hit_rate": rate}

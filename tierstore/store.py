@@ -31,7 +31,7 @@ from .errors import (
 from .fused import BatchUpdate
 from .fused import pool as fused_pool
 from .initializers import name_key
-from .stats import TierStats
+from .stats import PrefetchStats, TierStats
 
 FORMAT_VERSION = 1
 FLUSH_CHUNK = 65536  # rows per LMDB transaction when flushing
@@ -589,25 +589,6 @@ class TierStore:
         written = self.backend.put(batches)
         self.ssd_stats.writebacks += len(rows)
         self.ssd_stats.bytes_written += written
-
-
-@dataclass
-class PrefetchStats:
-    """Counters of the prefetch pipeline: stalls, staged rows per source tier, hit rate."""
-
-    batches: int = 0
-    warm_only: int = 0  # batches whose window could not stay cached: LMDB pages warmed, no pins
-    stall_seconds: float = 0.0
-    rows_staged: int = 0
-    staged_from_host: int = 0
-    staged_from_ssd: int = 0
-    rows_used: int = 0
-    rows_resident_at_use: int = 0
-
-    def as_dict(self) -> dict:
-        """The counters plus the prefetch hit rate (rows resident when their batch ran)."""
-        rate = self.rows_resident_at_use / self.rows_used if self.rows_used else 0.0
-        return {**self.__dict__, "hit_rate": rate}
 
 
 def segment_sum(values: torch.Tensor, inverse: torch.Tensor, n: int) -> torch.Tensor:
