@@ -56,3 +56,18 @@ def test_bench_training_smoke(tmp_path):
     cache = next(r for r in recs if r["config"] == "tierstore_cache1")
     assert cache["capacity"]["device"] + cache["capacity"]["host"] <= 2 * 2000 * 0.01 + 2
     assert cache["stats"]["ssd"]["lookups"] > 0
+
+
+def test_bench_prefetch_smoke(tmp_path):
+    from bench import prefetch as bench_prefetch
+
+    rc = bench_prefetch.main(["--tables", "2", "--rows", "4000", "--batch", "32", "--pool", "2",
+                              "--depths", "0,2", "--blocks", "1", "--steps", "2", "--warmup", "1",
+                              "--out", str(tmp_path)])
+    assert rc == 0
+    recs = _load(tmp_path / "prefetch.json")
+    assert recs[0]["config"] == "all_resident" and recs[0]["ratio"] == 1.0
+    got = {(r["lmdb"], r["depth"]) for r in recs[1:]}
+    assert got == {(state, d) for state in ("page-cached", "cold") for d in (0, 2)}
+    for r in recs:
+        assert _positive(r["samples_per_s"]) and r["stall_ms_per_step"] >= 0
