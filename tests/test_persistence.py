@@ -386,3 +386,14 @@ def test_cli_export_import_verify(ckpt, tmp_path, capsys):
     assert cli.main(["checkpoint-verify", str(live)]) == 2
     err = capsys.readouterr().err
     assert "not empty" in err and "not a complete checkpoint" in err
+
+
+def test_restore_with_default_capacities(tmp_path):
+    spec = ts.TableSpec("t", 100, 4)
+    with ts.TierStore(tmp_path / "s", [spec], device_capacity=2, host_capacity=2) as s:
+        s.apply("t", torch.arange(10), torch.ones(10, 4))
+        want = s.read("t", torch.arange(10))
+        s.checkpoint(tmp_path / "ck")
+    with ts.TierStore.restore(tmp_path / "ck", tmp_path / "r") as r:
+        assert torch.equal(r.read("t", torch.arange(10)), want)
+        assert r.device_tier.capacity > 0 and r.host_tier.capacity > 0

@@ -112,7 +112,8 @@ class TierStore:
     """
 
     def __init__(self, path: str | os.PathLike, tables: Sequence[TableSpec] | TableSpec, *,
-                 device_capacity: int | str, host_capacity: int | str, policy: str = "lru",
+                 device_capacity: int | str = "64MiB", host_capacity: int | str = "512MiB",
+                 policy: str = "lru",
                  seed: int = 0, device: torch.device | str | None = None,
                  map_limit: int | str | None = None,
                  record: str | os.PathLike | None = None) -> None:
