@@ -184,3 +184,14 @@ def test_prefetcher_over_a_collection_with_feature_names(tmp_path):
             outs = [ebc(*b) for b in pf]
         assert len(outs) == 4 and outs[0].shape == (2, 2 + 3 + 3)
         assert store.stats()["prefetch"]["batches"] == 4
+
+
+def test_prefetcher_over_a_store_knows_collection_features(tmp_path):
+    specs = [ts.TableSpec("users", 1000, 2), ts.TableSpec("items", 1000, 3)]
+    with ts.TierStore(tmp_path / "s", specs, device_capacity=64, host_capacity=64,
+                      device="cpu") as store:
+        ebc = ts.TieredEmbeddingBagCollection(store, {"u": "users", "i": "items"})
+        batches = [(["u", "i"], torch.tensor([1, 2, 3, 4]), torch.tensor([1, 1, 1, 1]))] * 3
+        with Prefetcher(store, batches, depth=1) as pf:
+            outs = [ebc(*b) for b in pf]
+        assert len(outs) == 3 and store.stats()["prefetch"]["rows_staged"] > 0

@@ -127,8 +127,11 @@ class TieredEmbeddingBagCollection(nn.Module):
             feats = dict(f if isinstance(f, (tuple, list)) else (f, f) for f in features)
         if not feats:
             raise ConfigError("features must not be empty")
-        for table in feats.values():
+        for feature, table in feats.items():
             store._table(table)
+            known = store.feature_tables.setdefault(feature, table)
+            if known != table:
+                store.feature_tables[feature] = None  # two collections disagree: no default
         self.store = store
         self.mode = mode
         self.features = feats

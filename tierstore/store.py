@@ -136,6 +136,9 @@ class TierStore:
         self._lock = threading.RLock()
         self.prefetch_stats = PrefetchStats()
         self._last_sources = (0, 0, 0)
+        # feature name -> table, registered by TieredEmbeddingBagCollection (None: ambiguous);
+        # lets a Prefetcher over the store read jagged batches keyed by feature
+        self.feature_tables: dict[str, str | None] = {}
         self.fused = HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
         self.backend = LmdbBackend(self.path, map_limit=limit)
         try:

@@ -40,7 +40,7 @@ def _jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, li
         items = list(zip(keys, torch.split(torch.as_tensor(values), per_key)))
     out: dict[str, list[torch.Tensor]] = {}
     for key, ids in items:
-        table = features.get(key, key) if features is not None else key
+        table = features.get(key, key) if features else key
         out.setdefault(table, []).append(ids.reshape(-1))
     return out
 
@@ -72,7 +72,9 @@ class Prefetcher:
             raise ConfigError("Prefetcher needs a TierStore or a TieredEmbeddingBagCollection")
         self.store = store
         self.depth = depth
-        self.features = dict(features) if features is not None else None
+        if features is None:  # feature names the store's collections registered, if any
+            features = {f: t for f, t in store.feature_tables.items() if t is not None}
+        self.features = dict(features)
         self.extract = extract or (lambda b: b)
         self.delay = delay  # test hook: seconds to sleep inside staging
         self._source = iter(batches)
