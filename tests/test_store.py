@@ -292,3 +292,11 @@ def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
         with pytest.raises(ts.ConfigError):
             ts.TierStore(tmp_path / "s", [ts.TableSpec("t", 5, 2)], device_capacity=1,
                          host_capacity=1, device=device)
+
+
+def test_bad_record_path_is_a_config_error_and_releases_the_lock(tmp_path):
+    spec = ts.TableSpec("t", 5, 2)
+    with pytest.raises(ts.ConfigError):
+        _open(tmp_path / "s", [spec], record=tmp_path / "no" / "such" / "dir" / "x.tsrec")
+    with _open(tmp_path / "s", [spec]) as s:  # not locked by the failed open
+        s.read("t", torch.tensor([1]))

@@ -155,12 +155,16 @@ class TierStore:
         self.tables = {t.name: _Table(t, i, name_key(seed, t.name)) for i, t in enumerate(tables)}
         self._by_index = [self.tables[n] for n in names]
         self.ssd_stats = TierStats()
-        self._closed = False
         self._recorder = None
         if record is not None:
             from .traces import TraceRecorder
 
-            self._recorder = TraceRecorder(record)
+            try:
+                self._recorder = TraceRecorder(record)
+            except OSError as exc:
+                self.backend.close()
+                raise ConfigError(f"cannot record the access trace to {record!r}: {exc}") from exc
+        self._closed = False
         _OPEN_STORES.add(self)
 
     # configuration ------------------------------------------------------------------------
