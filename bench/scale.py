@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from .common import bar_plot
+
 OUT = Path("bench/out")
 GIB = 2**30
 
@@ -91,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
               "args": vars(args), "results": results}
     (OUT / "scale.json").write_text(json.dumps(record, indent=2))
     print(f"wrote {OUT / 'scale.json'}")
+    labels = [f"{r['rows_per_table']:.0e} rows/table" for r in results]
+    bar_plot(OUT / "scale.png", labels,
+             {"throughput vs first": [r["throughput_vs_first"] for r in results],
+              "anon GiB over caches": [r["anon_over_caches_gib"] for r in results],
+              "disk / raw bytes": [r["disk_over_raw"] for r in results]},
+             "ratio", "DLRM trainer at growing table sizes (same skew)")
+    print(f"wrote {OUT / 'scale.png'}")
     return 0
 
 

@@ -71,3 +71,4 @@ def test_bench_prefetch_smoke(tmp_path):
     assert got == {(state, d) for state in ("page-cached", "cold") for d in (0, 2)}
     for r in recs:
         assert _positive(r["samples_per_s"]) and r["stall_ms_per_step"] >= 0
+    assert (tmp_path / "prefetch.png").stat().st_size > 0
