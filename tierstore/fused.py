@@ -10,6 +10,7 @@ gathered copy) serves CUDA tensors and machines without numba; tests compare the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,6 +157,14 @@ def pool(table: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offsets
     return out
 
 
+def segment_sum(values: torch.Tensor, inverse: torch.Tensor, n: int) -> torch.Tensor:
+    """Sum rows of `values` by group id `inverse` in a fixed, input-order sequence (no atomics)."""
+    order = torch.argsort(inverse, stable=True)
+    counts = torch.bincount(inverse, minlength=n)
+    return torch.segment_reduce(values.index_select(0, order), "sum", lengths=counts, unsafe=True)
+
+
+@functools.lru_cache(maxsize=256)
 def _params(opt: Optimizer) -> np.ndarray:
     """Hyperparameters in the order the optimizer's kernel reads them."""
     cfg = opt.to_config()
@@ -212,8 +221,6 @@ class BatchUpdate:
 
     def summed_grads(self) -> torch.Tensor:
         """Gradient per unique row, summed in input order (the torch path)."""
-        from .store import segment_sum
-
         g = self.grad_out if self.bag_of is None else self.grad_out.index_select(0, self.bag_of)
         if self.scale is not None:
             g = g * self.scale.unsqueeze(1)

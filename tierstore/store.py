@@ -243,17 +243,9 @@ class TierStore:
         tab = self._table(table)
         ids = self._ids(tab, ids)
         self._record(table, ids)
-        dev = self.device_tier
-        if ids.numel() and dev.capacity:
-            # fast path: every id resident in the device tier -> one lookup and one gather
-            slots = dev.lookup(torch.tensor(tab.index, device=dev.device), ids.to(dev.device),
-                               count=False)
-            if bool((slots >= 0).all()):
-                n = ids.numel()
-                dev.stats.lookups += n
-                dev.stats.hits += n
-                dev.touch(slots)
-                return dev.slab[:, : tab.spec.dim].index_select(0, slots)
+        slots = self._resident_slots(tab, ids)
+        if slots is not None:  # fast path: one lookup and one gather
+            return self.device_tier.slab[:, : tab.spec.dim].index_select(0, slots)
         g = self._gather(tab, ids)
         return g.weights.index_select(0, g.inverse.to(g.weights.device))
 
@@ -330,12 +322,8 @@ class TierStore:
             return torch.zeros(offsets.numel(), dim), self._gather(tab, ids)
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
         psw = None if psw is None else psw.detach().to("cpu", torch.float32)
-        dslots = dev.lookup(torch.tensor(tab.index), uniq, count=False)
-        if bool((dslots >= 0).all()):
-            u = uniq.numel()
-            dev.stats.lookups += u
-            dev.stats.hits += u
-            dev.touch(dslots)
+        dslots = self._resident_slots(tab, uniq)
+        if dslots is not None:
             out = fused_pool(dev.slab, dslots, inv, offsets, dim, psw, mean)
             weights = dev.slab.index_select(0, dslots)[:, :dim] if need_weights else \
                 torch.empty(0, dim)
@@ -471,6 +459,20 @@ class TierStore:
         return Gathered(uniq, inv, payload[:, : tab.spec.dim], self._last_dslots,
                         self.device_tier.generation)
 
+    def _resident_slots(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor | None:
+        """Device slots of `ids` if every one is device-resident (counted as hits), else None."""
+        dev = self.device_tier
+        if ids.numel() == 0 or dev.capacity == 0:
+            return None
+        slots = dev.lookup(torch.tensor(tab.index, device=dev.device), ids.to(dev.device),
+                           count=False)
+        if not bool((slots >= 0).all()):
+            return None
+        dev.stats.lookups += ids.numel()
+        dev.stats.hits += ids.numel()
+        dev.touch(slots)
+        return slots
+
     def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
                 count: bool = True) -> torch.Tensor | None:
         """Locate sorted unique rows, optionally update them, and promote them to the device tier.
@@ -597,13 +599,6 @@ class TierStore:
         written = self.backend.put(batches)
         self.ssd_stats.writebacks += len(rows)
         self.ssd_stats.bytes_written += written
-
-
-def segment_sum(values: torch.Tensor, inverse: torch.Tensor, n: int) -> torch.Tensor:
-    """Sum rows of `values` by group id `inverse` in a fixed, input-order sequence (no atomics)."""
-    order = torch.argsort(inverse, stable=True)
-    counts = torch.bincount(inverse, minlength=n)
-    return torch.segment_reduce(values.index_select(0, order), "sum", lengths=counts, unsafe=True)
 
 
 def open_tables(path: str | os.PathLike) -> Iterable[TableSpec]:

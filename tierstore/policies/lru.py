@@ -18,9 +18,7 @@ class LRU(Policy):
         self.clock = 0
 
     def _touch(self, slots: torch.Tensor) -> None:
-        n = slots.numel()
-        self.last[slots] = torch.arange(self.clock + 1, self.clock + 1 + n, device=self.device)
-        self.clock += n
+        self.last[slots] = self._stamps(slots.numel())
 
     def on_hit(self, slots: torch.Tensor) -> None:
         """Refresh the recency of hit slots."""
