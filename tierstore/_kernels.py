@@ -17,8 +17,90 @@ except ImportError:  # pragma: no cover
 _C1 = np.int64(-7046029254386353131)
 _C2 = np.int64(-4658895280553007687)
 _C3 = np.int64(-7723592293110705685)
+SLOT_BITS = 40  # a hash entry packs (table index << SLOT_BITS) | slot
+SLOT_MASK = np.int64((1 << SLOT_BITS) - 1)
+
+def _compile_prefetch():
+    """An LLVM software-prefetch intrinsic for numba kernels (a no-op where LLVM lacks it)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def prefetch(typingctx, arr, i, j):
+        """Hint the CPU to load the cache line holding arr[i, j] (2-D array), for reading."""
+
+        def codegen(context, builder, sig, args):
+            aryty = sig.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            idx = [context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2)]
+            ptr = cgutils.get_item_pointer2(context, builder, ary.data,
+                                            cgutils.unpack_tuple(builder, ary.shape),
+                                            cgutils.unpack_tuple(builder, ary.strides),
+                                            aryty.layout, idx, wraparound=False, boundscheck=False)
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+            builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(arr, i, j), codegen
+
+    @numba.njit
+    def _probe(a):  # pragma: no cover - compiled
+        prefetch(a, 0, 0)
+
+    _probe(np.zeros((1, 1), dtype=np.float32))
+    return prefetch
+
 
 if HAVE_NUMBA:
+    try:
+        prefetch = _compile_prefetch()
+    except Exception:  # pragma: no cover - an LLVM without the intrinsic: skip the hint
+
+        @numba.njit(inline="always")
+        def prefetch(arr, i, j):
+            """No-op stand-in for the prefetch hint."""
+
+    PREFETCH_AHEAD = 8  # rows ahead of the one being read; measured best on random rows
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def prefetch_row(arr, i):  # pragma: no cover - compiled
+        """Prefetch every cache line (16 float32) of row `i` of a 2-D float32 array."""
+        for j in range(0, arr.shape[1], 16):
+            prefetch(arr, i, j)
+
+    @numba.njit(cache=True, nogil=True)
+    def dedup(ids, bits):  # pragma: no cover - compiled
+        """Unique ids in first-occurrence order and the inverse map, by a 2**bits-slot hash set."""
+        n = ids.shape[0]
+        mask = (1 << bits) - 1
+        keys = np.empty(mask + 1, dtype=np.int64)
+        vals = np.full(mask + 1, -1, dtype=np.int64)
+        uniq = np.empty(n, dtype=np.int64)
+        inverse = np.empty(n, dtype=np.int64)
+        u = 0
+        for i in range(n):
+            k = ids[i]
+            h = k * _C1
+            h = (h ^ (h >> 29)) & mask
+            while True:
+                v = vals[h]
+                if v < 0:
+                    vals[h] = u
+                    keys[h] = k
+                    uniq[u] = k
+                    inverse[i] = u
+                    u += 1
+                    break
+                if keys[h] == k:
+                    inverse[i] = v
+                    break
+                h = (h + 1) & mask
+        return uniq[:u], inverse
 
     @numba.njit(cache=True, nogil=True)
     def _home(tab, row, mask):  # pragma: no cover - compiled
@@ -29,19 +111,24 @@ if HAVE_NUMBA:
         return h & mask
 
     @numba.njit(cache=True, nogil=True)
-    def hash_find(table, row_of, tab_of, tabs, rows, out, mask):  # pragma: no cover
-        """Write the slot of each (tab, row) into out, or -1."""
-        for i in range(rows.shape[0]):
-            t = tabs[i] if tabs.shape[0] > 1 else tabs[0]
+    def hash_find(table, tabs, rows, out, mask):  # pragma: no cover
+        """Write the slot of each (tab, row) into out, or -1 (entries: [tab << 40 | slot, row])."""
+        n = rows.shape[0]
+        one = tabs.shape[0] == 1
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch(table, _home(tabs[0] if one else tabs[j], rows[j], mask), 0)
+            t = tabs[0] if one else tabs[i]
             r = rows[i]
             p = _home(t, r, mask)
             res = -1
             while True:
-                s = table[p]
-                if s == -1:
+                e = table[p, 0]
+                if e == -1:
                     break
-                if s >= 0 and row_of[s] == r and tab_of[s] == t:
-                    res = s
+                if e >= 0 and table[p, 1] == r and (e >> SLOT_BITS) == t:
+                    res = e & SLOT_MASK
                     break
                 p = (p + 1) & mask
             out[i] = res
@@ -57,11 +144,12 @@ if HAVE_NUMBA:
             s = slots[i]
             h = _home(t, r, mask)
             p = h
-            while table[p] >= 0:
+            while table[p, 0] >= 0:
                 p = (p + 1) & mask
-            if table[p] == -2:
+            if table[p, 0] == -2:
                 reused += 1
-            table[p] = s
+            table[p, 0] = (t << SLOT_BITS) | s
+            table[p, 1] = r
             pos_of[s] = p
             row_of[s] = r
             tab_of[s] = t

@@ -22,6 +22,15 @@ from .optimizers import Optimizer
 if HAVE_NUMBA:
     import numba
 
+    from ._kernels import PREFETCH_AHEAD, prefetch_row
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _prefetch_next(table, slots, u):  # pragma: no cover - compiled
+        """Prefetch the row that unique index u + PREFETCH_AHEAD will update."""
+        nxt = u + PREFETCH_AHEAD
+        if nxt < slots.shape[0]:
+            prefetch_row(table, slots[nxt])
+
     @numba.njit(cache=True, nogil=True)
     def csr_by_group(inverse, n_groups):  # pragma: no cover - compiled
         """Stable counting sort of positions by group: (perm, starts)."""
@@ -58,6 +67,7 @@ if HAVE_NUMBA:
         lr, wd = np.float32(params[0]), np.float32(params[1])
         g = np.empty(dim, dtype=np.float32)
         for u in range(slots.shape[0]):
+            _prefetch_next(table, slots, u)
             _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
             row = table[slots[u]]
             for d in range(dim):
@@ -68,6 +78,7 @@ if HAVE_NUMBA:
         lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
         g = np.empty(dim, dtype=np.float32)
         for u in range(slots.shape[0]):
+            _prefetch_next(table, slots, u)
             _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
             row = table[slots[u]]
             for d in range(dim):
@@ -83,6 +94,7 @@ if HAVE_NUMBA:
         g = np.empty(dim, dtype=np.float32)
         inv_dim = np.float32(1.0) / np.float32(dim)
         for u in range(slots.shape[0]):
+            _prefetch_next(table, slots, u)
             _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
             row = table[slots[u]]
             sq = np.float32(0.0)
@@ -102,6 +114,7 @@ if HAVE_NUMBA:
         one_b1, one_b2 = np.float32(1.0 - b1), np.float32(1.0 - b2)
         g = np.empty(dim, dtype=np.float32)
         for u in range(slots.shape[0]):
+            _prefetch_next(table, slots, u)
             _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
             row = table[slots[u]]
             t = row[3 * dim] + np.float32(1.0)
@@ -128,6 +141,9 @@ if HAVE_NUMBA:
             for d in range(dim):
                 acc[d] = np.float32(0.0)
             for p in range(lo, hi):
+                q = p + PREFETCH_AHEAD
+                if q < n_total:
+                    prefetch_row(table, rows[inverse[q]])
                 src = table[rows[inverse[p]]]
                 if has_w:
                     w = psw[p]
@@ -140,6 +156,15 @@ if HAVE_NUMBA:
                 cnt = np.float32(hi - lo)
                 for d in range(dim):
                     acc[d] = acc[d] / cnt
+
+    @numba.njit(cache=True, nogil=True)
+    def bag_of_kernel(offsets, n_total, out):  # pragma: no cover - compiled
+        """out[p] = the bag holding position p (offsets start each bag; the last ends at n_total)."""
+        bags = offsets.shape[0]
+        for b in range(bags):
+            hi = offsets[b + 1] if b + 1 < bags else n_total
+            for p in range(offsets[b], hi):
+                out[p] = b
 
     KERNELS = {"sgd": sgd_kernel, "adagrad": adagrad_kernel,
                "rowwise_adagrad": rowwise_adagrad_kernel, "adam": adam_kernel}
@@ -155,6 +180,16 @@ def pool(table: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offsets
                 np.empty(0, dtype=np.float32) if psw is None else psw.contiguous().numpy(), mean,
                 out.numpy())
     return out
+
+
+def bag_positions(offsets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bag of each of the n positions, length of each bag) for CPU offsets starting at 0."""
+    lengths = torch.diff(offsets, append=torch.tensor([n], dtype=offsets.dtype))
+    if HAVE_NUMBA:
+        bag_of = torch.empty(n, dtype=torch.int64)
+        bag_of_kernel(offsets.numpy(), n, bag_of.numpy())
+        return bag_of, lengths
+    return torch.repeat_interleave(torch.arange(offsets.numel()), lengths), lengths
 
 
 def segment_sum(values: torch.Tensor, inverse: torch.Tensor, n: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _kernels
+from . import _kernels, _memory
+from .errors import ConfigError
 
 EMPTY = -1
 TOMB = -2
@@ -17,23 +18,31 @@ def _next_pow2(n: int) -> int:
     return 1 << max(3, (n - 1).bit_length())
 
 
+SLOT_BITS = _kernels.SLOT_BITS
+SLOT_MASK = (1 << SLOT_BITS) - 1
+
+
 class HashIndex:
     """Linear-probing hash index over a tier's slots; every operation takes a batch.
 
     Memory is set by the tier capacity (a table of at least twice as many positions),
-    never by the number of rows a table declares. Keys are (table index, row id) pairs;
-    the index keeps each slot's key so that lookups compare on the real key.
+    never by the number of rows a table declares. Keys are (table index, row id) pairs.
+    Each position holds its whole key, `[table << SLOT_BITS | slot, row]` in 16 bytes, so a
+    lookup compares keys in the cache line it probes instead of chasing the slot's key
+    elsewhere. `row_of`/`tab_of`/`pos_of` map a slot back to its key and position (evictions).
     """
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
         self.capacity = int(capacity)
+        if self.capacity > SLOT_MASK:
+            raise ConfigError(f"a cache tier holds at most {SLOT_MASK:,} rows, not {self.capacity:,}")
         self.device = torch.device(device)
-        self.size = _next_pow2(2 * self.capacity + 1)
+        self.size = _next_pow2(2 * self.capacity)
         self.mask = self.size - 1
-        self.table = torch.full((self.size,), EMPTY, dtype=torch.int64, device=self.device)
-        self.row_of = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
-        self.tab_of = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
-        self.pos_of = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
+        self.table = _memory.full((self.size, 2), EMPTY, torch.int64, self.device)
+        self.row_of = _memory.full((self.capacity,), -1, torch.int64, self.device)
+        self.tab_of = _memory.full((self.capacity,), -1, torch.int64, self.device)
+        self.pos_of = _memory.full((self.capacity,), -1, torch.int64, self.device)
         self.live = 0
         self.tombs = 0
         self.max_probe = 0
@@ -57,18 +66,18 @@ class HashIndex:
         if n == 0 or self.live == 0:
             return out
         if self._fast(rows):
-            _kernels.hash_find(self.table.numpy(), self.row_of.numpy(), self.tab_of.numpy(),
-                               tabs.reshape(-1).numpy(), rows.numpy(), out.numpy(), self.mask)
+            _kernels.hash_find(self.table.numpy(), tabs.reshape(-1).numpy(), rows.numpy(), out.numpy(),
+                               self.mask)
             return out
         tabs = tabs.expand(n) if tabs.dim() == 0 else tabs
         pending = torch.arange(n, device=self.device)
         pos = self._home(tabs, rows)
         prow, ptab = rows, tabs
         for _ in range(self.max_probe + 1):
-            s = self.table[pos]
-            sc = s.clamp(min=0)
-            match = (s >= 0) & (self.row_of[sc] == prow) & (self.tab_of[sc] == ptab)
-            out[pending[match]] = s[match]
+            e = self.table[pos]
+            s = e[:, 0]
+            match = (s >= 0) & (e[:, 1] == prow) & ((s >> SLOT_BITS) == ptab)
+            out[pending[match]] = s[match] & SLOT_MASK
             cont = ~match & (s != EMPTY)
             if not bool(cont.any()):
                 break
@@ -98,7 +107,7 @@ class HashIndex:
         pos = home
         landed_on_tomb = 0
         while pending.numel():
-            s = self.table[pos]
+            s = self.table[pos, 0]
             free = s < 0
             cand = torch.nonzero(free).flatten()
             if cand.numel():
@@ -110,7 +119,8 @@ class HashIndex:
                 wpos = pos[win]
                 landed_on_tomb += int((s[win] == TOMB).sum())
                 wslots = slots[pending[win]]
-                self.table[wpos] = wslots
+                self.table[wpos, 0] = (tabs[pending[win]] << SLOT_BITS) | wslots
+                self.table[wpos, 1] = rows[pending[win]]
                 self.pos_of[wslots] = wpos
                 dist = (wpos - home[pending[win]]) & self.mask
                 self.max_probe = max(self.max_probe, int(dist.max()))
@@ -126,7 +136,7 @@ class HashIndex:
         """Drop the keys held by `slots` (each must be present)."""
         if slots.numel() == 0:
             return
-        self.table[self.pos_of[slots]] = TOMB
+        self.table[self.pos_of[slots], 0] = TOMB
         self.pos_of[slots] = -1
         self.row_of[slots] = -1
         self.tab_of[slots] = -1
@@ -145,8 +155,32 @@ class HashIndex:
         """Assert that every live slot is found at its recorded position."""
         live = torch.nonzero(self.pos_of >= 0).flatten()
         assert live.numel() == self.live, (live.numel(), self.live)
-        assert bool((self.table[self.pos_of[live]] == live).all())
+        entry = self.table[self.pos_of[live]]
+        assert bool(((entry[:, 0] & SLOT_MASK) == live).all())
+        assert bool((entry[:, 1] == self.row_of[live]).all())
+        assert bool(((entry[:, 0] >> SLOT_BITS) == self.tab_of[live]).all())
         found = self.find(self.tab_of[live], self.row_of[live])
         assert bool((found == live).all())
-        assert int((self.table >= 0).sum()) == self.live
-        assert int((self.table == TOMB).sum()) == self.tombs
+        assert int((self.table[:, 0] >= 0).sum()) == self.live
+        assert int((self.table[:, 0] == TOMB).sum()) == self.tombs
+
+
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique ids and the inverse map (ids == uniq[inverse]); uniq is in no particular order.
+
+    On CPU this is one pass over a small hash set (first-occurrence order), an order of
+    magnitude cheaper than `torch.unique`, which sorts; elsewhere it is `torch.unique`.
+    """
+    if ids.device.type != "cpu" or not _kernels.HAVE_NUMBA or ids.numel() == 0:
+        return torch.unique(ids, sorted=True, return_inverse=True)
+    bits = max(3, (2 * ids.numel() - 1).bit_length())
+    uniq, inverse = _kernels.dedup(ids.contiguous().numpy(), bits)
+    return torch.from_numpy(uniq), torch.from_numpy(inverse)
+
+
+def sort_unique(uniq: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same (unique, inverse) pair with `unique` in ascending order."""
+    order = torch.argsort(uniq)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return uniq.index_select(0, order), rank.index_select(0, inverse)

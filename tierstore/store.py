@@ -28,8 +28,9 @@ from .errors import (
     StoreClosedError,
     UnknownTableError,
 )
-from .fused import BatchUpdate
+from .fused import BatchUpdate, bag_positions
 from .fused import pool as fused_pool
+from .index import dedup, sort_unique
 from .initializers import name_key
 from .stats import PrefetchStats, TierStats
 
@@ -53,7 +54,7 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 class Gathered:
     """A batch's rows for training: sorted unique ids, inverse map, and their embeddings."""
 
-    unique: torch.Tensor  # int64 [u], sorted
+    unique: torch.Tensor  # int64 [u], sorted (unsorted only inside the module's resident fast path)
     inverse: torch.Tensor  # int64 [n], ids == unique[inverse]
     weights: torch.Tensor  # float32 [u, dim] on the store's device
     slots: torch.Tensor | None = None  # device-tier slots of `unique` when all were resident
@@ -320,14 +321,15 @@ class TierStore:
             return out, g
         if ids.numel() == 0:
             return torch.zeros(offsets.numel(), dim), self._gather(tab, ids)
-        uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        uniq, inv = dedup(ids)
         psw = None if psw is None else psw.detach().to("cpu", torch.float32)
         dslots = self._resident_slots(tab, uniq)
-        if dslots is not None:
+        if dslots is not None:  # `uniq` may stay unsorted: only these slots are touched
             out = fused_pool(dev.slab, dslots, inv, offsets, dim, psw, mean)
             weights = dev.slab.index_select(0, dslots)[:, :dim] if need_weights else \
                 torch.empty(0, dim)
             return out, Gathered(uniq, inv, weights, dslots, dev.generation)
+        uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
         payload = self._access(tab, uniq, None)
         out = fused_pool(payload, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
         return out, Gathered(uniq, inv, payload[:, :dim], self._last_dslots, dev.generation)
@@ -337,14 +339,16 @@ class TierStore:
         """`apply_bags` on trusted input from `gather`; reuses its device slots when still valid."""
         unique, inverse = g.unique, g.inverse
         n = inverse.numel()
-        bags = offsets.numel()
         grad_out = grad_out.detach().to("cpu", torch.float32)
         if unique.numel() == 0 or n == 0:
             return
         offsets = offsets.to("cpu", torch.int64)
         inverse = inverse.to("cpu", torch.int64)
-        lengths = torch.diff(offsets, append=torch.tensor([n]))
-        bag_of = torch.repeat_interleave(torch.arange(bags), lengths)
+        dev = self.device_tier
+        in_place = g.slots is not None and g.generation == dev.generation
+        if not in_place and unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
+            unique, inverse = sort_unique(unique, inverse)  # the cascade works in key order
+        bag_of, lengths = bag_positions(offsets, n)
         scale = None
         if mode == "mean":
             scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag_of)
@@ -353,8 +357,7 @@ class TierStore:
             scale = psw if scale is None else scale * psw
         update = BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(), inverse, grad_out,
                              bag_of, scale, self.fused)
-        dev = self.device_tier
-        if g.slots is not None and g.generation == dev.generation:
+        if in_place:
             update.apply(dev.slab, g.slots)  # rows still where gather found them: update in place
             dev.dirty[g.slots] = True
             return

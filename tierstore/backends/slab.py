@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _memory
 from ..index import HashIndex
 from ..policies import make_policy
 from ..stats import TierStats
@@ -64,7 +65,7 @@ class SlabTier:
         self.capacity = int(capacity)
         self.width = int(width)
         self.device = torch.device(device)
-        self.slab = torch.zeros((self.capacity, self.width), dtype=torch.float32, device=self.device)
+        self.slab = _memory.full((self.capacity, self.width), 0.0, torch.float32, self.device)
         if pin_memory and self.device.type == "cpu":
             self.slab = self.slab.pin_memory()
         self.index = HashIndex(self.capacity, self.device)

@@ -1,0 +1,75 @@
+"""The CPU fast-path helpers: dedup, key-order restore, bag positions, huge-page allocation."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+import tierstore as ts
+from tierstore import _memory
+from tierstore.fused import bag_positions
+from tierstore.index import SLOT_MASK, HashIndex, dedup, sort_unique
+
+IDS = st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**63 - 1)), max_size=300)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ids=IDS)
+def test_dedup_is_a_unique_with_inverse(ids):
+    t = torch.tensor(ids, dtype=torch.int64)
+    uniq, inv = dedup(t)
+    assert torch.equal(uniq[inv], t)
+    assert uniq.numel() == len(set(ids))
+    if ids:  # first-occurrence order on the CPU kernel path
+        assert uniq.tolist() == list(dict.fromkeys(ids))
+    su, sinv = sort_unique(uniq, inv)
+    ref_u, ref_inv = torch.unique(t, sorted=True, return_inverse=True)
+    assert torch.equal(su, ref_u) and torch.equal(sinv, ref_inv)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 6), max_size=40))
+def test_bag_positions_match_repeat_interleave(lengths):
+    ln = torch.tensor(lengths, dtype=torch.int64)
+    offsets = torch.zeros(len(lengths), dtype=torch.int64)
+    if lengths:
+        offsets[1:] = torch.cumsum(ln, 0)[:-1]
+    bag_of, got_len = bag_positions(offsets, int(ln.sum()))
+    assert torch.equal(bag_of, torch.repeat_interleave(torch.arange(len(lengths)), ln))
+    assert torch.equal(got_len, ln)
+
+
+def test_index_capacity_limit_is_a_config_error():
+    with pytest.raises(ts.ConfigError, match="at most"):
+        HashIndex(SLOT_MASK + 1, device="meta")
+
+
+def test_huge_page_tensors_hold_the_fill_value():
+    big = _memory.full((3 << 20,), -1, torch.int64)  # 24 MiB: asks for huge pages
+    assert big.shape == (3 << 20,) and bool((big == -1).all())
+    small = _memory.full((4, 3), 0.5, torch.float32)
+    assert bool((small == 0.5).all())
+    assert _memory.advise_huge(small) is False  # too small to bother
+
+
+def test_unsorted_resident_rows_survive_eviction_before_backward(tmp_path):
+    """The forward's resident fast path keeps first-occurrence order; a stale backward re-sorts."""
+    spec = ts.TableSpec("t", 100, 4, optimizer=ts.Adagrad(0.2))
+    ids = torch.tensor([9, 7, 9, 3, 1, 7])  # first occurrence 9, 7, 3, 1: not sorted
+    offsets = torch.tensor([0, 2, 4])
+    results = []
+    for evict in (False, True):
+        with ts.TierStore(tmp_path / f"s{evict}", [spec], device_capacity=4, host_capacity=0,
+                          device="cpu") as store:
+            store.read("t", torch.tensor([1, 3, 7, 9]))  # make the batch device-resident
+            bag = ts.TieredEmbeddingBag(store, "t")
+            out = bag(ids, offsets)
+            if evict:
+                store.read("t", torch.arange(20, 28))  # push every forward row down to LMDB
+                assert store.stats()["device"]["resident"] == 4
+            (out * torch.arange(12.0).reshape(3, 4)).sum().backward()
+            results.append(store.read("t", torch.arange(30)))
+            store.check()
+    assert torch.equal(results[0], results[1])
