@@ -16,10 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from tierstore.prefetch import Prefetcher
 
 from .common import OUT_DIR, bar_plot, num_threads, save, table
-from .store import drop_page_cache
+from .store import RawLmdb, drop_page_cache
 from .training import TierstoreRunner, Workload
 
 
@@ -28,6 +30,7 @@ def run(runner: TierstoreRunner, wl: Workload, depth: int, start: int, blocks: i
     """Median samples/s over blocks of steps fed through a Prefetcher of the given depth."""
     store = runner.store
     rates, stalls = [], []
+    ssd0 = store.stats()["ssd"]
     i = start
     for _ in range(blocks):
         batches = (wl.steps[j % len(wl.steps)] for j in range(i, i + steps))
@@ -41,8 +44,39 @@ def run(runner: TierstoreRunner, wl: Workload, depth: int, start: int, blocks: i
         rates.append(wl.batch * steps / dt)
         stalls.append((store.prefetch_stats.stall_seconds - before) / steps * 1000)
         i += steps
+    ssd1 = store.stats()["ssd"]
+    n = blocks * steps
     return {"samples_per_s": statistics.median(rates), "stall_ms_per_step": statistics.median(stalls),
-            "samples_per_s_blocks": rates, "next_step": i}
+            "samples_per_s_blocks": rates, "next_step": i,
+            "lmdb_rows_read_per_step": (ssd1["lookups"] - ssd0["lookups"]) / n,
+            "lmdb_rows_written_per_step": (ssd1["writebacks"] - ssd0["writebacks"]) / n}
+
+
+def io_floor(runner: TierstoreRunner, wl: Workload, reads: float, writes: float, reps: int = 5) -> dict:
+    """The LMDB traffic of a step done by raw py-lmdb alone: the best a 1% cache could reach.
+
+    Times sorted batched `txn.get` of `reads` random stored rows and one `putmulti` transaction
+    of `writes` rows (the per-step counts the store really moved), on the store's own
+    environment; the minimum over `reps` tries. Nothing else of a step is counted.
+    """
+    name = wl.names[0]
+    backend = runner.store.backend
+    raw = RawLmdb(backend.env, backend._db(name), runner.store.table_specs[name].payload_dim)
+    rng = np.random.default_rng(7)
+    best_r = best_w = float("inf")
+    for _ in range(reps):
+        ids_r = rng.choice(wl.rows, size=int(reads), replace=False).astype(np.int64)
+        ids_w = rng.choice(wl.rows, size=int(writes), replace=False).astype(np.int64)
+        t0 = time.perf_counter()
+        raw.read(ids_r)
+        t1 = time.perf_counter()
+        raw.write(ids_w, raw.read(ids_w))
+        t2 = time.perf_counter()
+        best_r = min(best_r, t1 - t0)
+        best_w = min(best_w, t2 - t1 - (t1 - t0) * writes / max(reads, 1))
+    step_s = best_r + max(best_w, 0.0)
+    return {"read_ms": best_r * 1000, "write_ms": max(best_w, 0.0) * 1000,
+            "samples_per_s": wl.batch / step_s if step_s > 0 else float("inf")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"1% cache, {lmdb_state}, depth {depth}: {rec['samples_per_s']:,.0f} "
                           f"samples/s ({rec['ratio']:.2f}x), stall {rec['stall_ms_per_step']:.1f} ms/step",
                           file=sys.stderr, flush=True)
+            d0 = next(r for r in records if r["lmdb"] == "page-cached" and r["depth"] == 0)
+            floor = io_floor(cached, wl, d0["lmdb_rows_read_per_step"], d0["lmdb_rows_written_per_step"])
+            floor_ratio = floor["samples_per_s"] / base["samples_per_s"]
+            print(f"raw py-lmdb alone, moving a step's {d0['lmdb_rows_read_per_step']:,.0f} reads and "
+                  f"{d0['lmdb_rows_written_per_step']:,.0f} writes: {floor['read_ms']:.1f} + "
+                  f"{floor['write_ms']:.1f} ms/step = at most {floor['samples_per_s']:,.0f} samples/s "
+                  f"({floor_ratio:.2f}x all-resident)", file=sys.stderr)
             stats = cached.store.stats()
             cached.close()
     finally:
@@ -104,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(records, [("config", "config", "s"), ("lmdb", "LMDB", "s"), ("depth", "depth", "d"),
                           ("samples_per_s", "samples/s", ",.0f"), ("ratio", "x resident", ".2f"),
                           ("stall_ms_per_step", "stall ms/step", ".1f")]))
-    meta = {"args": vars(args), "torch_threads": args.threads, "final_stats": stats}
+    meta = {"args": vars(args), "torch_threads": args.threads, "final_stats": stats,
+            "lmdb_io_floor": {**floor, "ratio_to_resident": floor_ratio}}
     path = save("prefetch", records, meta, out)
     print(f"wrote {path}")
     depths = sorted({r["depth"] for r in records[1:]})
