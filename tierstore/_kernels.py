@@ -134,7 +134,7 @@ if HAVE_NUMBA:
             out[i] = res
 
     @numba.njit(cache=True, nogil=True)
-    def hash_add(table, row_of, tab_of, pos_of, tabs, rows, slots, mask):  # pragma: no cover
+    def hash_add(table, pos_of, tabs, rows, slots, mask):  # pragma: no cover
         """Insert absent keys; return (tombstones reused, max probe distance)."""
         reused = 0
         maxd = 0
@@ -151,9 +151,39 @@ if HAVE_NUMBA:
             table[p, 0] = (t << SLOT_BITS) | s
             table[p, 1] = r
             pos_of[s] = p
-            row_of[s] = r
-            tab_of[s] = t
             d = (p - h) & mask
             if d > maxd:
                 maxd = d
         return reused, maxd
+
+    @numba.njit(cache=True, nogil=True)
+    def hash_remove(table, pos_of, slots, mask):  # pragma: no cover
+        """Delete the keys held by `slots` by backward shift; return tombstones left (see below).
+
+        Later entries of the probe run move back into the hole when their home allows it, so
+        deletion leaves no tombstone. Only when the run reaches a tombstone left by the torch
+        path does the hole become a tombstone too (the run past it must stay unbroken).
+        """
+        tombs = 0
+        for k in range(slots.shape[0]):
+            s = slots[k]
+            i = pos_of[s]
+            pos_of[s] = -1
+            j = i
+            while True:
+                j = (j + 1) & mask
+                e = table[j, 0]
+                if e == -1:
+                    table[i, 0] = -1
+                    break
+                if e == -2:
+                    table[i, 0] = -2
+                    tombs += 1
+                    break
+                h = _home(e >> SLOT_BITS, table[j, 1], mask)
+                if ((j - h) & mask) >= ((j - i) & mask):  # home not in (i, j]: may move to i
+                    table[i, 0] = e
+                    table[i, 1] = table[j, 1]
+                    pos_of[e & SLOT_MASK] = i
+                    i = j
+        return tombs

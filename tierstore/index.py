@@ -25,11 +25,13 @@ SLOT_MASK = (1 << SLOT_BITS) - 1
 class HashIndex:
     """Linear-probing hash index over a tier's slots; every operation takes a batch.
 
-    Memory is set by the tier capacity (a table of at least twice as many positions),
+    Memory is set by the tier capacity (a power-of-two table at most 75% full of live keys),
     never by the number of rows a table declares. Keys are (table index, row id) pairs.
     Each position holds its whole key, `[table << SLOT_BITS | slot, row]` in 16 bytes, so a
     lookup compares keys in the cache line it probes instead of chasing the slot's key
-    elsewhere. `row_of`/`tab_of`/`pos_of` map a slot back to its key and position (evictions).
+    elsewhere; `pos_of` maps a slot to its position (for `keys` and `remove`). The numba path
+    deletes by backward shift (no tombstones); the torch path leaves tombstones, and the table
+    is rebuilt when live keys and tombstones pass 85%.
     """
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
@@ -37,11 +39,9 @@ class HashIndex:
         if self.capacity > SLOT_MASK:
             raise ConfigError(f"a cache tier holds at most {SLOT_MASK:,} rows, not {self.capacity:,}")
         self.device = torch.device(device)
-        self.size = _next_pow2(2 * self.capacity)
+        self.size = _next_pow2(-(-self.capacity * 4 // 3))
         self.mask = self.size - 1
         self.table = _memory.full((self.size, 2), EMPTY, torch.int64, self.device)
-        self.row_of = _memory.full((self.capacity,), -1, torch.int64, self.device)
-        self.tab_of = _memory.full((self.capacity,), -1, torch.int64, self.device)
         self.pos_of = _memory.full((self.capacity,), -1, torch.int64, self.device)
         self.live = 0
         self.tombs = 0
@@ -89,19 +89,17 @@ class HashIndex:
         n = rows.numel()
         if n == 0:
             return
-        if (self.live + self.tombs + n) * 10 > self.size * 7:
+        if (self.live + self.tombs + n) * 20 > self.size * 17:
             self._rebuild()
         if self._fast(rows):
-            reused, maxd = _kernels.hash_add(
-                self.table.numpy(), self.row_of.numpy(), self.tab_of.numpy(), self.pos_of.numpy(),
-                tabs.reshape(-1).numpy(), rows.numpy(), slots.numpy(), self.mask)
+            reused, maxd = _kernels.hash_add(self.table.numpy(), self.pos_of.numpy(),
+                                             tabs.reshape(-1).numpy(), rows.numpy(), slots.numpy(),
+                                             self.mask)
             self.live += n
             self.tombs -= int(reused)
             self.max_probe = max(self.max_probe, int(maxd))
             return
         tabs = tabs.expand(n) if tabs.dim() == 0 else tabs
-        self.row_of[slots] = rows
-        self.tab_of[slots] = tabs
         home = self._home(tabs, rows)
         pending = torch.arange(n, device=self.device)
         pos = home
@@ -132,20 +130,27 @@ class HashIndex:
         self.live += n
         self.tombs -= landed_on_tomb
 
+    def keys(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table index, row id) of each present slot."""
+        entry = self.table[self.pos_of[slots]]
+        return entry[:, 0] >> SLOT_BITS, entry[:, 1]
+
     def remove(self, slots: torch.Tensor) -> None:
         """Drop the keys held by `slots` (each must be present)."""
         if slots.numel() == 0:
             return
-        self.table[self.pos_of[slots], 0] = TOMB
-        self.pos_of[slots] = -1
-        self.row_of[slots] = -1
-        self.tab_of[slots] = -1
+        if self.use_kernels and self.device.type == "cpu" and slots.is_contiguous():
+            self.tombs += int(_kernels.hash_remove(self.table.numpy(), self.pos_of.numpy(),
+                                                   slots.numpy(), self.mask))
+        else:
+            self.table[self.pos_of[slots], 0] = TOMB
+            self.pos_of[slots] = -1
+            self.tombs += slots.numel()
         self.live -= slots.numel()
-        self.tombs += slots.numel()
 
     def _rebuild(self) -> None:
         live = torch.nonzero(self.pos_of >= 0).flatten()
-        tabs, rows = self.tab_of[live].clone(), self.row_of[live].clone()
+        tabs, rows = self.keys(live)
         self.table.fill_(EMPTY)
         self.pos_of.fill_(-1)
         self.live = self.tombs = self.max_probe = 0
@@ -157,9 +162,7 @@ class HashIndex:
         assert live.numel() == self.live, (live.numel(), self.live)
         entry = self.table[self.pos_of[live]]
         assert bool(((entry[:, 0] & SLOT_MASK) == live).all())
-        assert bool((entry[:, 1] == self.row_of[live]).all())
-        assert bool(((entry[:, 0] >> SLOT_BITS) == self.tab_of[live]).all())
-        found = self.find(self.tab_of[live], self.row_of[live])
+        found = self.find(*self.keys(live))
         assert bool((found == live).all())
         assert int((self.table[:, 0] >= 0).sum()) == self.live
         assert int((self.table[:, 0] == TOMB).sum()) == self.tombs

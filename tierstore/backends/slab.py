@@ -112,7 +112,7 @@ class SlabTier:
     def remove(self, slots: torch.Tensor) -> Rows:
         """Take rows out of the tier (to move them elsewhere); returns them with dirty bits."""
         # advanced indexing and index_select return copies: the rows outlive their slots
-        out = Rows(self.index.tab_of[slots], self.index.row_of[slots],
+        out = Rows(*self.index.keys(slots),
                    self.slab.index_select(0, slots), self.dirty[slots], self.pins[slots])
         self._release(slots)
         return out
@@ -183,13 +183,13 @@ class SlabTier:
         dirty = torch.nonzero(self.dirty & self.occupied).flatten()
         for lo in range(0, dirty.numel(), chunk):
             slots = dirty[lo : lo + chunk]
-            yield slots, Rows(self.index.tab_of[slots], self.index.row_of[slots],
+            yield slots, Rows(*self.index.keys(slots),
                               self.slab.index_select(0, slots), self.dirty[slots])
 
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tabs, rows) of every occupied slot."""
         slots = torch.nonzero(self.occupied).flatten()
-        return self.index.tab_of[slots], self.index.row_of[slots]
+        return self.index.keys(slots)
 
     def check(self) -> None:
         """Assert the tier's invariants: index, occupancy, free list and policy agree."""
