@@ -217,37 +217,49 @@ def fbgemm_available() -> str | None:
     return None
 
 
-def measure(runner: Runner, wl: Workload, threads: int, warmup: int, blocks: int, steps: int,
-            profile: list[str] | None) -> dict:
-    """Median samples/s and ids/s over `blocks` blocks of `steps` steps, after `warmup` steps."""
-    i = 0
-    for _ in range(warmup):
-        runner.step(i)
-        i += 1
-    srates, irates, ms = [], [], []
+def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, blocks: int, steps: int,
+            profile: list[str] | None) -> list[dict]:
+    """Median samples/s and ids/s per runner over `blocks` blocks of `steps` steps, after `warmup`.
+
+    Blocks are interleaved across runners (A B C A B C ...), so a burst of load on this shared
+    machine hits every configuration alike instead of whichever happened to run then.
+    """
+    pos = {id(r): 0 for r in runners}
+
+    def run_block(r: Runner) -> None:
+        for _ in range(steps):
+            r.step(pos[id(r)])
+            pos[id(r)] += 1
+
+    for r in runners:
+        for _ in range(warmup):
+            r.step(pos[id(r)])
+            pos[id(r)] += 1
+    times: dict[int, list[tuple[float, int]]] = {id(r): [] for r in runners}
     for _ in range(blocks):
-        n_ids = sum(wl.ids_per_step(j) for j in range(i, i + steps))
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            runner.step(i)
-            i += 1
-        dt = time.perf_counter() - t0
-        srates.append(wl.batch * steps / dt)
-        irates.append(n_ids / dt)
-        ms.append(1000 * dt / steps)
+        for r in runners:
+            i = pos[id(r)]
+            n_ids = sum(wl.ids_per_step(j) for j in range(i, i + steps))
+            t0 = time.perf_counter()
+            run_block(r)
+            times[id(r)].append((time.perf_counter() - t0, n_ids))
     if profile is not None:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(steps):
-            runner.step(i)
-            i += 1
-        prof.disable()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-        profile.append(f"==== {runner.name} threads={threads} ({steps} steps) ====\n{buf.getvalue()}")
-    return {"config": runner.name, "threads": threads, "samples_per_s": statistics.median(srates),
-            "ids_per_s": statistics.median(irates), "ms_per_step": statistics.median(ms),
-            "samples_per_s_blocks": srates, "blocks": blocks, "steps_per_block": steps}
+        for r in runners:
+            prof = cProfile.Profile()
+            prof.enable()
+            run_block(r)
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            profile.append(f"==== {r.name} threads={threads} ({steps} steps) ====\n{buf.getvalue()}")
+    out = []
+    for r in runners:
+        srates = [wl.batch * steps / dt for dt, _ in times[id(r)]]
+        out.append({"config": r.name, "threads": threads, "samples_per_s": statistics.median(srates),
+                    "ids_per_s": statistics.median(n / dt for dt, n in times[id(r)]),
+                    "ms_per_step": statistics.median(1000 * dt / steps for dt, _ in times[id(r)]),
+                    "samples_per_s_blocks": srates, "blocks": blocks, "steps_per_block": steps})
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -299,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     prof: list[str] | None = [] if args.profile else None
     records: list[dict] = []
+    runners: list[Runner] = []
     try:
         for name in configs:
             if name == BASELINE:
@@ -307,28 +320,28 @@ def main(argv: list[str] | None = None) -> int:
                     skipped[name] = why
                     print(f"skipping {name}: {why}", file=sys.stderr)
                     continue
-                runner: Runner = FbgemmRunner(wl)
+                runners.append(FbgemmRunner(wl))
             elif name == "torch_embeddingbag":
-                runner = TorchRunner(wl)
+                runners.append(TorchRunner(wl))
             elif name in FRACTIONS:
-                runner = TierstoreRunner(wl, name, work, FRACTIONS[name], args.init)
+                runners.append(TierstoreRunner(wl, name, work, FRACTIONS[name], args.init))
             else:
                 raise SystemExit(f"unknown config {name!r}")
-            try:
-                for n in threads:
-                    with num_threads(n):
-                        rec = measure(runner, wl, n, args.warmup, args.blocks, args.steps, prof)
-                    if isinstance(runner, TierstoreRunner):
-                        rec.update(capacity=runner.capacity, init=runner.init, setup_s=runner.setup_s,
-                                   stats=runner.store.stats())
-                    records.append(rec)
-                    print(f"{name} threads={n}: {rec['samples_per_s']:,.0f} samples/s, "
-                          f"{rec['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
-            finally:
-                runner.close()
-                del runner
-                gc.collect()
+        for n in threads:
+            with num_threads(n):
+                recs = measure(runners, wl, n, args.warmup, args.blocks, args.steps, prof)
+            for runner, rec in zip(runners, recs):
+                if isinstance(runner, TierstoreRunner):
+                    rec.update(capacity=runner.capacity, init=runner.init, setup_s=runner.setup_s,
+                               stats=runner.store.stats())
+                records.append(rec)
+                print(f"{rec['config']} threads={n}: {rec['samples_per_s']:,.0f} samples/s, "
+                      f"{rec['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
     finally:
+        for runner in runners:
+            runner.close()
+        runners.clear()
+        gc.collect()
         shutil.rmtree(work, ignore_errors=True)
     for r in records:
         same = {x["config"]: x for x in records if x["threads"] == r["threads"]}
