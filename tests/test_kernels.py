@@ -73,3 +73,30 @@ def test_unsorted_resident_rows_survive_eviction_before_backward(tmp_path):
             results.append(store.read("t", torch.arange(30)))
             store.check()
     assert torch.equal(results[0], results[1])
+
+
+def test_threads_split_kernels_without_changing_a_bit(tmp_path):
+    """Pooling, updates and lookups split over threads give the single-thread bits."""
+    spec = ts.TableSpec("t", 200_000, 16, optimizer=ts.RowWiseAdagrad(0.1))
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 200_000, (40_000,), generator=gen)
+    offsets = torch.arange(0, 40_000, 8)
+    grad = torch.randn(offsets.numel(), 16, generator=gen)
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with ts.TierStore(tmp_path / f"s{threads}", [spec], device_capacity=100_000,
+                              host_capacity=0, device="cpu") as store:
+                bag = ts.TieredEmbeddingBag(store, "t")
+                outs = []
+                for _ in range(3):  # the first step loads rows, later ones hit the fast path
+                    out = bag(ids, offsets)
+                    (out * grad).sum().backward()
+                    outs.append(out.detach())
+                results.append((torch.stack(outs), store.read("t", ids)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])

@@ -111,11 +111,11 @@ if HAVE_NUMBA:
         return h & mask
 
     @numba.njit(cache=True, nogil=True)
-    def hash_find(table, tabs, rows, out, mask):  # pragma: no cover
-        """Write the slot of each (tab, row) into out, or -1 (entries: [tab << 40 | slot, row])."""
-        n = rows.shape[0]
+    def hash_find(table, tabs, rows, out, mask, lo, hi):  # pragma: no cover
+        """Write the slot of each key i in [lo, hi) into out, or -1 (entries: [tab << 40 | slot, row])."""
+        n = hi
         one = tabs.shape[0] == 1
-        for i in range(n):
+        for i in range(lo, hi):
             j = i + PREFETCH_AHEAD
             if j < n:
                 prefetch(table, _home(tabs[0] if one else tabs[j], rows[j], mask), 0)

@@ -17,7 +17,10 @@ import numpy as np
 import torch
 
 from ._kernels import HAVE_NUMBA
+from ._parallel import parallel_for
 from .optimizers import Optimizer
+
+POOL_CHUNK = 256  # bags per thread, at the least
 
 if HAVE_NUMBA:
     import numba
@@ -63,10 +66,11 @@ if HAVE_NUMBA:
                     g[d] += grad_out[b, d]
 
     @numba.njit(cache=True, nogil=True)
-    def sgd_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params):  # pragma: no cover
+    def sgd_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params, lo,
+                   hi):  # pragma: no cover
         lr, wd = np.float32(params[0]), np.float32(params[1])
         g = np.empty(dim, dtype=np.float32)
-        for u in range(slots.shape[0]):
+        for u in range(lo, hi):
             _prefetch_next(table, slots, u)
             _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
             row = table[slots[u]]
@@ -74,10 +78,11 @@ if HAVE_NUMBA:
                 row[d] = row[d] - lr * (g[d] + wd * row[d])
 
     @numba.njit(cache=True, nogil=True)
-    def adagrad_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params):  # pragma: no cover
+    def adagrad_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params, lo,
+                       hi):  # pragma: no cover
         lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
         g = np.empty(dim, dtype=np.float32)
-        for u in range(slots.shape[0]):
+        for u in range(lo, hi):
             _prefetch_next(table, slots, u)
             _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
             row = table[slots[u]]
@@ -89,11 +94,11 @@ if HAVE_NUMBA:
 
     @numba.njit(cache=True, nogil=True)
     def rowwise_adagrad_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale,
-                               params):  # pragma: no cover
+                               params, lo, hi):  # pragma: no cover
         lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
         g = np.empty(dim, dtype=np.float32)
         inv_dim = np.float32(1.0) / np.float32(dim)
-        for u in range(slots.shape[0]):
+        for u in range(lo, hi):
             _prefetch_next(table, slots, u)
             _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
             row = table[slots[u]]
@@ -108,12 +113,13 @@ if HAVE_NUMBA:
                 row[d] = row[d] - mult * g[d]
 
     @numba.njit(cache=True, nogil=True)
-    def adam_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params):  # pragma: no cover
+    def adam_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params, lo,
+                    hi):  # pragma: no cover
         lr, b1, b2 = params[0], params[1], params[2]
         eps, wd = np.float32(params[3]), np.float32(params[4])
         one_b1, one_b2 = np.float32(1.0 - b1), np.float32(1.0 - b2)
         g = np.empty(dim, dtype=np.float32)
-        for u in range(slots.shape[0]):
+        for u in range(lo, hi):
             _prefetch_next(table, slots, u)
             _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
             row = table[slots[u]]
@@ -130,11 +136,12 @@ if HAVE_NUMBA:
                 row[d] = row[d] - step * (m / (np.sqrt(v) + eps))
 
     @numba.njit(cache=True, nogil=True)
-    def pool_kernel(table, rows, inverse, offsets, n_total, dim, psw, mean, out):  # pragma: no cover
+    def pool_kernel(table, rows, inverse, offsets, n_total, dim, psw, mean, out, lo,
+                    hi):  # pragma: no cover
         """out[b] = (weighted) sum or mean of rows `table[rows[inverse[p]]]` over bag b's positions."""
         bags = offsets.shape[0]
         has_w = psw.shape[0] > 0
-        for b in range(bags):
+        for b in range(lo, hi):
             lo = offsets[b]
             hi = offsets[b + 1] if b + 1 < bags else n_total
             acc = out[b]
@@ -176,9 +183,10 @@ def pool(table: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offsets
          dim: int, psw: torch.Tensor | None, mean: bool) -> torch.Tensor:
     """Pooled bags [len(offsets), dim] from rows of `table` (the numba kernel; CPU tensors)."""
     out = torch.empty((offsets.numel(), dim), dtype=torch.float32)
-    pool_kernel(table.numpy(), rows.numpy(), inverse.numpy(), offsets.numpy(), inverse.numel(), dim,
-                np.empty(0, dtype=np.float32) if psw is None else psw.contiguous().numpy(), mean,
-                out.numpy())
+    args = (table.numpy(), rows.numpy(), inverse.numpy(), offsets.numpy(), inverse.numel(), dim,
+            np.empty(0, dtype=np.float32) if psw is None else psw.contiguous().numpy(), mean,
+            out.numpy())
+    parallel_for(lambda lo, hi: pool_kernel(*args, lo, hi), offsets.numel(), POOL_CHUNK)
     return out
 
 
@@ -248,11 +256,12 @@ class BatchUpdate:
         perm, starts = self._csr
         empty_i = np.empty(0, dtype=np.int64)
         empty_f = np.empty(0, dtype=np.float32)
-        kernel(table.numpy(), slots.numpy(), self.dim, perm, starts,
-               empty_i if self.bag_of is None else self.bag_of.numpy(),
-               self.grad_out.contiguous().numpy(),
-               empty_f if self.scale is None else self.scale.contiguous().numpy(),
-               _params(self.optimizer))
+        args = (table.numpy(), slots.numpy(), self.dim, perm, starts,
+                empty_i if self.bag_of is None else self.bag_of.numpy(),
+                self.grad_out.contiguous().numpy(),
+                empty_f if self.scale is None else self.scale.contiguous().numpy(),
+                _params(self.optimizer))
+        parallel_for(lambda lo, hi: kernel(*args, lo, hi), slots.numel())
 
     def summed_grads(self) -> torch.Tensor:
         """Gradient per unique row, summed in input order (the torch path)."""

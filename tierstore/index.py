@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _kernels, _memory
+from ._parallel import parallel_for
 from .errors import ConfigError
 
 EMPTY = -1
@@ -66,8 +67,8 @@ class HashIndex:
         if n == 0 or self.live == 0:
             return out
         if self._fast(rows):
-            _kernels.hash_find(self.table.numpy(), tabs.reshape(-1).numpy(), rows.numpy(), out.numpy(),
-                               self.mask)
+            args = (self.table.numpy(), tabs.reshape(-1).numpy(), rows.numpy(), out.numpy(), self.mask)
+            parallel_for(lambda lo, hi: _kernels.hash_find(*args, lo, hi), n, 8192)
             return out
         tabs = tabs.expand(n) if tabs.dim() == 0 else tabs
         pending = torch.arange(n, device=self.device)
