@@ -457,7 +457,7 @@ class TierStore:
         if ids.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64)
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
-        uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        uniq, inv = sort_unique(*dedup(ids))
         payload = self._access(tab, uniq, None)
         return Gathered(uniq, inv, payload[:, : tab.spec.dim], self._last_dslots,
                         self.device_tier.generation)
