@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 from .initializers import INITIALIZERS, Initializer, UniformInit, initializer_from_config
 from .optimizers import SGD, Optimizer, optimizer_from_config
+from .precision import CODECS, Codec
 
 MAX_ROWS = 2**63 - 1
-DTYPES = ("float32",)
+DTYPES = tuple(CODECS)  # float32, float16, bfloat16 (see tierstore/precision.py)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -19,7 +20,11 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One embedding table: its name, row count (up to 2**63-1), dim, optimizer and init."""
+    """One embedding table: its name, row count (up to 2**63-1), dim, optimizer, init and dtype.
+
+    `dtype` is how the embedding is stored: "float32" (default, bit-exact), or "float16" /
+    "bfloat16" (half the bytes; updates round stochastically; state stays float32).
+    """
 
     name: str
     num_rows: int
@@ -54,9 +59,19 @@ class TableSpec:
         return self.optimizer.state_dim(self.dim)
 
     @property
+    def codec(self) -> Codec:
+        """How the embedding is held in the payload (float32, or packed 16-bit)."""
+        return CODECS[self.dtype]
+
+    @property
+    def weight_cols(self) -> int:
+        """Float32 payload columns holding the embedding (dim, or ceil(dim/2) for 16-bit)."""
+        return self.codec.cols(self.dim)
+
+    @property
     def payload_dim(self) -> int:
-        """Float32 values per row payload: embedding plus optimizer state."""
-        return self.dim + self.state_dim
+        """Float32 columns per row payload: embedding (packed if 16-bit) plus optimizer state."""
+        return self.weight_cols + self.state_dim
 
     def to_config(self) -> dict:
         """Serialize to a JSON-able dict (stored in the store's metadata)."""

@@ -19,6 +19,7 @@ import torch
 from ._kernels import HAVE_NUMBA
 from ._parallel import parallel_for
 from .optimizers import Optimizer
+from .precision import CODECS
 
 POOL_CHUNK = 256  # bags per thread, at the least
 
@@ -235,9 +236,11 @@ class BatchUpdate:
     bag_of: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     use_kernel: bool = True
+    dtype: str = "float32"  # the table's weight storage (tierstore.precision)
 
     def __post_init__(self) -> None:
         self._csr = None
+        self.codec = CODECS[self.dtype]
 
     def kernel_for(self, table: torch.Tensor):
         """The numba kernel to use on `table`, or None for the torch path."""
@@ -247,10 +250,17 @@ class BatchUpdate:
 
     def apply(self, table: torch.Tensor, slots: torch.Tensor) -> None:
         """Update rows `table[slots[u]]` (u = unique index) in place."""
+        if self.codec.packed:
+            self._apply_packed(table, slots)
+            return
         kernel = self.kernel_for(table)
         if kernel is None:
             self._apply_torch(table, slots)
             return
+        self._run_kernel(kernel, table, slots)
+
+    def _run_kernel(self, kernel, table: torch.Tensor, slots: torch.Tensor) -> None:
+        """Run an optimizer's numba kernel over the unique rows, split over threads."""
         if self._csr is None:
             self._csr = csr_by_group(self.inverse.numpy(), self.n_unique)
         perm, starts = self._csr
@@ -262,6 +272,23 @@ class BatchUpdate:
                 empty_f if self.scale is None else self.scale.contiguous().numpy(),
                 _params(self.optimizer))
         parallel_for(lambda lo, hi: kernel(*args, lo, hi), slots.numel())
+
+    def _apply_packed(self, table: torch.Tensor, slots: torch.Tensor) -> None:
+        """16-bit weights: decode to a float32 payload, update it as usual, re-encode (rounded)."""
+        dim, state = self.dim, self.optimizer.state_dim(self.dim)
+        wc = self.codec.cols(dim)
+        rows = table.index_select(0, slots)[:, : wc + state]
+        work = torch.empty((slots.numel(), dim + state), dtype=torch.float32, device=table.device)
+        work[:, :dim] = self.codec.decode(rows[:, :wc], dim)
+        work[:, dim:] = rows[:, wc:]
+        kernel = self.kernel_for(work)
+        if kernel is None:
+            self._apply_torch(work, torch.arange(slots.numel(), device=work.device))
+        else:
+            self._run_kernel(kernel, work, torch.arange(slots.numel()))
+        rows[:, :wc] = self.codec.encode_stochastic(work[:, :dim], rows[:, :wc])
+        rows[:, wc:] = work[:, dim:]
+        table[slots, : wc + state] = rows
 
     def summed_grads(self) -> torch.Tensor:
         """Gradient per unique row, summed in input order (the torch path)."""

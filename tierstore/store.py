@@ -246,7 +246,7 @@ class TierStore:
         self._record(table, ids)
         slots = self._resident_slots(tab, ids)
         if slots is not None:  # fast path: one lookup and one gather
-            return self.device_tier.slab[:, : tab.spec.dim].index_select(0, slots)
+            return tab.spec.codec.decode(self.device_tier.slab.index_select(0, slots), tab.spec.dim)
         g = self._gather(tab, ids)
         return g.weights.index_select(0, g.inverse.to(g.weights.device))
 
@@ -269,7 +269,7 @@ class TierStore:
         self._record(table, ids)
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
         self._access(tab, uniq, BatchUpdate(tab.spec.optimizer, tab.spec.dim, uniq.numel(), inv,
-                                            grads.cpu(), use_kernel=self.fused))
+                                            grads.cpu(), use_kernel=self.fused, dtype=tab.spec.dtype))
 
     @_locked
     def apply_unique(self, table: str, unique: torch.Tensor, grads: torch.Tensor) -> None:
@@ -281,8 +281,9 @@ class TierStore:
             raise InvalidIdsError("apply_unique needs sorted unique ids; use apply() otherwise")
         if unique.numel():
             n = unique.numel()
-            self._access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, n,
-                                                  torch.arange(n), grads.cpu(), use_kernel=self.fused))
+            self._access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, torch.arange(n),
+                                                  grads.cpu(), use_kernel=self.fused,
+                                                  dtype=tab.spec.dtype))
 
     @_locked
     def apply_bags(self, table: str, unique: torch.Tensor, inverse: torch.Tensor,
@@ -324,15 +325,21 @@ class TierStore:
         uniq, inv = dedup(ids)
         psw = None if psw is None else psw.detach().to("cpu", torch.float32)
         dslots = self._resident_slots(tab, uniq)
+        codec = tab.spec.codec
         if dslots is not None:  # `uniq` may stay unsorted: only these slots are touched
-            out = fused_pool(dev.slab, dslots, inv, offsets, dim, psw, mean)
-            weights = dev.slab.index_select(0, dslots)[:, :dim] if need_weights else \
-                torch.empty(0, dim)
+            if codec.packed:  # 16-bit weights: pool their float32 values
+                weights = codec.decode(dev.slab.index_select(0, dslots), dim)
+                out = fused_pool(weights, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
+            else:
+                out = fused_pool(dev.slab, dslots, inv, offsets, dim, psw, mean)
+                weights = dev.slab.index_select(0, dslots)[:, :dim] if need_weights else \
+                    torch.empty(0, dim)
             return out, Gathered(uniq, inv, weights, dslots, dev.generation)
         uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
         payload = self._access(tab, uniq, None)
-        out = fused_pool(payload, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
-        return out, Gathered(uniq, inv, payload[:, :dim], self._last_dslots, dev.generation)
+        weights = codec.decode(payload, dim).contiguous() if codec.packed else payload
+        out = fused_pool(weights, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
+        return out, Gathered(uniq, inv, weights[:, :dim], self._last_dslots, dev.generation)
 
     def _apply_bags(self, tab: _Table, g: Gathered, offsets: torch.Tensor, grad_out: torch.Tensor,
                     per_sample_weights: torch.Tensor | None, mode: str) -> None:
@@ -356,7 +363,7 @@ class TierStore:
             psw = per_sample_weights.detach().to("cpu", torch.float32).reshape(-1)
             scale = psw if scale is None else scale * psw
         update = BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(), inverse, grad_out,
-                             bag_of, scale, self.fused)
+                             bag_of, scale, self.fused, tab.spec.dtype)
         if in_place:
             update.apply(dev.slab, g.slots)  # rows still where gather found them: update in place
             dev.dirty[g.slots] = True
@@ -459,7 +466,7 @@ class TierStore:
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
         uniq, inv = sort_unique(*dedup(ids))
         payload = self._access(tab, uniq, None)
-        return Gathered(uniq, inv, payload[:, : tab.spec.dim], self._last_dslots,
+        return Gathered(uniq, inv, tab.spec.codec.decode(payload, tab.spec.dim), self._last_dslots,
                         self.device_tier.generation)
 
     def _resident_slots(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor | None:
@@ -567,7 +574,9 @@ class TierStore:
         st.bytes_read += nfound * spec.payload_dim * 4
         if nfound < len(rows_np):
             lazy = ~found
-            data[lazy, : spec.dim] = spec.init(tab.key, rows_np[lazy], spec.dim)
+            init = spec.init(tab.key, rows_np[lazy], spec.dim)
+            data[lazy, : spec.weight_cols] = spec.codec.encode(torch.from_numpy(init)).numpy() \
+                if spec.codec.packed else init
         out = torch.zeros((len(rows_np), self.width), dtype=torch.float32)
         out[:, : spec.payload_dim] = torch.from_numpy(data)
         return out

@@ -1,0 +1,120 @@
+"""Row storage precision: float32, or 16-bit weights (float16 / bfloat16) with stochastic rounding.
+
+A row's payload is float32 columns everywhere (slabs, LMDB values, checkpoints), so the tiers
+move it as opaque bits. A 16-bit table packs its embedding two values per float32 column
+(`ceil(dim / 2)` columns; little-endian: value 2c in the low half of column c), followed by its
+optimizer state in float32, as FBGEMM and Meta's Neo keep weights in 16 bits and state in 32.
+
+The math is float32: an update decodes the weights, runs the optimizer exactly as for a float32
+table, and encodes the new weights with *stochastic rounding*, which picks one of the two
+neighbouring 16-bit values with probability proportional to closeness, so rounding is unbiased
+and small updates are not lost. The random bits are a hash of (new value, old value, column),
+so the result is a pure function of the row's data: the same on every tier and device, and
+bit-identical for any placement. Lazily initialized rows round to nearest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M1 = -7046029254386353131  # splitmix64 constants as int64
+_M2 = -4658895280553007687
+_M3 = -7723592293110705685
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 64-bit avalanche hash of int64 values (wrapping arithmetic)."""
+    x = x * _M1
+    x = x ^ ((x >> 31) & 0x1FFFFFFFF)
+    x = x * _M3
+    return x ^ ((x >> 29) & 0x7FFFFFFFF)
+
+
+class Codec:
+    """Float32 weights: the payload holds them as they are."""
+
+    dtype = "float32"
+    packed = False
+
+    def cols(self, dim: int) -> int:
+        """Float32 columns that hold `dim` weights."""
+        return dim
+
+    def decode(self, cols: torch.Tensor, dim: int) -> torch.Tensor:
+        """Weights [n, dim] float32 from their payload columns."""
+        return cols[:, :dim]
+
+    def encode(self, w: torch.Tensor) -> torch.Tensor:
+        """Payload columns for weights, rounded to nearest."""
+        return w
+
+    def encode_stochastic(self, w: torch.Tensor, old_cols: torch.Tensor) -> torch.Tensor:
+        """Payload columns for updated weights (float32: exact)."""
+        return w
+
+
+class HalfCodec(Codec):
+    """16-bit weights (float16 or bfloat16), two per float32 column, stochastic rounding."""
+
+    packed = True
+
+    def __init__(self, dtype: str, torch_dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.torch_dtype = torch_dtype
+
+    def cols(self, dim: int) -> int:
+        """Float32 columns that hold `dim` 16-bit weights."""
+        return (dim + 1) // 2
+
+    def decode(self, cols: torch.Tensor, dim: int) -> torch.Tensor:
+        """Weights [n, dim] float32 from packed columns."""
+        halves = cols[:, : self.cols(dim)].contiguous().view(self.torch_dtype)
+        return halves[:, :dim].float()
+
+    def _pack(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, dim] 16-bit values -> [n, cols] float32 columns (odd dims padded with zero)."""
+        n, dim = h.shape
+        if dim % 2:
+            h = torch.cat([h, torch.zeros(n, 1, dtype=h.dtype, device=h.device)], dim=1)
+        return h.contiguous().view(torch.float32)
+
+    def encode(self, w: torch.Tensor) -> torch.Tensor:
+        """Packed columns for weights rounded to nearest (even)."""
+        return self._pack(w.to(self.torch_dtype))
+
+    def encode_stochastic(self, w: torch.Tensor, old_cols: torch.Tensor) -> torch.Tensor:
+        """Packed columns for updated weights, each rounded up or down at random, unbiased."""
+        n, dim = w.shape
+        w = w.contiguous()
+        near = w.to(self.torch_dtype)
+        back = near.float()
+        bits = near.view(torch.int16).to(torch.int64) & 0xFFFF
+        sign, mag = bits & 0x8000, bits & 0x7FFF
+        above = back.abs() > w.abs()  # round-to-nearest went away from zero
+        lo_mag = torch.where(above, mag - 1, mag).clamp(min=0)
+        hi_mag = torch.where(above, mag, mag + 1)
+        lo = self._from_bits(lo_mag).float()
+        hi = self._from_bits(hi_mag).float()
+        gap = hi - lo
+        frac = torch.where(torch.isfinite(gap) & (gap > 0), (w.abs() - lo) / gap, torch.zeros_like(w))
+        # 16 random bits per value from (new value, old value, column)
+        old = self.decode(old_cols, dim).contiguous().view(torch.int32).to(torch.int64)
+        new = w.view(torch.int32).to(torch.int64)
+        col = torch.arange(dim, device=w.device, dtype=torch.int64)
+        r = (_mix(new * _M2 + old * _M3 + col) >> 40) & 0xFFFF
+        up = r.to(torch.float32) < frac * 65536.0
+        out_bits = torch.where(up, sign | hi_mag, sign | lo_mag)
+        exact = (back == w) | ~torch.isfinite(w)
+        out_bits = torch.where(exact, bits, out_bits)
+        return self._pack(self._from_bits(out_bits))
+
+    def _from_bits(self, bits: torch.Tensor) -> torch.Tensor:
+        """16-bit values from their int64-held bit patterns."""
+        return bits.to(torch.int32).to(torch.int16).view(self.torch_dtype)
+
+
+CODECS: dict[str, Codec] = {
+    "float32": Codec(),
+    "float16": HalfCodec("float16", torch.float16),
+    "bfloat16": HalfCodec("bfloat16", torch.bfloat16),
+}
