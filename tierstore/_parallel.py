@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 MIN_CHUNK = 2048  # indices per thread below which splitting costs more than it saves
+CPUS = os.cpu_count() or 1  # read once: os.cpu_count() costs tens of microseconds a call
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -26,14 +27,17 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1) - 1),
+            _pool = ThreadPoolExecutor(max_workers=max(1, CPUS - 1),
                                        thread_name_prefix="tierstore-kernel")
         return _pool
 
 
 def parallel_for(fn: Callable[[int, int], object], n: int, min_chunk: int = MIN_CHUNK) -> None:
     """Call fn(lo, hi) over [0, n) in up to torch.get_num_threads() contiguous chunks."""
-    threads = min(torch.get_num_threads(), os.cpu_count() or 1, max(1, n // max(min_chunk, 1)))
+    if n < 2 * min_chunk:
+        fn(0, n)
+        return
+    threads = min(torch.get_num_threads(), CPUS, n // min_chunk)
     if threads <= 1:
         fn(0, n)
         return
