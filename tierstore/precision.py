@@ -15,7 +15,12 @@ bit-identical for any placement. Lazily initialized rows round to nearest.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
+
+from ._kernels import HAVE_NUMBA
 
 _M1 = -7046029254386353131  # splitmix64 constants as int64
 _M2 = -4658895280553007687
@@ -82,11 +87,21 @@ class HalfCodec(Codec):
         """Packed columns for weights rounded to nearest (even)."""
         return self._pack(w.to(self.torch_dtype))
 
+    def _bits(self, cols: torch.Tensor, dim: int) -> torch.Tensor:
+        """The 16-bit patterns [n, dim] (as int64 in [0, 65535]) held by packed columns."""
+        return cols[:, : self.cols(dim)].contiguous().view(torch.int16)[:, :dim].to(torch.int64) & 0xFFFF
+
     def encode_stochastic(self, w: torch.Tensor, old_cols: torch.Tensor) -> torch.Tensor:
         """Packed columns for updated weights, each rounded up or down at random, unbiased."""
         n, dim = w.shape
         w = w.contiguous()
         near = w.to(self.torch_dtype)
+        if HAVE_NUMBA and w.device.type == "cpu":  # one pass instead of ~25 element-wise ops
+            out = torch.zeros((n, 2 * self.cols(dim)), dtype=torch.int16)
+            old = old_cols[:, : self.cols(dim)].contiguous().view(torch.int16)
+            _sr_kernel(w.numpy(), w.view(torch.int32).numpy(), near.view(torch.int16).numpy(),
+                       old.numpy(), out.numpy(), self.dtype == "bfloat16")
+            return out.view(torch.float32)
         back = near.float()
         bits = near.view(torch.int16).to(torch.int64) & 0xFFFF
         sign, mag = bits & 0x8000, bits & 0x7FFF
@@ -97,8 +112,8 @@ class HalfCodec(Codec):
         hi = self._from_bits(hi_mag).float()
         gap = hi - lo
         frac = torch.where(torch.isfinite(gap) & (gap > 0), (w.abs() - lo) / gap, torch.zeros_like(w))
-        # 16 random bits per value from (new value, old value, column)
-        old = self.decode(old_cols, dim).contiguous().view(torch.int32).to(torch.int64)
+        # 16 random bits per value from (new float32 bits, old 16-bit bits, column)
+        old = self._bits(old_cols, dim)
         new = w.view(torch.int32).to(torch.int64)
         col = torch.arange(dim, device=w.device, dtype=torch.int64)
         r = (_mix(new * _M2 + old * _M3 + col) >> 40) & 0xFFFF
@@ -111,6 +126,61 @@ class HalfCodec(Codec):
     def _from_bits(self, bits: torch.Tensor) -> torch.Tensor:
         """16-bit values from their int64-held bit patterns."""
         return bits.to(torch.int32).to(torch.int16).view(self.torch_dtype)
+
+
+if HAVE_NUMBA:
+    import numba
+
+    _TWO = np.array([math.ldexp(1.0, k) for k in range(-25, 7)], dtype=np.float32)  # 2**-25..2**6
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _half_value(h, bf16, buf, fbuf):  # pragma: no cover - compiled
+        """The float32 value of 16-bit pattern h (bfloat16 or float16), exactly."""
+        if bf16:
+            buf[0] = np.int32(h << 16)
+            return fbuf[0]
+        e = (h >> 10) & 0x1F
+        m = h & 0x3FF
+        if e == 0:
+            v = np.float32(m) * _TWO[1]  # 2**-24
+        elif e == 31:
+            v = np.float32(np.inf) if m == 0 else np.float32(np.nan)
+        else:
+            v = np.float32(m + 1024) * _TWO[e]  # (1024 + m) * 2**(e - 25)
+        return -v if h & 0x8000 else v
+
+    @numba.njit(cache=True, nogil=True)
+    def _sr_kernel(x, xbits, near, old, out, bf16):  # pragma: no cover - compiled
+        """Stochastic rounding of x [n, dim] to 16 bits; the numba twin of the torch code above."""
+        buf = np.empty(1, dtype=np.int32)
+        fbuf = buf.view(np.float32)
+        scale = np.float32(65536.0)
+        for i in range(x.shape[0]):
+            for d in range(x.shape[1]):
+                w = x[i, d]
+                bits = np.int64(near[i, d]) & 0xFFFF
+                back = _half_value(bits, bf16, buf, fbuf)
+                if back == w or not np.isfinite(w):
+                    out[i, d] = near[i, d]
+                    continue
+                sign = bits & 0x8000
+                mag = bits & 0x7FFF
+                if abs(back) > abs(w):
+                    lo_m, hi_m = max(mag - 1, 0), mag
+                else:
+                    lo_m, hi_m = mag, mag + 1
+                lo = _half_value(lo_m, bf16, buf, fbuf)
+                hi = _half_value(hi_m, bf16, buf, fbuf)
+                gap = hi - lo
+                frac = (abs(w) - lo) / gap if (np.isfinite(gap) and gap > 0) else np.float32(0.0)
+                h = np.int64(xbits[i, d]) * _M2 + (np.int64(old[i, d]) & 0xFFFF) * _M3 + d
+                h = h * _M1
+                h = h ^ ((h >> 31) & 0x1FFFFFFFF)
+                h = h * _M3
+                h = h ^ ((h >> 29) & 0x7FFFFFFFF)
+                r = (h >> 40) & 0xFFFF
+                res = sign | (hi_m if np.float32(r) < frac * scale else lo_m)
+                out[i, d] = np.int16(res)
 
 
 CODECS: dict[str, Codec] = {
