@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import sys
@@ -65,6 +66,10 @@ class _Table:
     spec: TableSpec
     index: int
     key: int  # lazy-init key derived from (seed, name)
+    tix: torch.Tensor = dataclasses.field(init=False, repr=False)  # `index` as a 0-d int64 tensor (tier key)
+
+    def __post_init__(self) -> None:
+        self.tix = torch.tensor(self.index, dtype=torch.int64)
 
 
 def _locked(fn):
@@ -479,53 +484,79 @@ class TierStore:
 
         Returns the payloads [u, width] when reading (`update` is None), else None.
         """
-        dev, host = self.device_tier, self.host_tier
-        tabs = torch.tensor(tab.index, dtype=torch.int64)
-        uniq_d = uniq.to(dev.device)
-        dslots = dev.lookup(tabs.to(dev.device), uniq_d, count)
+        dev = self.device_tier
+        n = uniq.numel()
+        dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
         dhit = dslots >= 0
-        if bool(dhit.all()):
-            self._last_sources = (uniq.numel(), 0, 0)
+        nd = int(dhit.sum())
+        if count:
+            dev.count_lookups(n, nd)
+        if nd == n:
+            self._last_sources = (n, 0, 0)
             self._last_dslots = dslots
             dev.touch(dslots)
             if update is None:
                 return dev.read(dslots)
             update.apply(dev.slab, dslots)  # in place in the device slab
-            dev.dirty[dslots] = True
+            dev.dirty.index_fill_(0, dslots, True)
             return None
         self._last_dslots = None
-        n = uniq.numel()
-        payload = torch.empty((n, self.width), dtype=torch.float32)
-        dirty = torch.zeros(n, dtype=torch.bool)
-        hit_idx = torch.nonzero(dhit).flatten()
-        hit_slots = dslots[hit_idx]
-        if hit_idx.numel():
-            hit_idx_c = hit_idx.cpu()
-            payload.index_copy_(0, hit_idx_c, dev.read(hit_slots).cpu())
-            dirty[hit_idx_c] = dev.dirty[hit_slots].cpu()
+        if nd:
+            hit_idx = torch.nonzero(dhit).flatten()
+            hit_slots = dslots.index_select(0, hit_idx)
+            miss = torch.nonzero(~dhit).flatten().cpu()
+            miss_rows = uniq.index_select(0, miss)
+            hit_idx = hit_idx.cpu()
+        else:  # nothing device-resident: the misses are the whole batch, in order
+            hit_slots = dslots[:0]
+            miss, miss_rows = None, uniq
+        m = n - nd
+        mpay, mdirty, mpins, nh = self._fetch_misses(tab, miss_rows, count)
+        self._last_sources = (nd, nh, m - nh)
+        if nd:  # assemble the whole batch: device hits and the rows fetched from below
+            payload = torch.empty((n, self.width), dtype=torch.float32)
+            payload.index_copy_(0, hit_idx, dev.read(hit_slots).cpu())
+            payload.index_copy_(0, miss, mpay)
             dev.touch(hit_slots)
-        miss = torch.nonzero(~dhit).flatten().cpu()
-        hslots = host.lookup(tabs, uniq[miss], count)
-        hhit = hslots >= 0
-        pins = torch.zeros(n, dtype=torch.int32)
-        if bool(hhit.any()):
-            moved = host.remove(hslots[hhit])
-            payload.index_copy_(0, miss[hhit], moved.payload)
-            dirty[miss[hhit]] = moved.dirty
-            pins[miss[hhit]] = moved.pins
-        cold = miss[~hhit]
-        self._last_sources = (int(hit_idx.numel()), int(hhit.sum()), int(cold.numel()))
-        if cold.numel():
-            payload.index_copy_(0, cold, self._load(tab, uniq[cold]))
+        else:
+            payload = mpay
         if update is not None:
             update.apply(payload, torch.arange(n))
-            dirty[:] = True
-            if hit_idx.numel():
-                dev.write(hit_slots, payload[hit_idx.cpu()])
-        moving = Rows(tabs.expand(miss.numel()).clone(), uniq[miss], payload[miss], dirty[miss],
-                      pins[miss])
-        self._place(moving, protect=hit_slots)
+            if nd:
+                dev.write(hit_slots, payload.index_select(0, hit_idx))
+                mpay = payload.index_select(0, miss)
+            mdirty = torch.ones(m, dtype=torch.bool)
+        self._place(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins), protect=hit_slots)
         return None if update is not None else payload.to(self.device, non_blocking=True)
+
+    def _fetch_misses(self, tab: _Table, rows: torch.Tensor, count: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """Take device-missed rows out of the host tier or load them from LMDB.
+
+        Returns (payload [m, width], dirty [m], pins [m] or None, host hits); host hits leave
+        the host tier (the caches are exclusive).
+        """
+        host = self.host_tier
+        m = rows.numel()
+        hslots = host.lookup(tab.tix, rows, count=False)
+        hhit = hslots >= 0
+        nh = int(hhit.sum())
+        if count:
+            host.count_lookups(m, nh)
+        if nh == 0:
+            return self._load(tab, rows), torch.zeros(m, dtype=torch.bool), None, 0
+        if nh == m:
+            moved = host.remove(hslots)
+            return moved.payload, moved.dirty, moved.pins, nh
+        hidx = torch.nonzero(hhit).flatten()
+        cidx = torch.nonzero(~hhit).flatten()
+        moved = host.remove(hslots.index_select(0, hidx))
+        payload = torch.empty((m, self.width), dtype=torch.float32)
+        payload.index_copy_(0, hidx, moved.payload)
+        payload.index_copy_(0, cidx, self._load(tab, rows.index_select(0, cidx)))
+        dirty = torch.zeros(m, dtype=torch.bool).index_copy_(0, hidx, moved.dirty)
+        pins = torch.zeros(m, dtype=torch.int32).index_copy_(0, hidx, moved.pins)
+        return payload, dirty, pins, nh
 
     # prefetch support (called by tierstore.prefetch with the store lock held) ------------
     def _stage(self, tab: _Table, uniq: torch.Tensor) -> tuple[int, int, int]:
@@ -555,36 +586,47 @@ class TierStore:
         """Rows from LMDB, lazily initialized where never written; [n, width] float32."""
         spec = tab.spec
         rows_np = rows.numpy()
+        n = len(rows_np)
         data, found = self.backend.get(spec.name, rows_np, spec.payload_dim)
-        nfound = int(found.sum())
+        nfound = int(np.count_nonzero(found))
         st = self.ssd_stats
-        st.lookups += len(rows_np)
+        st.lookups += n
         st.hits += nfound
-        st.misses += len(rows_np) - nfound
+        st.misses += n - nfound
         st.bytes_read += nfound * spec.payload_dim * 4
-        if nfound < len(rows_np):
+        if not data.flags.writeable:  # the rows are updated in place and moved up: own them
+            data = data.copy()
+        if nfound < n:
             lazy = ~found
             data[lazy, : spec.dim] = spec.init(tab.key, rows_np[lazy], spec.dim)
-        out = torch.zeros((len(rows_np), self.width), dtype=torch.float32)
-        out[:, : spec.payload_dim] = torch.from_numpy(data)
+        out = torch.from_numpy(data)
+        if spec.payload_dim < self.width:  # narrower table: zero tail columns
+            out = torch.nn.functional.pad(out, (0, self.width - spec.payload_dim))
         return out
 
     def _place(self, moving: Rows, protect: torch.Tensor) -> None:
-        """Insert rows into the device tier; victims and overflow cascade to host, then LMDB."""
+        """Insert rows into the device tier; victims and overflow cascade to host, then LMDB.
+
+        Only dirty rows leave the host tier for LMDB: a clean row is already there (or is its
+        lazy init), so the bottom tier drops clean victims without copying them.
+        """
         if len(moving) == 0:
             return
-        k, evicted = self.device_tier.insert(moving, protect=protect)
+        host = self.host_tier
+        k, evicted = self.device_tier.insert(moving, protect=protect, keep_clean=host.capacity > 0)
         down = [p for p in (evicted, moving.take(slice(k, None)) if k < len(moving) else None)
                 if p is not None and len(p)]
         if not down:
             return
         spill_in = Rows.cat([p.to(torch.device("cpu")) for p in down])
-        k2, evicted2 = self.host_tier.insert(spill_in)
-        spill = [p for p in (evicted2, spill_in.take(slice(k2, None)) if k2 < len(spill_in) else None)
-                 if p is not None and len(p)]
-        if spill:
-            rows = Rows.cat(spill)
-            self._write_down(rows.take(rows.dirty))
+        k2, spill = host.insert(spill_in, keep_clean=False)
+        parts = [] if spill is None else [spill]
+        if k2 < len(spill_in):
+            rest = spill_in.take(slice(k2, None))
+            if bool(rest.dirty.any()):
+                parts.append(rest.take(rest.dirty))
+        if parts:
+            self._write_down(Rows.cat(parts))
 
     def _write_down(self, rows: Rows) -> None:
         """Write rows (any tables) to LMDB in one transaction."""
