@@ -141,6 +141,7 @@ class TierStore:
         self._lock = threading.RLock()
         self.prefetch_stats = PrefetchStats()
         self._last_sources = (0, 0, 0)
+        self._marks: np.ndarray | None = None  # scratch for `_distinct_resident`, one per device slot
         # feature name -> table, registered by TieredEmbeddingBagCollection (None: ambiguous);
         # lets a Prefetcher over the store read jagged batches keyed by feature
         self.feature_tables: dict[str, str | None] = {}
@@ -223,11 +224,13 @@ class TierStore:
             raise InvalidIdsError(f"ids must be an integer tensor, got dtype {ids.dtype}")
         if ids.dim() != 1:
             raise ShapeError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-        ids = ids.to(device="cpu", dtype=torch.int64)
+        if ids.dtype != torch.int64 or ids.device.type != "cpu":
+            ids = ids.to(device="cpu", dtype=torch.int64)
         if ids.numel():
-            lo, hi = torch.aminmax(ids)
-            if int(lo) < 0 or int(hi) >= tab.spec.num_rows:
-                bad = int(lo) if int(lo) < 0 else int(hi)
+            arr = ids.numpy()  # numpy reductions cost less per call than torch ops
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= tab.spec.num_rows:
+                bad = lo if lo < 0 else hi
                 raise InvalidIdsError(
                     f"row id {bad} out of range for table {tab.spec.name!r} "
                     f"(num_rows={tab.spec.num_rows})")
@@ -271,9 +274,25 @@ class TierStore:
         if ids.numel() == 0:
             return
         self._record(table, ids)
+        grads = grads.cpu()
+        dev = self.device_tier
+        n = ids.numel()
+        slots = dev.lookup(tab.tix.to(dev.device), ids.to(dev.device), count=False)
+        iota = self._distinct_resident(slots)
+        if iota is not None:
+            # fast path: every row device-resident, none repeated: update in place, input order
+            dev.count_lookups(n, n)
+            self._last_sources = (n, 0, 0)
+            dev.touch(slots)
+            BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, iota, grads,
+                        use_kernel=self.fused).apply(dev.slab, slots)
+            dev.mark_dirty(slots)
+            return
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        # the device slots of the unique rows, from the lookup above (repeats carry equal slots)
+        uslots = torch.empty_like(slots[: uniq.numel()]).index_copy_(0, inv.to(slots.device), slots)
         self._access(tab, uniq, BatchUpdate(tab.spec.optimizer, tab.spec.dim, uniq.numel(), inv,
-                                            grads.cpu(), use_kernel=self.fused))
+                                            grads, use_kernel=self.fused), dslots=uslots)
 
     @_locked
     def apply_unique(self, table: str, unique: torch.Tensor, grads: torch.Tensor) -> None:
@@ -479,14 +498,16 @@ class TierStore:
         return slots
 
     def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
-                count: bool = True) -> torch.Tensor | None:
+                count: bool = True, dslots: torch.Tensor | None = None) -> torch.Tensor | None:
         """Locate sorted unique rows, optionally update them, and promote them to the device tier.
 
-        Returns the payloads [u, width] when reading (`update` is None), else None.
+        `dslots` are the rows' device slots when the caller has just looked them up. Returns
+        the payloads [u, width] when reading (`update` is None), else None.
         """
         dev = self.device_tier
         n = uniq.numel()
-        dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
+        if dslots is None:
+            dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
         dhit = dslots >= 0
         nd = int(dhit.sum())
         if count:
@@ -498,7 +519,7 @@ class TierStore:
             if update is None:
                 return dev.read(dslots)
             update.apply(dev.slab, dslots)  # in place in the device slab
-            dev.dirty.index_fill_(0, dslots, True)
+            dev.mark_dirty(dslots)
             return None
         self._last_dslots = None
         if nd:
@@ -557,6 +578,23 @@ class TierStore:
         dirty = torch.zeros(m, dtype=torch.bool).index_copy_(0, hidx, moved.dirty)
         pins = torch.zeros(m, dtype=torch.int32).index_copy_(0, hidx, moved.pins)
         return payload, dirty, pins, nh
+
+    def _distinct_resident(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """`arange(n)` when every device lookup hit and no slot repeats (no id repeated), else None."""
+        n = slots.numel()
+        if slots.device.type != "cpu":
+            srt = torch.sort(slots).values
+            ok = bool(srt[0] >= 0) and not bool((srt[1:] == srt[:-1]).any())
+            return torch.arange(n) if ok else None
+        s = slots.numpy()
+        if s.min() < 0:
+            return None
+        # a mark per device slot: each position writes its number; a repeated slot keeps one
+        if self._marks is None:
+            self._marks = np.empty(self.device_tier.capacity, dtype=np.int32)
+        pos = np.arange(n)
+        self._marks[s] = pos
+        return torch.from_numpy(pos) if np.array_equal(self._marks[s], pos) else None
 
     # prefetch support (called by tierstore.prefetch with the store lock held) ------------
     def _stage(self, tab: _Table, uniq: torch.Tensor) -> tuple[int, int, int]:

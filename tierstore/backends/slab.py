@@ -111,7 +111,14 @@ class SlabTier:
     def write(self, slots: torch.Tensor, payload: torch.Tensor) -> None:
         """Overwrite payloads of resident slots and mark them dirty."""
         self.slab.index_copy_(0, slots, payload.to(self.slab.device, non_blocking=True))
-        self.dirty.index_fill_(0, slots, True)
+        self.mark_dirty(slots)
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """Set the dirty bits of resident slots (their rows now differ from LMDB)."""
+        if self.device.type == "cpu":
+            self.dirty.numpy()[slots.numpy()] = True  # numpy: less per-call overhead
+        else:
+            self.dirty.index_fill_(0, slots, True)
 
     def remove(self, slots: torch.Tensor) -> Rows:
         """Take rows out of the tier (to move them elsewhere); returns them with dirty bits."""

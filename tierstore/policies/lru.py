@@ -18,7 +18,7 @@ class LRU(Policy):
         self.clock = 0
 
     def _touch(self, slots: torch.Tensor) -> None:
-        self.last[slots] = self._stamps(slots.numel())
+        self._stamp(self.last, slots)
 
     def on_hit(self, slots: torch.Tensor) -> None:
         """Refresh the recency of hit slots."""
