@@ -72,6 +72,12 @@ class _Table:
         self.tix = torch.tensor(self.index, dtype=torch.int64)
 
 
+def _has_repeats(ids: torch.Tensor) -> bool:
+    """Whether a 1-D CPU int64 tensor holds a value twice (numpy's sort beats torch.unique here)."""
+    srt = np.sort(ids.numpy())
+    return bool((srt[1:] == srt[:-1]).any())
+
+
 def _locked(fn):
     """Serialize a store method with the store's lock (the prefetch thread shares the store)."""
 
@@ -254,6 +260,9 @@ class TierStore:
         slots = self._resident_slots(tab, ids)
         if slots is not None:  # fast path: one lookup and one gather
             return self.device_tier.slab[:, : tab.spec.dim].index_select(0, slots)
+        if ids.numel() and not _has_repeats(ids):
+            # distinct ids: located and promoted in request order, no dedup and no reordering
+            return self._access(tab, ids, None)[:, : tab.spec.dim].contiguous()
         g = self._gather(tab, ids)
         return g.weights.index_select(0, g.inverse.to(g.weights.device))
 
@@ -499,10 +508,11 @@ class TierStore:
 
     def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
                 count: bool = True, dslots: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Locate sorted unique rows, optionally update them, and promote them to the device tier.
+        """Locate unique rows, optionally update them, and promote them to the device tier.
 
-        `dslots` are the rows' device slots when the caller has just looked them up. Returns
-        the payloads [u, width] when reading (`update` is None), else None.
+        Rows are placed in the order given (training passes them sorted, `read` in request
+        order); `dslots` are their device slots when the caller has just looked them up.
+        Returns the payloads [u, width] when reading (`update` is None), else None.
         """
         dev = self.device_tier
         n = uniq.numel()

@@ -126,15 +126,18 @@ class SlabTier:
         self._release(slots)
         return out
 
-    def _take(self, slots: torch.Tensor, dirty: torch.Tensor) -> Rows:
+    def _take(self, slots: torch.Tensor, dirty: torch.Tensor, pins: bool = True) -> Rows:
         # advanced indexing and index_select return copies: the rows outlive their slots
         return Rows(self.index.tab_of[slots], self.index.row_of[slots],
-                    self.slab.index_select(0, slots), dirty, self.pins[slots])
+                    self.slab.index_select(0, slots), dirty, self.pins[slots] if pins else None)
 
-    def _release(self, slots: torch.Tensor) -> None:
+    def _release(self, slots: torch.Tensor, reuse: bool = False) -> None:
+        """Empty slots; with `reuse` the caller refills them at once (no reset, no free list)."""
         self.generation += 1
         self.policy.on_evict(slots)
         self.index.remove(slots)
+        if reuse:
+            return
         self.dirty.index_fill_(0, slots, False)
         self.occupied.index_fill_(0, slots, False)
         self.pins.index_fill_(0, slots, 0)
@@ -149,26 +152,30 @@ class SlabTier:
             ok.index_fill_(0, protect, False)
         return ok
 
-    def _evict(self, need: int, protect: torch.Tensor | None, keep_clean: bool) -> Rows | None:
-        """Evict up to `need` victims; return them (all, or only the dirty ones), or None."""
+    def _evict(self, need: int, protect: torch.Tensor | None,
+               keep_clean: bool) -> tuple[Rows | None, torch.Tensor | None]:
+        """Evict up to `need` victims for `insert`, which refills their slots.
+
+        Returns (rows, slots): the victims' rows (all, or only the dirty ones; None when none
+        is kept) and their slots (None when nothing could be evicted).
+        """
         ok = self.evictable(protect)
         need = min(need, int(ok.sum()))
         if need <= 0:
-            return None
+            return None, None
         victims = self.policy.victims(need, ok)
         dirty = self.dirty[victims]
         ndirty = int(dirty.sum())
         self.stats.evictions += need
         self.stats.writebacks += ndirty
-        if keep_clean:
-            out = self._take(victims, dirty)
+        out = None
+        if keep_clean:  # victims are unpinned: no pins travel with them
+            out = self._take(victims, dirty, pins=False)
         elif ndirty:
             keep = victims[dirty]
-            out = self._take(keep, dirty[dirty])
-        else:
-            out = None
-        self._release(victims)
-        return out
+            out = self._take(keep, dirty[dirty], pins=False)
+        self._release(victims, reuse=True)
+        return out, victims
 
     def insert(self, rows: Rows, protect: torch.Tensor | None = None,
                keep_clean: bool = True) -> tuple[int, Rows | None]:
@@ -182,15 +189,21 @@ class SlabTier:
         n = len(rows)
         if n == 0 or self.capacity == 0:
             return 0, None
-        evicted = None
+        evicted, reused = None, None
         if n > self._nfree:
-            evicted = self._evict(n - self._nfree, protect, keep_clean)
-        k = min(n, self._nfree)
+            evicted, reused = self._evict(n - self._nfree, protect, keep_clean)
+        m = 0 if reused is None else reused.numel()
+        k = min(n, self._nfree + m)  # the victims' slots first, then free ones
         if k == 0:
             return 0, evicted
         self.generation += 1
-        slots = self._free_buf[self._nfree - k : self._nfree].flip(0)
-        self._nfree -= k
+        fresh = k - m
+        slots = self._free_buf[self._nfree - fresh : self._nfree].flip(0)
+        self._nfree -= fresh
+        if fresh:
+            self.occupied.index_fill_(0, slots, True)
+        if m:  # a victim's slot is still occupied and unpinned, its dirty bit overwritten below
+            slots = reused if not fresh else torch.cat([reused, slots])
         if k < n:
             rows = rows.take(slice(0, k))
         rows = rows.to(self.device)
@@ -199,7 +212,6 @@ class SlabTier:
         self.dirty.index_copy_(0, slots, rows.dirty)
         if rows.pins is not None:
             self.pins.index_copy_(0, slots, rows.pins)
-        self.occupied.index_fill_(0, slots, True)
         self.policy.on_insert(slots)
         self.stats.insertions += k
         return k, evicted
