@@ -677,11 +677,12 @@ class TierStore:
         if len(rows) == 0:
             return
         batches = {}
-        for t in torch.unique(rows.tabs).tolist():
-            sel = rows.tabs == t
+        tables = torch.unique(rows.tabs).tolist()
+        for t in tables:
             tab = self._by_index[t]
-            batches[tab.spec.name] = (rows.rows[sel].numpy(),
-                                      rows.payload[sel][:, : tab.spec.payload_dim].numpy())
+            part = rows if len(tables) == 1 else rows.take(rows.tabs == t)  # one table: no copy
+            batches[tab.spec.name] = (part.rows.numpy(),
+                                      part.payload[:, : tab.spec.payload_dim].numpy())
         written = self.backend.put(batches)
         self.ssd_stats.writebacks += len(rows)
         self.ssd_stats.bytes_written += written
