@@ -251,9 +251,13 @@ class TierStore:
         tab = self._table(table)
         ids = self._ids(tab, ids)
         self._record(table, ids)
-        slots = self._resident_slots(tab, ids)
-        if slots is not None:  # fast path: one lookup and one gather
-            return self.device_tier.slab[:, : tab.spec.dim].index_select(0, slots)
+        dev = self.device_tier
+        # probe one id first: a batch that misses the device tier skips the full lookup
+        probe = ids[:1].to(dev.device)
+        if ids.numel() and dev.size and int(dev.lookup(tab.tix.to(dev.device), probe, count=False)) >= 0:
+            slots = self._resident_slots(tab, ids)
+            if slots is not None:  # fast path: one lookup and one gather
+                return dev.slab[:, : tab.spec.dim].index_select(0, slots)
         if ids.numel() == 0:
             return torch.empty(0, tab.spec.dim, device=self.device)
         # dedup through one sort (torch.unique with an inverse costs about twice as much)
