@@ -122,14 +122,15 @@ class SlabTier:
 
     def remove(self, slots: torch.Tensor) -> Rows:
         """Take rows out of the tier (to move them elsewhere); returns them with dirty bits."""
-        out = self._take(slots, self.dirty[slots])
+        out = self._take(slots, self.dirty.index_select(0, slots))
         self._release(slots)
         return out
 
     def _take(self, slots: torch.Tensor, dirty: torch.Tensor, pins: bool = True) -> Rows:
         # advanced indexing and index_select return copies: the rows outlive their slots
-        return Rows(self.index.tab_of[slots], self.index.row_of[slots],
-                    self.slab.index_select(0, slots), dirty, self.pins[slots] if pins else None)
+        return Rows(self.index.tab_of.index_select(0, slots), self.index.row_of.index_select(0, slots),
+                    self.slab.index_select(0, slots), dirty,
+                    self.pins.index_select(0, slots) if pins else None)
 
     def _release(self, slots: torch.Tensor, reuse: bool = False) -> None:
         """Empty slots; with `reuse` the caller refills them at once (no reset, no free list)."""
@@ -164,7 +165,7 @@ class SlabTier:
         if need <= 0:
             return None, None
         victims = self.policy.victims(need, ok)
-        dirty = self.dirty[victims]
+        dirty = self.dirty.index_select(0, victims)
         ndirty = int(dirty.sum())
         self.stats.evictions += need
         self.stats.writebacks += ndirty

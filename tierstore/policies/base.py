@@ -51,7 +51,7 @@ class Policy:
         """Return the `n` evictable slots with the smallest `key` (ties: lowest slot)."""
         if n <= 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        masked = key.masked_fill(~evictable, INT64_MAX)
+        masked = torch.where(evictable, key, INT64_MAX)
         if n * 8 >= masked.numel():
             order = torch.sort(masked, stable=True).indices[:n]
         else:

@@ -30,7 +30,7 @@ class LRU(Policy):
 
     def on_evict(self, slots: torch.Tensor) -> None:
         """Clear the recency of emptied slots."""
-        self.last[slots] = 0
+        self.last.index_fill_(0, slots, 0)
 
     def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
         """The n least recently used evictable slots."""
