@@ -300,3 +300,53 @@ def test_bad_record_path_is_a_config_error_and_releases_the_lock(tmp_path):
         _open(tmp_path / "s", [spec], record=tmp_path / "no" / "such" / "dir" / "x.tsrec")
     with _open(tmp_path / "s", [spec]) as s:  # not locked by the failed open
         s.read("t", torch.tensor([1]))
+
+
+def test_apply_fast_path_matches_the_reference_and_handles_repeats(tmp_path):
+    from tests.reference import DictStore
+
+    spec = ts.TableSpec("t", BIG, 6, optimizer=ts.RowWiseAdagrad(0.3))
+    model = DictStore([spec])
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.tensor([9, BIG - 1, 4, 70, 5])
+    with _open(tmp_path / "s", [spec], dev=16, host=0) as s:
+        s.read("t", ids)  # every row device-resident from here on
+        lookups = s.stats()["device"]["lookups"]
+        for batch in (ids, ids.flip(0), torch.tensor([4, 9, 4, 70, 9]), ids[:2]):
+            g = torch.randn(batch.numel(), 6, generator=gen)
+            s.apply("t", batch, g)
+            model.apply("t", batch, g)
+            assert s._last_sources == (batch.unique().numel(), 0, 0)  # no row moved
+        st = s.stats()
+        assert st["device"]["lookups"] - lookups == 5 + 5 + 3 + 2 and st["device"]["misses"] == 5
+        got = s._access(s.tables["t"], ids.sort().values, None)[:, : spec.payload_dim]
+        assert torch.equal(got, model.payloads("t", ids.sort().values))
+        # bad input on a resident batch raises and changes nothing
+        with pytest.raises(ts.ShapeError):
+            s.apply("t", ids, torch.ones(5, 7))
+        with pytest.raises(ts.InvalidIdsError):
+            s.apply("t", torch.tensor([4, -2]), torch.ones(2, 6))
+        assert torch.equal(s._access(s.tables["t"], ids.sort().values, None), got)
+        s.check()
+
+
+def test_clean_rows_leave_the_cache_without_a_write_and_dirty_ones_are_written_once(tmp_path):
+    spec = ts.TableSpec("t", 10**6, 4, optimizer=ts.SGD(0.1))
+    with _open(tmp_path / "s", [spec], dev=8, host=8) as s:
+        for lo in range(0, 400, 40):  # clean rows cascade device -> host -> dropped
+            s.read("t", torch.arange(lo, lo + 40))
+        st = s.stats()
+        assert st["ssd"]["writebacks"] == 0 and st["ssd"]["rows_stored"] == 0
+        assert st["host"]["evictions"] > 0 and st["host"]["writebacks"] == 0
+        # 30 dirty rows: 8 fit the device tier, the host tier takes the device's 8 victims, so
+        # 22 overflow straight to LMDB
+        s.apply("t", torch.arange(1000, 1030), torch.ones(30, 4))
+        assert s.stats()["ssd"]["writebacks"] == 22
+        s.read("t", torch.arange(2000, 2016))  # the 8 dirty device rows move to the host tier
+        assert s.stats()["ssd"]["writebacks"] == 22
+        s.read("t", torch.arange(3000, 3016))  # ... and from there to LMDB
+        st = s.stats()
+        assert st["ssd"]["writebacks"] == 30 and st["ssd"]["rows_stored"] == 30
+        assert torch.equal(s.read("t", torch.arange(1000, 1030)),
+                           s.read("t", torch.arange(1000, 1030)))
+        s.check()

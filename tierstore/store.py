@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import sys
@@ -66,6 +67,10 @@ class _Table:
     spec: TableSpec
     index: int
     key: int  # lazy-init key derived from (seed, name)
+    tix: torch.Tensor = dataclasses.field(init=False, repr=False)  # `index` as a 0-d int64 tensor (tier key)
+
+    def __post_init__(self) -> None:
+        self.tix = torch.tensor(self.index, dtype=torch.int64)
 
 
 def _locked(fn):
@@ -137,6 +142,7 @@ class TierStore:
         self._lock = threading.RLock()
         self.prefetch_stats = PrefetchStats()
         self._last_sources = (0, 0, 0)
+        self._marks: np.ndarray | None = None  # scratch for `_distinct_resident`, one per device slot
         # feature name -> table, registered by TieredEmbeddingBagCollection (None: ambiguous);
         # lets a Prefetcher over the store read jagged batches keyed by feature
         self.feature_tables: dict[str, str | None] = {}
@@ -219,11 +225,13 @@ class TierStore:
             raise InvalidIdsError(f"ids must be an integer tensor, got dtype {ids.dtype}")
         if ids.dim() != 1:
             raise ShapeError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-        ids = ids.to(device="cpu", dtype=torch.int64)
+        if ids.dtype != torch.int64 or ids.device.type != "cpu":
+            ids = ids.to(device="cpu", dtype=torch.int64)
         if ids.numel():
-            lo, hi = torch.aminmax(ids)
-            if int(lo) < 0 or int(hi) >= tab.spec.num_rows:
-                bad = int(lo) if int(lo) < 0 else int(hi)
+            arr = ids.numpy()  # numpy reductions cost less per call than torch ops
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= tab.spec.num_rows:
+                bad = lo if lo < 0 else hi
                 raise InvalidIdsError(
                     f"row id {bad} out of range for table {tab.spec.name!r} "
                     f"(num_rows={tab.spec.num_rows})")
@@ -244,11 +252,24 @@ class TierStore:
         tab = self._table(table)
         ids = self._ids(tab, ids)
         self._record(table, ids)
-        slots = self._resident_slots(tab, ids)
-        if slots is not None:  # fast path: one lookup and one gather
-            return tab.spec.codec.decode(self.device_tier.slab.index_select(0, slots), tab.spec.dim)
-        g = self._gather(tab, ids)
-        return g.weights.index_select(0, g.inverse.to(g.weights.device))
+        dev = self.device_tier
+        # probe one id first: a batch that misses the device tier skips the full lookup
+        probe = ids[:1].to(dev.device)
+        if ids.numel() and dev.size and int(dev.lookup(tab.tix.to(dev.device), probe, count=False)) >= 0:
+            slots = self._resident_slots(tab, ids)
+            if slots is not None:  # fast path: one lookup and one gather
+                if tab.spec.codec.packed:
+                    return tab.spec.codec.decode(dev.slab.index_select(0, slots), tab.spec.dim)
+                return dev.slab[:, : tab.spec.dim].index_select(0, slots)
+        if ids.numel() == 0:
+            return torch.empty(0, tab.spec.dim, device=self.device)
+        # dedup through one sort (torch.unique with an inverse costs about twice as much)
+        srt, order = torch.sort(ids, stable=True)
+        uniq, inv_sorted = torch.unique_consecutive(srt, return_inverse=True)
+        inverse = torch.empty_like(inv_sorted).index_copy_(0, order, inv_sorted)
+        payload = self._access(tab, uniq, None)
+        weights = tab.spec.codec.decode(payload, tab.spec.dim)
+        return weights.index_select(0, inverse.to(payload.device))
 
     @_locked
     def gather(self, table: str, ids: Any) -> Gathered:
@@ -267,9 +288,26 @@ class TierStore:
         if ids.numel() == 0:
             return
         self._record(table, ids)
+        grads = grads.cpu()
+        dev = self.device_tier
+        n = ids.numel()
+        slots = dev.lookup(tab.tix.to(dev.device), ids.to(dev.device), count=False)
+        iota = self._distinct_resident(slots)
+        if iota is not None:
+            # fast path: every row device-resident, none repeated: update in place, input order
+            dev.count_lookups(n, n)
+            self._last_sources = (n, 0, 0)
+            dev.touch(slots)
+            BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, iota, grads,
+                        use_kernel=self.fused, dtype=tab.spec.dtype).apply(dev.slab, slots)
+            dev.mark_dirty(slots)
+            return
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        # the device slots of the unique rows, from the lookup above (repeats carry equal slots)
+        uslots = torch.empty_like(slots[: uniq.numel()]).index_copy_(0, inv.to(slots.device), slots)
         self._access(tab, uniq, BatchUpdate(tab.spec.optimizer, tab.spec.dim, uniq.numel(), inv,
-                                            grads.cpu(), use_kernel=self.fused, dtype=tab.spec.dtype))
+                                            grads, use_kernel=self.fused, dtype=tab.spec.dtype),
+                     dslots=uslots)
 
     @_locked
     def apply_unique(self, table: str, unique: torch.Tensor, grads: torch.Tensor) -> None:
@@ -484,58 +522,103 @@ class TierStore:
         return slots
 
     def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
-                count: bool = True) -> torch.Tensor | None:
+                count: bool = True, dslots: torch.Tensor | None = None) -> torch.Tensor | None:
         """Locate sorted unique rows, optionally update them, and promote them to the device tier.
 
-        Returns the payloads [u, width] when reading (`update` is None), else None.
+        `dslots` are the rows' device slots when the caller has just looked them up. Returns
+        the payloads [u, width] when reading (`update` is None), else None.
         """
-        dev, host = self.device_tier, self.host_tier
-        tabs = torch.tensor(tab.index, dtype=torch.int64)
-        uniq_d = uniq.to(dev.device)
-        dslots = dev.lookup(tabs.to(dev.device), uniq_d, count)
+        dev = self.device_tier
+        n = uniq.numel()
+        if dslots is None:
+            dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
         dhit = dslots >= 0
-        if bool(dhit.all()):
-            self._last_sources = (uniq.numel(), 0, 0)
+        nd = int(dhit.sum())
+        if count:
+            dev.count_lookups(n, nd)
+        if nd == n:
+            self._last_sources = (n, 0, 0)
             self._last_dslots = dslots
             dev.touch(dslots)
             if update is None:
                 return dev.read(dslots)
             update.apply(dev.slab, dslots)  # in place in the device slab
-            dev.dirty[dslots] = True
+            dev.mark_dirty(dslots)
             return None
         self._last_dslots = None
-        n = uniq.numel()
-        payload = torch.empty((n, self.width), dtype=torch.float32)
-        dirty = torch.zeros(n, dtype=torch.bool)
-        hit_idx = torch.nonzero(dhit).flatten()
-        hit_slots = dslots[hit_idx]
-        if hit_idx.numel():
-            hit_idx_c = hit_idx.cpu()
-            payload.index_copy_(0, hit_idx_c, dev.read(hit_slots).cpu())
-            dirty[hit_idx_c] = dev.dirty[hit_slots].cpu()
+        if nd:
+            hit_idx = torch.nonzero(dhit).flatten()
+            hit_slots = dslots.index_select(0, hit_idx)
+            miss = torch.nonzero(~dhit).flatten().cpu()
+            miss_rows = uniq.index_select(0, miss)
+            hit_idx = hit_idx.cpu()
+        else:  # nothing device-resident: the misses are the whole batch, in order
+            hit_slots = dslots[:0]
+            miss, miss_rows = None, uniq
+        m = n - nd
+        mpay, mdirty, mpins, nh = self._fetch_misses(tab, miss_rows, count)
+        self._last_sources = (nd, nh, m - nh)
+        if nd:  # assemble the whole batch: device hits and the rows fetched from below
+            payload = torch.empty((n, self.width), dtype=torch.float32)
+            payload.index_copy_(0, hit_idx, dev.read(hit_slots).cpu())
+            payload.index_copy_(0, miss, mpay)
             dev.touch(hit_slots)
-        miss = torch.nonzero(~dhit).flatten().cpu()
-        hslots = host.lookup(tabs, uniq[miss], count)
-        hhit = hslots >= 0
-        pins = torch.zeros(n, dtype=torch.int32)
-        if bool(hhit.any()):
-            moved = host.remove(hslots[hhit])
-            payload.index_copy_(0, miss[hhit], moved.payload)
-            dirty[miss[hhit]] = moved.dirty
-            pins[miss[hhit]] = moved.pins
-        cold = miss[~hhit]
-        self._last_sources = (int(hit_idx.numel()), int(hhit.sum()), int(cold.numel()))
-        if cold.numel():
-            payload.index_copy_(0, cold, self._load(tab, uniq[cold]))
+        else:
+            payload = mpay
         if update is not None:
             update.apply(payload, torch.arange(n))
-            dirty[:] = True
-            if hit_idx.numel():
-                dev.write(hit_slots, payload[hit_idx.cpu()])
-        moving = Rows(tabs.expand(miss.numel()).clone(), uniq[miss], payload[miss], dirty[miss],
-                      pins[miss])
-        self._place(moving, protect=hit_slots)
+            if nd:
+                dev.write(hit_slots, payload.index_select(0, hit_idx))
+                mpay = payload.index_select(0, miss)
+            mdirty = torch.ones(m, dtype=torch.bool)
+        self._place(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins), protect=hit_slots)
         return None if update is not None else payload.to(self.device, non_blocking=True)
+
+    def _fetch_misses(self, tab: _Table, rows: torch.Tensor, count: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """Take device-missed rows out of the host tier or load them from LMDB.
+
+        Returns (payload [m, width], dirty [m], pins [m] or None, host hits); host hits leave
+        the host tier (the caches are exclusive).
+        """
+        host = self.host_tier
+        m = rows.numel()
+        hslots = host.lookup(tab.tix, rows, count=False)
+        hhit = hslots >= 0
+        nh = int(hhit.sum())
+        if count:
+            host.count_lookups(m, nh)
+        if nh == 0:
+            return self._load(tab, rows), torch.zeros(m, dtype=torch.bool), None, 0
+        if nh == m:
+            moved = host.remove(hslots)
+            return moved.payload, moved.dirty, moved.pins, nh
+        hidx = torch.nonzero(hhit).flatten()
+        cidx = torch.nonzero(~hhit).flatten()
+        moved = host.remove(hslots.index_select(0, hidx))
+        payload = torch.empty((m, self.width), dtype=torch.float32)
+        payload.index_copy_(0, hidx, moved.payload)
+        payload.index_copy_(0, cidx, self._load(tab, rows.index_select(0, cidx)))
+        dirty = torch.zeros(m, dtype=torch.bool).index_copy_(0, hidx, moved.dirty)
+        pins = torch.zeros(m, dtype=torch.int32).index_copy_(0, hidx, moved.pins)
+        return payload, dirty, pins, nh
+
+    def _distinct_resident(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """`arange(n)` when every device lookup hit and no slot repeats (no id repeated), else None."""
+        n = slots.numel()
+        if slots.device.type != "cpu":
+            srt = torch.sort(slots).values
+            ok = bool(srt[0] >= 0) and not bool((srt[1:] == srt[:-1]).any())
+            return torch.arange(n) if ok else None
+        s = slots.numpy()
+        if s.min() < 0:
+            return None
+        # a mark per device slot: each position writes its number; a repeated slot keeps one
+        if self._marks is None:
+            self._marks = np.empty(self.device_tier.capacity, dtype=np.int32)
+        pos = np.arange(n)
+        self._marks[s] = pos
+        return torch.from_numpy(pos) if np.array_equal(self._marks[s], pos) else None
 
     # prefetch support (called by tierstore.prefetch with the store lock held) ------------
     def _stage(self, tab: _Table, uniq: torch.Tensor) -> tuple[int, int, int]:
@@ -565,49 +648,61 @@ class TierStore:
         """Rows from LMDB, lazily initialized where never written; [n, width] float32."""
         spec = tab.spec
         rows_np = rows.numpy()
+        n = len(rows_np)
         data, found = self.backend.get(spec.name, rows_np, spec.payload_dim)
-        nfound = int(found.sum())
+        nfound = int(np.count_nonzero(found))
         st = self.ssd_stats
-        st.lookups += len(rows_np)
+        st.lookups += n
         st.hits += nfound
-        st.misses += len(rows_np) - nfound
+        st.misses += n - nfound
         st.bytes_read += nfound * spec.payload_dim * 4
-        if nfound < len(rows_np):
+        if not data.flags.writeable:  # the rows are updated in place and moved up: own them
+            data = data.copy()
+        if nfound < n:
             lazy = ~found
             init = spec.init(tab.key, rows_np[lazy], spec.dim)
             data[lazy, : spec.weight_cols] = spec.codec.encode(torch.from_numpy(init)).numpy() \
                 if spec.codec.packed else init
-        out = torch.zeros((len(rows_np), self.width), dtype=torch.float32)
-        out[:, : spec.payload_dim] = torch.from_numpy(data)
+        out = torch.from_numpy(data)
+        if spec.payload_dim < self.width:  # narrower table: zero tail columns
+            out = torch.nn.functional.pad(out, (0, self.width - spec.payload_dim))
         return out
 
     def _place(self, moving: Rows, protect: torch.Tensor) -> None:
-        """Insert rows into the device tier; victims and overflow cascade to host, then LMDB."""
+        """Insert rows into the device tier; victims and overflow cascade to host, then LMDB.
+
+        Only dirty rows leave the host tier for LMDB: a clean row is already there (or is its
+        lazy init), so the bottom tier drops clean victims without copying them.
+        """
         if len(moving) == 0:
             return
-        k, evicted = self.device_tier.insert(moving, protect=protect)
+        host = self.host_tier
+        k, evicted = self.device_tier.insert(moving, protect=protect, keep_clean=host.capacity > 0)
         down = [p for p in (evicted, moving.take(slice(k, None)) if k < len(moving) else None)
                 if p is not None and len(p)]
         if not down:
             return
         spill_in = Rows.cat([p.to(torch.device("cpu")) for p in down])
-        k2, evicted2 = self.host_tier.insert(spill_in)
-        spill = [p for p in (evicted2, spill_in.take(slice(k2, None)) if k2 < len(spill_in) else None)
-                 if p is not None and len(p)]
-        if spill:
-            rows = Rows.cat(spill)
-            self._write_down(rows.take(rows.dirty))
+        k2, spill = host.insert(spill_in, keep_clean=False)
+        parts = [] if spill is None else [spill]
+        if k2 < len(spill_in):
+            rest = spill_in.take(slice(k2, None))
+            if bool(rest.dirty.any()):
+                parts.append(rest.take(rest.dirty))
+        if parts:
+            self._write_down(Rows.cat(parts))
 
     def _write_down(self, rows: Rows) -> None:
         """Write rows (any tables) to LMDB in one transaction."""
         if len(rows) == 0:
             return
         batches = {}
-        for t in torch.unique(rows.tabs).tolist():
-            sel = rows.tabs == t
+        tables = torch.unique(rows.tabs).tolist()
+        for t in tables:
             tab = self._by_index[t]
-            batches[tab.spec.name] = (rows.rows[sel].numpy(),
-                                      rows.payload[sel][:, : tab.spec.payload_dim].numpy())
+            part = rows if len(tables) == 1 else rows.take(rows.tabs == t)  # one table: no copy
+            batches[tab.spec.name] = (part.rows.numpy(),
+                                      part.payload[:, : tab.spec.payload_dim].numpy())
         written = self.backend.put(batches)
         self.ssd_stats.writebacks += len(rows)
         self.ssd_stats.bytes_written += written

@@ -40,9 +40,11 @@ class Rows:
 
     @staticmethod
     def cat(parts: list[Rows]) -> Rows:
-        """Concatenate batches (on the first part's device)."""
+        """Concatenate batches (on the first part's device); a single part is returned as is."""
         dev = parts[0].rows.device
         parts = [p.to(dev) for p in parts]
+        if len(parts) == 1:
+            return parts[0]
         pins = None
         if any(p.pins is not None for p in parts):
             pins = torch.cat([p.pins if p.pins is not None else
@@ -87,13 +89,16 @@ class SlabTier:
     def lookup(self, tabs: torch.Tensor, rows: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Slots holding the keys (-1 where absent); counts lookups, hits and misses."""
         slots = self.index.find(tabs, rows)
-        if not count:
-            return slots
-        hits = int((slots >= 0).sum())
-        self.stats.lookups += rows.numel()
-        self.stats.hits += hits
-        self.stats.misses += rows.numel() - hits
+        if count:
+            self.count_lookups(rows.numel(), int((slots >= 0).sum()))
         return slots
+
+    def count_lookups(self, n: int, hits: int) -> None:
+        """Add `n` lookups, `hits` of which hit, to the tier's counters."""
+        st = self.stats
+        st.lookups += n
+        st.hits += hits
+        st.misses += n - hits
 
     def touch(self, slots: torch.Tensor) -> None:
         """Tell the policy these resident slots were used."""
@@ -107,23 +112,37 @@ class SlabTier:
     def write(self, slots: torch.Tensor, payload: torch.Tensor) -> None:
         """Overwrite payloads of resident slots and mark them dirty."""
         self.slab.index_copy_(0, slots, payload.to(self.slab.device, non_blocking=True))
-        self.dirty[slots] = True
+        self.mark_dirty(slots)
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """Set the dirty bits of resident slots (their rows now differ from LMDB)."""
+        if self.device.type == "cpu":
+            self.dirty.numpy()[slots.numpy()] = True  # numpy: less per-call overhead
+        else:
+            self.dirty.index_fill_(0, slots, True)
 
     def remove(self, slots: torch.Tensor) -> Rows:
         """Take rows out of the tier (to move them elsewhere); returns them with dirty bits."""
-        # advanced indexing and index_select return copies: the rows outlive their slots
-        out = Rows(*self.index.keys(slots),
-                   self.slab.index_select(0, slots), self.dirty[slots], self.pins[slots])
+        out = self._take(slots, self.dirty.index_select(0, slots))
         self._release(slots)
         return out
 
-    def _release(self, slots: torch.Tensor) -> None:
+    def _take(self, slots: torch.Tensor, dirty: torch.Tensor, pins: bool = True) -> Rows:
+        # advanced indexing and index_select return copies: the rows outlive their slots
+        return Rows(*self.index.keys(slots),
+                    self.slab.index_select(0, slots), dirty,
+                    self.pins.index_select(0, slots) if pins else None)
+
+    def _release(self, slots: torch.Tensor, reuse: bool = False) -> None:
+        """Empty slots; with `reuse` the caller refills them at once (no reset, no free list)."""
         self.generation += 1
         self.policy.on_evict(slots)
         self.index.remove(slots)
-        self.dirty[slots] = False
-        self.occupied[slots] = False
-        self.pins[slots] = 0
+        if reuse:
+            return
+        self.dirty.index_fill_(0, slots, False)
+        self.occupied.index_fill_(0, slots, False)
+        self.pins.index_fill_(0, slots, 0)
         m = slots.numel()
         self._free_buf[self._nfree : self._nfree + m] = slots.flip(0)
         self._nfree += m
@@ -132,42 +151,69 @@ class SlabTier:
         """Mask of slots a policy may choose: occupied, unpinned, not in `protect`."""
         ok = self.occupied & (self.pins == 0)
         if protect is not None and protect.numel():
-            ok[protect] = False
+            ok.index_fill_(0, protect, False)
         return ok
 
-    def insert(self, rows: Rows, protect: torch.Tensor | None = None) -> tuple[int, Rows | None]:
+    def _evict(self, need: int, protect: torch.Tensor | None,
+               keep_clean: bool) -> tuple[Rows | None, torch.Tensor | None]:
+        """Evict up to `need` victims for `insert`, which refills their slots.
+
+        Returns (rows, slots): the victims' rows (all, or only the dirty ones; None when none
+        is kept) and their slots (None when nothing could be evicted).
+        """
+        ok = self.evictable(protect)
+        need = min(need, int(ok.sum()))
+        if need <= 0:
+            return None, None
+        victims = self.policy.victims(need, ok)
+        dirty = self.dirty.index_select(0, victims)
+        ndirty = int(dirty.sum())
+        self.stats.evictions += need
+        self.stats.writebacks += ndirty
+        out = None
+        if keep_clean:  # victims are unpinned: no pins travel with them
+            out = self._take(victims, dirty, pins=False)
+        elif ndirty:
+            keep = victims[dirty]
+            out = self._take(keep, dirty[dirty], pins=False)
+        self._release(victims, reuse=True)
+        return out, victims
+
+    def insert(self, rows: Rows, protect: torch.Tensor | None = None,
+               keep_clean: bool = True) -> tuple[int, Rows | None]:
         """Insert as many of `rows` (absent keys) as fit, in order, evicting victims.
 
         Returns (k, evicted): the first k rows were inserted; `evicted` holds the victims
-        (their payloads and dirty bits) for the caller to move down a tier.
+        (their payloads and dirty bits) for the caller to move down a tier. With
+        `keep_clean=False` it holds only the dirty victims (the bottom cache tier drops clean
+        rows, which LMDB or the lazy init already hold).
         """
         n = len(rows)
         if n == 0 or self.capacity == 0:
             return 0, None
-        nfree = self._nfree
-        evicted = None
-        if n > nfree:
-            ok = self.evictable(protect)
-            need = min(n - nfree, int(ok.sum()))
-            if need > 0:
-                victims = self.policy.victims(need, ok)
-                evicted = self.remove(victims)
-                self.stats.evictions += need
-                self.stats.writebacks += int(evicted.dirty.sum())
-            nfree = self._nfree
-        k = min(n, nfree)
+        evicted, reused = None, None
+        if n > self._nfree:
+            evicted, reused = self._evict(n - self._nfree, protect, keep_clean)
+        m = 0 if reused is None else reused.numel()
+        k = min(n, self._nfree + m)  # the victims' slots first, then free ones
         if k == 0:
             return 0, evicted
         self.generation += 1
-        slots = self._free_buf[self._nfree - k : self._nfree].flip(0)
-        self._nfree -= k
-        rows = rows.take(slice(0, k)).to(self.device)
+        fresh = k - m
+        slots = self._free_buf[self._nfree - fresh : self._nfree].flip(0)
+        self._nfree -= fresh
+        if fresh:
+            self.occupied.index_fill_(0, slots, True)
+        if m:  # a victim's slot is still occupied and unpinned, its dirty bit overwritten below
+            slots = reused if not fresh else torch.cat([reused, slots])
+        if k < n:
+            rows = rows.take(slice(0, k))
+        rows = rows.to(self.device)
         self.index.add(rows.tabs, rows.rows, slots)
         self.slab.index_copy_(0, slots, rows.payload)
-        self.dirty[slots] = rows.dirty
+        self.dirty.index_copy_(0, slots, rows.dirty)
         if rows.pins is not None:
-            self.pins[slots] = rows.pins
-        self.occupied[slots] = True
+            self.pins.index_copy_(0, slots, rows.pins)
         self.policy.on_insert(slots)
         self.stats.insertions += k
         return k, evicted

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 INT64_MAX = torch.iinfo(torch.int64).max
@@ -50,7 +51,7 @@ class Policy:
         """Return the `n` evictable slots with the smallest `key` (ties: lowest slot)."""
         if n <= 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        masked = key.masked_fill(~evictable, INT64_MAX)
+        masked = torch.where(evictable, key, INT64_MAX)
         if n * 8 >= masked.numel():
             order = torch.sort(masked, stable=True).indices[:n]
         else:
@@ -72,6 +73,16 @@ class Policy:
         for key in reversed(keys):
             idx = idx[torch.sort(key[idx], stable=True).indices]
         return idx[:n]
+
+    def _stamp(self, key: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the next `len(slots)` clock stamps into `key[slots]`, in order."""
+        n = slots.numel()
+        if key.device.type != "cpu" or slots.device.type != "cpu":
+            key[slots] = self._stamps(n)
+            return
+        clock = getattr(self, "clock", 0)
+        key.numpy()[slots.numpy()] = np.arange(clock + 1, clock + 1 + n)  # less overhead than torch
+        self.clock = clock + n
 
     def _stamps(self, n: int) -> torch.Tensor:
         """Advance the policy's access clock by `n` and return the `n` new stamps."""

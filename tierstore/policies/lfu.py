@@ -21,7 +21,7 @@ class LFU(Policy):
         self.clock = 0
 
     def _touch(self, slots: torch.Tensor) -> None:
-        self.last[slots] = self._stamps(slots.numel())
+        self._stamp(self.last, slots)
 
     def on_hit(self, slots: torch.Tensor) -> None:
         """Count the accesses (duplicates count each time) and refresh recency."""

@@ -18,7 +18,7 @@ class LRU(Policy):
         self.clock = 0
 
     def _touch(self, slots: torch.Tensor) -> None:
-        self.last[slots] = self._stamps(slots.numel())
+        self._stamp(self.last, slots)
 
     def on_hit(self, slots: torch.Tensor) -> None:
         """Refresh the recency of hit slots."""
@@ -30,7 +30,7 @@ class LRU(Policy):
 
     def on_evict(self, slots: torch.Tensor) -> None:
         """Clear the recency of emptied slots."""
-        self.last[slots] = 0
+        self.last.index_fill_(0, slots, 0)
 
     def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
         """The n least recently used evictable slots."""
