@@ -66,6 +66,23 @@ if HAVE_NUMBA:
                 for d in range(dim):
                     g[d] += grad_out[b, d]
 
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _sum_squares(g, dim, part):  # pragma: no cover - compiled
+        """Sum of g[d]**2 in a fixed order: 8 lane partial sums (d mod 8), then a fixed tree.
+
+        A plain running sum is a chain of dependent adds that cannot be vectorized without
+        reordering it; this order is written out, so it is the same on every machine.
+        """
+        for j in range(8):
+            part[j] = np.float32(0.0)
+        full = dim - dim % 8
+        for base in range(0, full, 8):
+            for j in range(8):
+                part[j] += g[base + j] * g[base + j]
+        for d in range(full, dim):
+            part[d - full] += g[d] * g[d]
+        return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]))
+
     @numba.njit(cache=True, nogil=True)
     def sgd_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params, lo,
                    hi):  # pragma: no cover
@@ -98,15 +115,15 @@ if HAVE_NUMBA:
                                params, lo, hi):  # pragma: no cover
         lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
         g = np.empty(dim, dtype=np.float32)
+        part = np.empty(8, dtype=np.float32)
         inv_dim = np.float32(1.0) / np.float32(dim)
         for u in range(lo, hi):
             _prefetch_next(table, slots, u)
             _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
             row = table[slots[u]]
-            sq = np.float32(0.0)
             for d in range(dim):
                 g[d] = g[d] + wd * row[d]
-                sq += g[d] * g[d]
+            sq = _sum_squares(g, dim, part)
             acc = row[dim] + sq * inv_dim
             row[dim] = acc
             mult = lr / (np.sqrt(acc) + eps)
