@@ -13,7 +13,7 @@ import shutil
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import islice, repeat
 from pathlib import Path
@@ -29,8 +29,9 @@ DATA_NAME = "data.mdb"
 COMPACT_PREFIX = ".compact-"
 _INITIAL_MAP = 1 << 30
 TXN_ROWS = 8192  # rows per write transaction: bounds the pages one commit frees (see docs/persistence.md)
-COPY_CHUNK = 65536  # rows per transaction when rewriting a database in key order
-MAP_RESIDENT = 128 << 20  # mapped file bytes touched before the mapping's resident pages are dropped
+COPY_CHUNK = 16384  # rows per transaction when rewriting a database in key order
+GET_CHUNK = 4096  # keys per C-level read loop between checks of the mapped pages
+MAP_RESIDENT = 256 << 20  # mapped file bytes touched before the mapping's resident pages are dropped
 COMPACT_ON_CLOSE = 1.25  # compact at close when the file is this many times its compacted size
 _COMPACT_MIN_BYTES = 1 << 20
 _MADV_DONTNEED = 4
@@ -65,7 +66,9 @@ class LmdbBackend:
         self._io = threading.Condition()  # background readers vs. map resizing
         self._readers = 0
         self._resizing = False
-        self._touched = 0  # file bytes possibly mapped in since the last `trim_map`
+        self._file_base = _file_resident()  # file-backed resident bytes after the last trim
+        self._map_gen = 0  # bumped whenever the mapping may move (open, resize)
+        self._span: tuple[int, list[tuple[int, int]]] | None = None
         self._wrote = False  # whether this handle changed the file (compaction on close)
         self.compact_on_close: float | None = COMPACT_ON_CLOSE
         self.map_resident = MAP_RESIDENT
@@ -85,6 +88,7 @@ class LmdbBackend:
 
     def _open_env(self) -> None:
         """Open the LMDB environment and its metadata database (releases the lock on failure)."""
+        self._map_gen += 1
         try:
             start = _INITIAL_MAP if self.map_limit is None else min(_INITIAL_MAP, self.map_limit)
             self.env = lmdb.open(str(self.path), map_size=start, max_dbs=4096, subdir=True,
@@ -170,8 +174,11 @@ class LmdbBackend:
             return out, found
         order = np.argsort(rows, kind="stable")  # sorted keys read the B-tree in order
         keys = encode_keys(rows[order])
+        vals: list = []
         with self.env.begin(db=db) as txn:
-            vals = list(map(txn.get, keys))  # the loop runs in C; a missing key gives None
+            for i in range(0, n, GET_CHUNK):  # bounded pieces: trim the mapping in between
+                vals += map(txn.get, keys[i:i + GET_CHUNK])  # a C loop; a missing key gives None
+                self._note_touch()
         hit = np.fromiter(map(operator.is_not, vals, repeat(None)), dtype=bool, count=n)
         nhit = int(np.count_nonzero(hit))
         if nhit:
@@ -183,7 +190,6 @@ class LmdbBackend:
             dest = order if nhit == n else order[hit]
             out[dest] = data.reshape(nhit, width)
             found[dest] = True
-        self._note_touch(n)
         return out, found
 
     def put(self, batches: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
@@ -227,7 +233,6 @@ class LmdbBackend:
                         part, room = [], TXN_ROWS
         if part:
             self._commit(part, total)
-        self._note_touch(sum(len(s[1]) for s in segs))
         return total
 
     def _commit(self, parts: list, total: int) -> None:
@@ -241,6 +246,7 @@ class LmdbBackend:
                         # zip feeds putmulti lazily: no list of (key, value) tuples is built
                         append = unique and (not cur.last() or cur.key() < keys[0])
                         cur.putmulti(zip(keys, vals), append=append)
+                self._note_touch()
                 return
             except lmdb.MapFullError:
                 self._grow(total)
@@ -313,6 +319,7 @@ class LmdbBackend:
                 raise OutOfSpaceError(
                     f"store {self.path} reached its map limit of {self.map_limit} bytes")
             new = min(new, self.map_limit)
+        self._map_gen += 1
         try:
             self.env.set_mapsize(new)
         except lmdb.Error as exc:
@@ -423,7 +430,7 @@ class LmdbBackend:
             try:
                 txn = self.env.begin()
                 try:
-                    write_compact(txn, dbs, tmp)
+                    write_compact(txn, dbs, tmp, progress=self._note_touch)
                 finally:
                     txn.abort()
                 self.trim_map()
@@ -460,10 +467,11 @@ class LmdbBackend:
                 self._resizing = False
                 self._io.notify_all()
 
-    def _note_touch(self, rows: int) -> None:
-        """Count map pages a batch may have pulled in; drop them past `map_resident` bytes."""
-        self._touched += rows * 4096
-        if self.map_resident is not None and self._touched > self.map_resident:
+    def _note_touch(self, *_: object) -> None:
+        """Trim the mapping once the process's file-backed resident bytes grew by `map_resident`."""
+        if self.map_resident is None:
+            return
+        if _file_resident() - self._file_base > self.map_resident:
             self.trim_map()
 
     def trim_map(self) -> int:
@@ -473,24 +481,34 @@ class LmdbBackend:
         access maps them again (a minor fault); only the process's resident set shrinks.
         Linux only, best effort.
         """
-        self._touched = 0
         if self.env is None or not sys.platform.startswith("linux"):
             return 0
+        if self._span is None or self._span[0] != self._map_gen:
+            self._span = (self._map_gen, self._find_span())
+        done = 0
+        for lo, hi in self._span[1]:
+            if _madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+                done += hi - lo
+        self._file_base = _file_resident()
+        return done
+
+    def _find_span(self) -> list[tuple[int, int]]:
+        """Address ranges of this environment's data file mapping, from /proc/self/maps."""
         target = os.path.realpath(self.path / DATA_NAME)
         size = self.env.info()["map_size"]  # our mapping is exactly the map size
-        done = 0
         try:
             with open("/proc/self/maps") as f:
                 spans = [line.split(None, 5) for line in f if line.rstrip().endswith(DATA_NAME)]
         except OSError:
-            return 0
+            return []
+        out = []
         for parts in spans:
-            if len(parts) < 6 or parts[5].strip() != target or "w" in parts[1]:
+            if len(parts) < 6 or parts[5].strip() != target:
                 continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if hi - lo == size and _madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
-                done += hi - lo
-        return done
+            if hi - lo == size:
+                out.append((lo, hi))
+        return out
 
     # snapshots (persistence) -------------------------------------------------------------
     def check_file(self) -> None:
@@ -530,7 +548,7 @@ class LmdbBackend:
         """
         try:
             if compact:
-                write_compact(txn, self._snap_dbs, Path(dest))
+                write_compact(txn, self._snap_dbs, Path(dest), progress=self._note_touch)
             else:
                 self.env.copy(str(dest), txn=txn)
         except lmdb.Error as exc:
@@ -583,11 +601,12 @@ def fsync_path(path: Path) -> None:
 
 
 def write_compact(txn: lmdb.Transaction, dbs: dict[bytes, object], dest: Path,
-                  chunk: int = COPY_CHUNK) -> None:
+                  chunk: int = COPY_CHUNK, progress: Callable[[int], None] | None = None) -> None:
     """Write the named databases seen by read txn `txn` into a fresh file dest/data.mdb.
 
     Each database is streamed in key order and appended (`MDB_APPEND`), so every page is full
-    and the file has no free pages. The file is synced before this returns.
+    and the file has no free pages. The file is synced before this returns. `progress` gets
+    the rows copied after each chunk.
     """
     need = 1 << 20
     for db in dbs.values():
@@ -610,10 +629,28 @@ def write_compact(txn: lmdb.Transaction, dbs: dict[bytes, object], dest: Path,
                         break
                     except lmdb.MapFullError:
                         env.set_mapsize(2 * env.info()["map_size"])
+                if progress is not None:
+                    progress(len(items))
         env.sync(True)
     finally:
         env.close()
     fsync_path(dest / DATA_NAME)
+
+
+def _file_resident() -> int:
+    """File-backed resident bytes of this process (Linux /proc/self/statm "shared"), else 0.
+
+    This counts every mapped file page (libraries too); the kernel's fault-around maps up to
+    16 neighbouring page-cache pages per fault, so it is measured, not estimated from rows.
+    """
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[2]) * _PAGESIZE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGESIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _madvise(addr: int, length: int, advice: int) -> int:
