@@ -30,12 +30,15 @@ from tierstore.backends.lmdb_backend import LmdbBackend, _file_resident
 OUT = Path("bench/out")
 WIDTH = 17  # dim 16 + row-wise Adagrad
 LAYOUTS = {
-    # one write transaction per put, no trimming of the mapping (the library before this change)
-    "one_txn": dict(txn_rows=1 << 62, map_resident=None),
-    # key-range transactions of TXN_ROWS rows and a bounded mapping (the library's default)
-    "key_range": dict(txn_rows=lmdb_backend.TXN_ROWS, map_resident=lmdb_backend.MAP_RESIDENT),
-    # key-range transactions, mapping never trimmed
-    "key_range_untrimmed": dict(txn_rows=lmdb_backend.TXN_ROWS, map_resident=None),
+    # the library before this change: one pwrite-committed transaction per put, mapping never trimmed
+    "one_txn": dict(txn_rows=1 << 62, map_resident=None, writemap=False),
+    # key-range transactions of TXN_ROWS rows, still committed with pwrite, untrimmed
+    "key_range_pwrite": dict(txn_rows=lmdb_backend.TXN_ROWS, map_resident=None, writemap=False),
+    # key-range transactions written in place through a writable map, untrimmed
+    "key_range_writemap": dict(txn_rows=lmdb_backend.TXN_ROWS, map_resident=None, writemap=True),
+    # the library's default: key-range, writable map, mapping trimmed past MAP_RESIDENT
+    "default": dict(txn_rows=lmdb_backend.TXN_ROWS, map_resident=lmdb_backend.MAP_RESIDENT,
+                    writemap=lmdb_backend.WRITEMAP),
 }
 
 
@@ -44,7 +47,11 @@ class Run:
 
     def __init__(self, name: str, path: Path, args: argparse.Namespace) -> None:
         self.name, self.cfg = name, LAYOUTS[name]
-        self.backend = LmdbBackend(path)
+        old, lmdb_backend.WRITEMAP = lmdb_backend.WRITEMAP, self.cfg["writemap"]
+        try:
+            self.backend = LmdbBackend(path)
+        finally:
+            lmdb_backend.WRITEMAP = old
         self.backend.compact_on_close = None
         self.backend.map_resident = self.cfg["map_resident"]
         self.args = args
@@ -97,6 +104,7 @@ class Run:
 def run_layout(name: str, args: argparse.Namespace) -> dict:
     """Grow a store with one layout and time it (in this process, so its mapped pages are its own)."""
     work = Path(tempfile.mkdtemp(prefix="bench_lmdb_io_", dir=args.workdir))
+    base0 = _file_resident()
     r = Run(name, work / name, args)
     try:
         t0 = time.perf_counter()
@@ -105,7 +113,6 @@ def run_layout(name: str, args: argparse.Namespace) -> dict:
         grown = r.backend.disk_bytes()
         raw = args.tables * args.rows * WIDTH * 4
         r.peak_file = 0
-        base = _file_resident()
         blocks = []
         for _ in range(args.blocks):
             rows0, s0 = r.rows, r.get_s + r.put_s
@@ -116,10 +123,47 @@ def run_layout(name: str, args: argparse.Namespace) -> dict:
                 "get_rows_per_s": r.rows / r.get_s, "put_rows_per_s": r.rows / r.put_s,
                 "grow_rows_per_s": args.tables * args.rows / grow_s, "grown_file_over_raw": grown / raw,
                 "file_bytes": r.backend.disk_bytes(), "peak_file_resident": r.peak_file,
-                "base_file_resident": base}
+                "base_file_resident": base0}
     finally:
         r.backend.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def interleaved(names: list[str], args: argparse.Namespace) -> int:
+    """All layouts in this process: grow each, then alternate timed blocks between them."""
+    work = Path(tempfile.mkdtemp(prefix="bench_lmdb_io_", dir=args.workdir))
+    runs = [Run(n, work / n, args) for n in names]
+    try:
+        for r in runs:
+            r.grow(args.rows)
+        blocks: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(args.blocks * args.rounds):
+            for r in runs:
+                rows0, s0 = r.rows, r.get_s + r.put_s
+                for _ in range(args.steps):
+                    r.step()
+                blocks[r.name].append((r.rows - rows0) / (r.get_s + r.put_s - s0))
+        base = statistics.median(blocks[names[0]])
+        print(f"\n{'layout':>20} {'rows/s':>10} {'vs first':>8} {'get rows/s':>11} {'put rows/s':>11} "
+              f"{'file/raw':>8}  (interleaved, one process)")
+        results = []
+        for r in runs:
+            med = statistics.median(blocks[r.name])
+            raw = args.tables * args.rows * WIDTH * 4
+            res = {"layout": r.name, "rows_per_s": med, "vs_first": med / base,
+                   "get_rows_per_s": r.rows / r.get_s, "put_rows_per_s": r.rows / r.put_s,
+                   "file_over_initial_raw": r.backend.disk_bytes() / raw, "blocks": blocks[r.name]}
+            results.append(res)
+            print(f"{r.name:>20} {med:>10,.0f} {med / base:>8.2f} {res['get_rows_per_s']:>11,.0f} "
+                  f"{res['put_rows_per_s']:>11,.0f} {res['file_over_initial_raw']:>8.2f}")
+    finally:
+        for r in runs:
+            r.backend.close()
+        shutil.rmtree(work, ignore_errors=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    record = {"bench": "lmdb_io", "mode": "interleaved", "args": vars(args), "results": results}
+    (OUT / "lmdb_io_interleaved.json").write_text(json.dumps(record, indent=2))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,15 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="steps per block")
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs of every layout")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--layouts", default="one_txn,default")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--interleaved", action="store_true",
+                    help="all layouts in one process, blocks alternating (for untrimmed layouts only: "
+                         "a trimmed layout would react to the others' mapped pages)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: run one layout, print JSON
     args = ap.parse_args(argv)
     if args.one:
         print(json.dumps(run_layout(args.one, args)))
         return 0
     names = args.layouts.split(",")
+    if args.interleaved:
+        return interleaved(names, args)
     rounds: dict[str, list[dict]] = {n: [] for n in names}
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
     for i in range(args.rounds):

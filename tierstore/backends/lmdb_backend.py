@@ -31,6 +31,9 @@ _INITIAL_MAP = 1 << 30
 TXN_ROWS = 8192  # rows per write transaction: bounds the pages one commit frees (see docs/persistence.md)
 COPY_CHUNK = 16384  # rows per transaction when rewriting a database in key order
 GET_CHUNK = 4096  # keys per C-level read loop between checks of the mapped pages
+# writers map the file writable (MDB_WRITEMAP): a commit writes its pages in place in the map,
+# no pwrite per scattered page (1.6x the put throughput of a pwrite commit, see BENCHMARKS.md)
+WRITEMAP = True
 MAP_RESIDENT = 256 << 20  # mapped file bytes touched before the mapping's resident pages are dropped
 COMPACT_ON_CLOSE = 1.25  # compact at close when the file is this many times its compacted size
 _COMPACT_MIN_BYTES = 1 << 20
@@ -89,11 +92,24 @@ class LmdbBackend:
     def _open_env(self) -> None:
         """Open the LMDB environment and its metadata database (releases the lock on failure)."""
         self._map_gen += 1
+        self.writemap = WRITEMAP and not self.readonly
         try:
+            if self.writemap and (self.path / DATA_NAME).exists():
+                # a writable map extends the file to the map size: check for truncation first
+                check = lmdb.open(str(self.path), readonly=True, lock=False, subdir=True,
+                                  max_dbs=4096, readahead=False)
+                try:
+                    self._check_file(check)
+                finally:
+                    check.close()
             start = _INITIAL_MAP if self.map_limit is None else min(_INITIAL_MAP, self.map_limit)
             self.env = lmdb.open(str(self.path), map_size=start, max_dbs=4096, subdir=True,
                                  readonly=self.readonly, lock=not self.readonly, sync=False,
-                                 metasync=False, readahead=False, meminit=False)
+                                 metasync=False, readahead=False, meminit=False,
+                                 writemap=self.writemap)
+        except StoreCorruptError:
+            self._release_lock()
+            raise
         except lmdb.Error as exc:
             self._release_lock()
             raise StoreCorruptError(f"cannot open LMDB store at {self.path}: {exc}") from exc
@@ -238,6 +254,7 @@ class LmdbBackend:
     def _commit(self, parts: list, total: int) -> None:
         """One write transaction of sorted (db, keys, values, unique) parts; grows the map as needed."""
         self._wrote = True
+        self._check_space(sum(len(p[1]) for p in parts))
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -257,12 +274,33 @@ class LmdbBackend:
         """Write JSON metadata records in one transaction."""
         self._ensure_room(4096)
         self._wrote = True
+        self._check_space(len(records))
         try:
             with self.env.begin(write=True, db=self._meta) as txn:
                 for key, value in records.items():
                     txn.put(key.encode(), json.dumps(value, sort_keys=True).encode())
         except lmdb.Error as exc:
             self._raise_io(exc)
+
+    def _check_space(self, rows: int) -> None:
+        """With a writable map, refuse a commit the disk may not hold (OutOfSpaceError).
+
+        Writing to a mapped page of a sparse file on a full disk raises SIGBUS instead of
+        ENOSPC, so every commit first checks that the disk has room for a new page per row
+        (conservative: most pages are reused). Another process filling the disk between the
+        check and the commit can still kill the process; committed data survives that.
+        """
+        if not self.writemap:
+            return
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return
+        need = (rows + 64) * 4096 + (8 << 20)
+        if st.f_bavail * st.f_frsize < need:
+            raise OutOfSpaceError(
+                f"store {self.path}: the disk has {st.f_bavail * st.f_frsize} bytes free, a commit "
+                f"of {rows} rows may need {need}")
 
     def _raise_io(self, exc: Exception) -> None:
         if isinstance(exc, lmdb.MapFullError) or getattr(exc, "errno", None) == errno.ENOSPC or \
@@ -369,7 +407,15 @@ class LmdbBackend:
                     except (TierstoreError, OSError, lmdb.Error):
                         pass
             if self.env is not None:
+                used = self.used_bytes() if self.writemap else 0
                 self.env.close()
+                if used:  # a writable map extended the file to the map size: give the tail back
+                    try:
+                        data = self.path / DATA_NAME
+                        if data.stat().st_size > used:
+                            os.truncate(data, used)
+                    except OSError:
+                        pass
             self.env = None
         self._release_lock()
 
@@ -445,7 +491,7 @@ class LmdbBackend:
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise OutOfSpaceError(f"store {self.path}: out of space compacting: {exc}") from exc
-                raise
+                raise TierstoreError(f"store {self.path}: cannot compact: {exc}") from exc
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
                 if self.env is None and reopen:
@@ -513,8 +559,11 @@ class LmdbBackend:
     # snapshots (persistence) -------------------------------------------------------------
     def check_file(self) -> None:
         """Raise StoreCorruptError when data.mdb is shorter than the pages LMDB says it holds."""
-        data = self.path / "data.mdb"
-        need = self.used_bytes()
+        self._check_file(self.env)
+
+    def _check_file(self, env: lmdb.Environment) -> None:
+        data = self.path / DATA_NAME
+        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
         have = data.stat().st_size if data.exists() else 0
         if have < need:
             raise StoreCorruptError(
