@@ -32,13 +32,14 @@ WIDTH = 17  # dim 16 + row-wise Adagrad
 LAYOUTS = {
     # the library before this change: one pwrite-committed transaction per put, mapping never trimmed
     "one_txn": dict(txn_rows=1 << 62, map_resident=None, writemap=False),
-    # key-range transactions of TXN_ROWS rows, still committed with pwrite, untrimmed
+    # key-range transactions of TXN_ROWS rows committed with pwrite, untrimmed
     "key_range_pwrite": dict(txn_rows=lmdb_backend.TXN_ROWS, map_resident=None, writemap=False),
-    # key-range transactions written in place through a writable map, untrimmed
-    "key_range_writemap": dict(txn_rows=lmdb_backend.TXN_ROWS, map_resident=None, writemap=True),
-    # the library's default: key-range, writable map, mapping trimmed past MAP_RESIDENT
-    "default": dict(txn_rows=lmdb_backend.TXN_ROWS, map_resident=lmdb_backend.MAP_RESIDENT,
-                    writemap=lmdb_backend.WRITEMAP),
+    # the library's default: key-range, pwrite commits, mapping trimmed past MAP_RESIDENT
+    "default": dict(txn_rows=lmdb_backend.TXN_ROWS, map_resident=256 << 20, writemap=False),
+    # the library with TIERSTORE_MAP_RESIDENT=none: key-range, writable map, never trimmed
+    "untrimmed": dict(txn_rows=lmdb_backend.TXN_ROWS, map_resident=None, writemap=True),
+    # for completeness: a writable map that is trimmed (every write after a trim faults)
+    "writemap_trimmed": dict(txn_rows=lmdb_backend.TXN_ROWS, map_resident=256 << 20, writemap=True),
 }
 
 
@@ -47,13 +48,13 @@ class Run:
 
     def __init__(self, name: str, path: Path, args: argparse.Namespace) -> None:
         self.name, self.cfg = name, LAYOUTS[name]
-        old, lmdb_backend.WRITEMAP = lmdb_backend.WRITEMAP, self.cfg["writemap"]
+        old = lmdb_backend.WRITEMAP, lmdb_backend.MAP_RESIDENT
+        lmdb_backend.WRITEMAP, lmdb_backend.MAP_RESIDENT = self.cfg["writemap"], self.cfg["map_resident"]
         try:
             self.backend = LmdbBackend(path)
         finally:
-            lmdb_backend.WRITEMAP = old
+            lmdb_backend.WRITEMAP, lmdb_backend.MAP_RESIDENT = old
         self.backend.compact_on_close = None
-        self.backend.map_resident = self.cfg["map_resident"]
         self.args = args
         self.rng = np.random.default_rng(args.seed)
         self.stored = [np.empty(0, np.int64) for _ in range(args.tables)]
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="steps per block")
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs of every layout")
-    ap.add_argument("--layouts", default="one_txn,default")
+    ap.add_argument("--layouts", default="one_txn,default,untrimmed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--interleaved", action="store_true",

@@ -322,3 +322,45 @@ def test_write_compact_copes_with_a_small_map(tmp_path, monkeypatch):
     persistence.compact(path)
     monkeypatch.undo()
     assert same_dump(dump(path), want)
+
+
+@pytest.fixture
+def writemap(monkeypatch):
+    """Writers open a writable map (the TIERSTORE_MAP_RESIDENT=none configuration)."""
+    monkeypatch.setattr(lmdb_backend, "WRITEMAP", True)
+
+
+def test_writemap_store_roundtrip_and_file_size(tmp_path, writemap):
+    path = tmp_path / "s"
+    store = ts.TierStore(path, SPECS, device_capacity=0, host_capacity=0, seed=3, device="cpu")
+    assert store.backend.writemap
+    random_writes(store.backend, 60_000, 20_000)
+    want = dump_of(store.backend)
+    assert (path / "data.mdb").stat().st_size >= store.backend.env.info()["map_size"]  # sparse
+    store.backend.compact_on_close = None
+    store.close()
+    assert same_dump(dump(path), want)
+    backend = LmdbBackend(path, readonly=True)
+    used = backend.used_bytes()
+    backend.close()
+    assert (path / "data.mdb").stat().st_size == used  # the map's tail is given back at close
+    os.truncate(path / "data.mdb", used // 2)
+    with pytest.raises(StoreCorruptError, match="truncated"):  # checked before mapping writable
+        LmdbBackend(path)
+
+
+def test_writemap_refuses_a_commit_the_disk_cannot_hold(tmp_path, writemap, monkeypatch):
+    backend = LmdbBackend(tmp_path / "s")
+    backend.put({"big": (np.arange(100), np.ones((100, W_BIG), np.float32))})
+    real = os.statvfs
+
+    class Full:
+        f_bavail, f_frsize = 10, 4096
+
+    monkeypatch.setattr(lmdb_backend.os, "statvfs", lambda p: Full())
+    with pytest.raises(ts.OutOfSpaceError):
+        backend.put({"big": (np.arange(100, 200), np.ones((100, W_BIG), np.float32))})
+    monkeypatch.setattr(lmdb_backend.os, "statvfs", real)
+    got, found = backend.get("big", np.arange(200), W_BIG)
+    assert found.tolist() == [True] * 100 + [False] * 100  # the refused commit changed nothing
+    backend.close()

@@ -31,10 +31,27 @@ _INITIAL_MAP = 1 << 30
 TXN_ROWS = 8192  # rows per write transaction: bounds the pages one commit frees (see docs/persistence.md)
 COPY_CHUNK = 16384  # rows per transaction when rewriting a database in key order
 GET_CHUNK = 4096  # keys per C-level read loop between checks of the mapped pages
-# writers map the file writable (MDB_WRITEMAP): a commit writes its pages in place in the map,
-# no pwrite per scattered page (1.6x the put throughput of a pwrite commit, see BENCHMARKS.md)
-WRITEMAP = True
-MAP_RESIDENT = 256 << 20  # mapped file bytes touched before the mapping's resident pages are dropped
+
+
+def _map_resident_default() -> int | None:
+    """`TIERSTORE_MAP_RESIDENT` (a size like "256MiB", or "none"), else 256 MiB."""
+    text = os.environ.get("TIERSTORE_MAP_RESIDENT", "").strip()
+    if not text:
+        return 256 << 20
+    if text.lower() in ("none", "off", "0"):
+        return None
+    from ..config import parse_size
+
+    return parse_size(text)
+
+
+# file-backed resident bytes the process may gain before the data file's mapping is dropped
+# (`trim_map`); None: never trim (resident memory then includes up to the whole file)
+MAP_RESIDENT = _map_resident_default()
+# MDB_WRITEMAP for writers: None chooses it when the mapping is never trimmed. A writable map
+# writes a commit's pages in place (1.6x the put rate of pwrite commits), but trimming it makes
+# every later write a page fault (0.4x): see docs/persistence.md, "Write path"
+WRITEMAP: bool | None = None
 COMPACT_ON_CLOSE = 1.25  # compact at close when the file is this many times its compacted size
 _COMPACT_MIN_BYTES = 1 << 20
 _MADV_DONTNEED = 4
@@ -92,7 +109,8 @@ class LmdbBackend:
     def _open_env(self) -> None:
         """Open the LMDB environment and its metadata database (releases the lock on failure)."""
         self._map_gen += 1
-        self.writemap = WRITEMAP and not self.readonly
+        wm = self.map_resident is None if WRITEMAP is None else WRITEMAP
+        self.writemap = wm and not self.readonly
         try:
             if self.writemap and (self.path / DATA_NAME).exists():
                 # a writable map extends the file to the map size: check for truncation first
