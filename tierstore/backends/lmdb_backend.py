@@ -30,14 +30,16 @@ COMPACT_PREFIX = ".compact-"
 _INITIAL_MAP = 1 << 30
 TXN_ROWS = 8192  # rows per write transaction: bounds the pages one commit frees (see docs/persistence.md)
 COPY_CHUNK = 16384  # rows per transaction when rewriting a database in key order
-GET_CHUNK = 4096  # keys per C-level read loop between checks of the mapped pages
+# keys per C-level read or write loop between checks of the mapped pages: a page fault maps up
+# to 16 neighbouring pages (fault-around), so 1,024 random keys can map up to 64 MiB
+GET_CHUNK = 1024
 
 
 def _map_resident_default() -> int | None:
-    """`TIERSTORE_MAP_RESIDENT` (a size like "256MiB", or "none"), else 256 MiB."""
+    """`TIERSTORE_MAP_RESIDENT` (a size like "256MiB", or "none"), else 128 MiB."""
     text = os.environ.get("TIERSTORE_MAP_RESIDENT", "").strip()
     if not text:
-        return 256 << 20
+        return 128 << 20
     if text.lower() in ("none", "off", "0"):
         return None
     from ..config import parse_size
@@ -280,8 +282,10 @@ class LmdbBackend:
                         cur = txn.cursor(db=db)
                         # zip feeds putmulti lazily: no list of (key, value) tuples is built
                         append = unique and (not cur.last() or cur.key() < keys[0])
-                        cur.putmulti(zip(keys, vals), append=append)
-                self._note_touch()
+                        for i in range(0, len(keys), GET_CHUNK):  # check the mapped pages between
+                            cur.putmulti(zip(keys[i:i + GET_CHUNK], vals[i:i + GET_CHUNK]),
+                                         append=append)
+                            self._note_touch()
                 return
             except lmdb.MapFullError:
                 self._grow(total)
