@@ -364,3 +364,14 @@ def test_writemap_refuses_a_commit_the_disk_cannot_hold(tmp_path, writemap, monk
     got, found = backend.get("big", np.arange(200), W_BIG)
     assert found.tolist() == [True] * 100 + [False] * 100  # the refused commit changed nothing
     backend.close()
+
+
+def test_bench_lmdb_io_smoke(tmp_path, monkeypatch, capsys):
+    from bench import lmdb_io
+
+    monkeypatch.chdir(tmp_path)
+    assert lmdb_io.main(["--interleaved", "--tables", "2", "--rows", "3000", "--batch", "256",
+                         "--blocks", "1", "--steps", "1", "--rounds", "1",
+                         "--layouts", "one_txn,key_range_pwrite,untrimmed"]) == 0
+    out = capsys.readouterr().out
+    assert "key_range_pwrite" in out and (tmp_path / "bench/out/lmdb_io_interleaved.json").exists()
