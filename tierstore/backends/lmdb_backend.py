@@ -54,7 +54,10 @@ MAP_RESIDENT = _map_resident_default()
 # writes a commit's pages in place (1.6x the put rate of pwrite commits), but trimming it makes
 # every later write a page fault (0.4x): see docs/persistence.md, "Write path"
 WRITEMAP: bool | None = None
-COMPACT_ON_CLOSE = 1.25  # compact at close when the file is this many times its compacted size
+# compact at close when the file is this many times its compacted size; environment variable
+# TIERSTORE_COMPACT_ON_CLOSE ("none" to never compact at close)
+_coc = os.environ.get("TIERSTORE_COMPACT_ON_CLOSE", "").strip().lower()
+COMPACT_ON_CLOSE: float | None = None if _coc in ("none", "off") else float(_coc or 1.25)
 _COMPACT_MIN_BYTES = 1 << 20
 _MADV_DONTNEED = 4
 _KEY_DTYPE = np.dtype(">u8")  # big-endian: byte order == row id order
