@@ -37,6 +37,7 @@ def run_one(rows: int, args: argparse.Namespace) -> dict:
             "peak_anon_bytes": s["peak_anon_bytes"],
             "cache_bytes": s["cache_bytes"], "rows_stored": s["rows_stored"],
             "disk_bytes": s["disk_bytes"], "raw_bytes": s["raw_row_bytes"],
+            "peak_disk_bytes": s["peak_disk_bytes"], "closed_disk_bytes": s["disk_bytes_closed"],
             "disk_per_row": s["disk_per_row"], "checkpoint_bytes": s["last_checkpoint_store_bytes"],
             "payload_bytes_per_row": s["payload_bytes_per_row"],
             "hit_rate_device": s["tiers"]["device"]["hit_rate"],
@@ -70,24 +71,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'rows/table':>10} {'total rows':>11} {'samples/s':>10} {'vs first':>8} {'dev hit':>8} "
           f"{'host hit':>8} {'peak RSS':>9} {'anon':>8} {'caches':>8} {'rows on disk':>13} "
           f"{'disk B/row':>10} "
-          f"{'x raw':>6} {'ckpt x raw':>10} {'AUC':>6}")
+          f"{'x raw':>6} {'peak x raw':>10} {'closed x raw':>12} {'ckpt x raw':>10} {'AUC':>6}")
     for r in results:
         r["throughput_vs_first"] = r["samples_per_s"] / base if base else 0.0
         r["rss_over_caches_gib"] = (r["peak_rss_bytes"] - r["cache_bytes"]) / GIB
         r["anon_over_caches_gib"] = (r["peak_anon_bytes"] - r["cache_bytes"]) / GIB
-        r["disk_over_raw"] = r["disk_bytes"] / r["raw_bytes"] if r["raw_bytes"] else 0.0
+        raw = r["raw_bytes"] or 1
+        r["disk_over_raw"] = r["disk_bytes"] / raw  # end of training, before close
+        r["peak_disk_over_raw"] = r["peak_disk_bytes"] / raw  # sampled every 10 steps
+        r["closed_disk_over_raw"] = r["closed_disk_bytes"] / raw  # after close (compacts)
         r["checkpoint_over_raw"] = r["checkpoint_bytes"] / r["raw_bytes"] if r["raw_bytes"] else 0.0
         print(f"{r['rows_per_table']:>10.0e} {r['total_rows']:>11.2e} {r['samples_per_s']:>10,.0f} "
               f"{r['throughput_vs_first']:>8.2f} {r['hit_rate_device']:>8.3f} {r['hit_rate_host']:>8.3f} "
               f"{r['peak_rss_bytes'] / 2**20:>7,.0f}Mi {r['peak_anon_bytes'] / 2**20:>6,.0f}Mi "
               f"{r['cache_bytes'] / 2**20:>6,.0f}Mi "
               f"{r['rows_stored']:>13,} {r['disk_per_row']:>10.1f} {r['disk_over_raw']:>6.2f} "
+              f"{r['peak_disk_over_raw']:>10.2f} {r['closed_disk_over_raw']:>12.2f} "
               f"{r['checkpoint_over_raw']:>10.2f} {r['auc']:>6.3f}")
     last = results[-1]
     print(f"\ntargets: largest keeps {last['throughput_vs_first']:.2f}x of the first's throughput "
           f"(>= 0.5); peak RSS - caches = {max(r['rss_over_caches_gib'] for r in results):.2f} GiB "
           f"(anonymous only: {max(r['anon_over_caches_gib'] for r in results):.2f}; <= 1); "
-          f"disk / raw = {max(r['disk_over_raw'] for r in results):.2f} live store, "
+          f"disk / raw = {max(r['disk_over_raw'] for r in results):.2f} live store at the end "
+          f"(peak {max(r['peak_disk_over_raw'] for r in results):.2f}, "
+          f"{max(r['closed_disk_over_raw'] for r in results):.2f} after close), "
           f"{max(r['checkpoint_over_raw'] for r in results):.2f} compacted checkpoint (< 1.5)")
     record = {"bench": "scale", "machine": platform.platform(), "cpus": os.cpu_count(),
               "args": vars(args), "results": results}

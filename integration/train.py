@@ -219,6 +219,7 @@ class Trainer:
         self.checkpoints: list[int] = []
         self.rows_stored_start = 0
         self.peak_anon = 0
+        self.peak_disk = 0
 
     # run directory / checkpoints ----------------------------------------------------------------
     def _prepare_dir(self) -> None:
@@ -411,6 +412,7 @@ class Trainer:
                 sys.stdout.flush()
             if self.step % 10 == 0 or self.step == cfg.steps:
                 self.peak_anon = max(self.peak_anon, rss_parts()["anon"])
+                self.peak_disk = max(self.peak_disk, self.store.backend.disk_bytes())
             if cfg.progress and (self.step % 10 == 0 or self.step == cfg.steps):
                 bar.set_postfix_str(self._postfix(t_start, start_step, loss_ema))
 
@@ -443,6 +445,7 @@ class Trainer:
             "prefetch": st.get("prefetch", {}),
             "rows_stored": rows_stored,
             "disk_bytes": st["ssd"]["disk_bytes"],
+            "peak_disk_bytes": max(self.peak_disk, st["ssd"]["disk_bytes"]),
             "raw_row_bytes": rows_stored * payload_bytes,
             "disk_per_row": st["ssd"]["disk_bytes"] / rows_stored if rows_stored else 0.0,
             "payload_bytes_per_row": payload_bytes,
@@ -499,7 +502,8 @@ def format_summary(s: dict) -> str:
         f"caches {s['cache_bytes'] / mib:,.0f} MiB",
         f"{'bytes on disk':<22} {s['disk_bytes'] / mib:,.1f} MiB store for {s['rows_stored']:,} rows "
         f"({s['disk_per_row']:.0f} B/row, raw {s['payload_bytes_per_row']} B), "
-        f"checkpoints {s['checkpoint_bytes'] / mib:,.1f} MiB",
+        f"checkpoints {s['checkpoint_bytes'] / mib:,.1f} MiB; store peak {s['peak_disk_bytes'] / mib:,.1f} "
+        f"MiB during training, {s.get('disk_bytes_closed', 0) / mib:,.1f} MiB after close",
         "",
         f"{'tier':<8} {'capacity':>10} {'resident':>10} {'lookups':>12} {'hit rate':>9} "
         f"{'evictions':>10} {'writebacks':>11}",
@@ -581,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = trainer.run()
     finally:
         trainer.close()
+    # close() compacts a store whose file has outgrown its rows (LmdbBackend.compact_on_close)
+    data = trainer.run_dir / "store" / "data.mdb"
+    summary["disk_bytes_closed"] = data.stat().st_blocks * 512 if data.exists() else 0
     print(format_summary(summary), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

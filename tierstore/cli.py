@@ -83,6 +83,15 @@ def _checkpoint_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compact(args: argparse.Namespace) -> int:
+    from .persistence import compact
+
+    r = compact(args.path)
+    print(f"compacted {r['path']}: {r['bytes_before'] / 2**20:.1f} MiB -> "
+          f"{r['bytes_after'] / 2**20:.1f} MiB in {r['seconds']:.1f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tierstore` command."""
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
@@ -114,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("checkpoint-verify", help="check a checkpoint's manifest and checksums")
     p.add_argument("dest")
     p.set_defaults(func=_checkpoint_verify)
+    p = sub.add_parser("compact", help="rewrite a closed store's file in key order (smaller)")
+    p.add_argument("path")
+    p.set_defaults(func=_compact)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

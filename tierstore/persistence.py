@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .backends.lmdb_backend import LOCK_NAME
+from .backends.lmdb_backend import LOCK_NAME, LmdbBackend
 from .config import TableSpec
 from .errors import (
     ConfigError,
@@ -339,3 +339,27 @@ def restore(dest: str | os.PathLike, path: str | os.PathLike, **open_kwargs: Any
         finally:
             tmp.unlink(missing_ok=True)
     return TierStore(path, tables, seed=seed, **open_kwargs)
+
+
+# compaction ------------------------------------------------------------------------------------
+def compact(path: str | os.PathLike) -> dict:
+    """Rewrite a closed store's file in key order (full pages, no free pages); returns sizes.
+
+    Takes the store's writer lock (`StoreLockedError` while it is open elsewhere). The new file
+    is written beside the old one and renamed over it, so a crash leaves one or the other.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"store path {path} exists and is not a directory")
+    if not (path / DATA).is_file():
+        raise StoreCorruptError(f"{path} holds no tierstore data (no {DATA})")
+    with writer_lock(path):  # not open elsewhere (StoreLockedError) ...
+        LmdbBackend(path, readonly=True).close()  # ... and a tierstore store, or raise
+    t0 = time.perf_counter()
+    backend = LmdbBackend(path)
+    try:
+        before, after = backend.compact(reopen=False)
+    finally:
+        backend.close()
+    return {"path": str(path), "bytes_before": before, "bytes_after": after,
+            "seconds": time.perf_counter() - t0}
