@@ -2,7 +2,8 @@
 
 Layout: `manifest.json` (written last) and `<table>/<k>.zst`. A shard decompresses to the row ids
 of a contiguous id range (sorted, delta-encoded little-endian int64) followed by their payloads
-(little-endian float32 [n, payload_dim], weights then optimizer state), optionally byte-shuffled
+(little-endian float32 [n, payload_dim], weights then optimizer state; a float16/bfloat16
+table's weights are packed two per column, see tierstore/precision.py), optionally byte-shuffled
 (all first bytes of the floats, then all second bytes, ...). Export and import stream one shard
 at a time, so memory is bounded by the shard size, not by the table.
 """
