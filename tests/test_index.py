@@ -74,3 +74,16 @@ def test_numba_deletion_leaves_no_tombstones_at_full_load():
     assert idx.tombs == 0 and idx.live == cap
     idx.check()
     assert torch.equal(idx.find(torch.tensor(0), live), torch.arange(cap))
+
+
+def test_strided_keys_and_slots_on_the_kernel_path():
+    """Views (every other element) are valid input for add, find and remove."""
+    idx = HashIndex(200)
+    keys = torch.arange(200, dtype=torch.int64) * 7919
+    slots = torch.arange(200, dtype=torch.int64)
+    idx.add(torch.tensor(2), keys[::2], slots[::2])  # non-contiguous views
+    assert torch.equal(idx.find(torch.tensor(2), keys[::4]), slots[::4])
+    idx.remove(slots[::4])
+    idx.check()
+    found = idx.find(torch.tensor(2), keys[::2])
+    assert torch.equal(found[::2], torch.full((50,), -1)) and torch.equal(found[1::2], slots[2::4])

@@ -50,8 +50,8 @@ class HashIndex:
         self.use_kernels = _kernels.HAVE_NUMBA
 
     def _fast(self, rows: torch.Tensor) -> bool:
-        """Whether the numba kernels apply (CPU tensors, contiguous int64 keys)."""
-        return self.use_kernels and self.device.type == "cpu" and rows.is_contiguous()
+        """Whether the numba kernels apply (CPU tensors; callers pass contiguous copies)."""
+        return self.use_kernels and self.device.type == "cpu"
 
     def _home(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         h = rows * _C1 + tabs * _C2
@@ -67,7 +67,8 @@ class HashIndex:
         if n == 0 or self.live == 0:
             return out
         if self._fast(rows):
-            args = (self.table.numpy(), tabs.reshape(-1).numpy(), rows.numpy(), out.numpy(), self.mask)
+            args = (self.table.numpy(), tabs.reshape(-1).contiguous().numpy(), rows.contiguous().numpy(),
+                    out.numpy(), self.mask)
             parallel_for(lambda lo, hi: _kernels.hash_find(*args, lo, hi), n, 8192)
             return out
         tabs = tabs.expand(n) if tabs.dim() == 0 else tabs
@@ -88,13 +89,16 @@ class HashIndex:
     def add(self, tabs: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Insert keys that are absent, mapping them to free `slots` (all distinct)."""
         n = rows.numel()
+        if slots.numel() != n:  # the kernel trusts its input: a mismatch would write out of bounds
+            raise ValueError(f"{n} keys but {slots.numel()} slots")
         if n == 0:
             return
         if (self.live + self.tombs + n) * 20 > self.size * 17:
             self._rebuild()
         if self._fast(rows):
             reused, maxd = _kernels.hash_add(self.table.numpy(), self.pos_of.numpy(),
-                                             tabs.reshape(-1).numpy(), rows.numpy(), slots.numpy(),
+                                             tabs.reshape(-1).contiguous().numpy(),
+                                             rows.contiguous().numpy(), slots.contiguous().numpy(),
                                              self.mask)
             self.live += n
             self.tombs -= int(reused)
@@ -140,9 +144,9 @@ class HashIndex:
         """Drop the keys held by `slots` (each must be present)."""
         if slots.numel() == 0:
             return
-        if self.use_kernels and self.device.type == "cpu" and slots.is_contiguous():
+        if self._fast(slots):
             self.tombs += int(_kernels.hash_remove(self.table.numpy(), self.pos_of.numpy(),
-                                                   slots.numpy(), self.mask))
+                                                   slots.contiguous().numpy(), self.mask))
         else:
             self.table[self.pos_of[slots], 0] = TOMB
             self.pos_of[slots] = -1
