@@ -25,14 +25,10 @@ from tqdm import tqdm
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
 from tierstore.errors import ConfigError, StoreCorruptError, StoreLockedError, TierstoreError
 from tierstore.persistence import fsync_dir
+from tierstore.prefetch import Prefetcher
 
 from .data import SPARSE_NAMES, Batch, CriteoTSV, SyntheticCriteo, parse_tables
 from .model import DLRM
-
-try:  # the look-ahead pipeline, when this tierstore has it
-    from tierstore.prefetch import Prefetcher  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on the library version
-    Prefetcher = None
 
 RUN_MARKER = "run.json"
 EVAL_STREAM = 1
@@ -78,9 +74,6 @@ class TrainConfig:
         for name in ("steps", "prefetch", "eval_interval", "checkpoint_interval", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.prefetch and Prefetcher is None:
-            raise ConfigError("--prefetch needs tierstore.prefetch.Prefetcher, which this tierstore "
-                              "does not have yet; use --prefetch 0")
         if not (self.lr >= 0 and self.dense_lr >= 0):
             raise ConfigError("learning rates must be >= 0")
         parse_tables(self.tables)

@@ -11,7 +11,6 @@ at a time, so memory is bounded by the shard size, not by the table.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -31,6 +30,7 @@ from .persistence import (
 )
 from .persistence import (
     check_new_dir,
+    load_manifest,
     os_error,
     publish_dir,
     staging_dir,
@@ -174,19 +174,7 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
 def read_export_manifest(src: str | os.PathLike) -> dict:
     """The manifest of an export directory; raises on a missing, foreign or malformed one."""
     src = Path(src)
-    path = src / MANIFEST
-    if not src.is_dir() or not path.is_file():
-        raise StoreCorruptError(f"{src} is not a complete tierstore export (no {MANIFEST})")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise StoreCorruptError(f"export manifest {path} is unreadable: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != EXPORT_FORMAT:
-        raise StoreCorruptError(f"{path} is not a tierstore export manifest")
-    if manifest.get("version") != EXPORT_VERSION:
-        raise ConfigMismatchError(
-            f"export {src} has format version {manifest.get('version')!r}; this tierstore reads "
-            f"version {EXPORT_VERSION}")
+    manifest = load_manifest(src, MANIFEST, "export", EXPORT_FORMAT, EXPORT_VERSION)
     codec = manifest.get("codec") or {}
     if codec.get("name") != "zstd" or codec.get("ids") != "delta<i8" or \
             codec.get("payload") != "<f4":
@@ -201,7 +189,7 @@ def read_export_manifest(src: str | os.PathLike) -> dict:
                     raise ValueError(f"bad shard path {s['file']!r}")
         int(manifest["seed"])
     except (KeyError, TypeError, ValueError, TierstoreError) as exc:
-        raise StoreCorruptError(f"export manifest {path} is malformed: {exc!r}") from exc
+        raise StoreCorruptError(f"export manifest {src / MANIFEST} is malformed: {exc!r}") from exc
     return manifest
 
 

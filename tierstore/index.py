@@ -6,7 +6,7 @@ import torch
 
 from . import _kernels, _memory
 from ._parallel import parallel_for
-from .errors import ConfigError
+from .errors import ConfigError, ShapeError
 
 EMPTY = -1
 TOMB = -2
@@ -90,7 +90,7 @@ class HashIndex:
         """Insert keys that are absent, mapping them to free `slots` (all distinct)."""
         n = rows.numel()
         if slots.numel() != n:  # the kernel trusts its input: a mismatch would write out of bounds
-            raise ValueError(f"{n} keys but {slots.numel()} slots")
+            raise ShapeError(f"{n} keys but {slots.numel()} slots")
         if n == 0:
             return
         if (self.live + self.tombs + n) * 20 > self.size * 17:

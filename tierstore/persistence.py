@@ -218,26 +218,38 @@ def checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | None = 
     return start_checkpoint(store, dest, step=step, extra=extra, overwrite=overwrite).wait()
 
 
-def read_manifest(dest: str | os.PathLike) -> dict:
-    """The manifest of a complete checkpoint; raises on a missing, foreign or corrupt one."""
-    dest = Path(dest)
-    if not dest.is_dir():
-        raise StoreCorruptError(f"{dest} is not a checkpoint directory")
-    path = dest / MANIFEST
+def load_manifest(directory: Path, name: str, kind: str, fmt: str, version: int,
+                  hint: str = "") -> dict:
+    """The JSON manifest `directory/name` of a `kind` ("checkpoint", "export") of format `fmt`.
+
+    Raises StoreCorruptError when it is missing, unreadable or foreign, ConfigMismatchError when
+    its format version is not `version` (`hint` says what to do instead).
+    """
+    path = directory / name
+    if not directory.is_dir():
+        raise StoreCorruptError(f"{directory} is not a {kind} directory")
     if not path.is_file():
-        raise StoreCorruptError(f"{dest} is not a complete checkpoint (no {MANIFEST})")
+        raise StoreCorruptError(f"{directory} is not a complete {kind} (no {name})")
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise StoreCorruptError(f"checkpoint manifest {path} is unreadable: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
-        raise StoreCorruptError(f"{path} is not a tierstore checkpoint manifest")
+        raise StoreCorruptError(f"{kind} manifest {path} is unreadable: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise StoreCorruptError(f"{path} is not a tierstore {kind} manifest")
+    if manifest.get("version") != version:
+        raise ConfigMismatchError(
+            f"{kind} {directory} has format version {manifest.get('version')!r}; this tierstore "
+            f"reads version {version}{hint}")
+    return manifest
+
+
+def read_manifest(dest: str | os.PathLike) -> dict:
+    """The manifest of a complete checkpoint; raises on a missing, foreign or corrupt one."""
+    dest = Path(dest)
+    manifest = load_manifest(dest, MANIFEST, "checkpoint", CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
+                             " (use `tierstore export` to move across versions)")
     from .store import FORMAT_VERSION
 
-    if manifest.get("version") != CHECKPOINT_VERSION:
-        raise ConfigMismatchError(
-            f"checkpoint {dest} has format version {manifest.get('version')!r}; this tierstore "
-            f"reads version {CHECKPOINT_VERSION} (use `tierstore export` to move across versions)")
     if manifest.get("store_format_version") != FORMAT_VERSION:
         raise ConfigMismatchError(
             f"checkpoint {dest} holds a store of format version "
@@ -247,7 +259,7 @@ def read_manifest(dest: str | os.PathLike) -> dict:
         files = manifest["files"][DATA]
         int(files["bytes"]), str(files["sha256"]), int(manifest["seed"])
     except (KeyError, TypeError, ValueError, TierstoreError) as exc:
-        raise StoreCorruptError(f"checkpoint manifest {path} is malformed: {exc!r}") from exc
+        raise StoreCorruptError(f"checkpoint manifest {dest / MANIFEST} is malformed: {exc!r}") from exc
     return manifest
 
 

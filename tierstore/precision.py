@@ -53,6 +53,10 @@ class Codec:
         """Payload columns for weights, rounded to nearest."""
         return w
 
+    def gather(self, table: torch.Tensor, slots: torch.Tensor, dim: int) -> torch.Tensor:
+        """Weights [n, dim] float32 of rows `table[slots]` (copies only the weight columns)."""
+        return self.decode(table[:, : self.cols(dim)].index_select(0, slots), dim)
+
     def encode_stochastic(self, w: torch.Tensor, old_cols: torch.Tensor) -> torch.Tensor:
         """Payload columns for updated weights (float32: exact)."""
         return w

@@ -258,18 +258,9 @@ class TierStore:
         if ids.numel() and dev.size and int(dev.lookup(tab.tix.to(dev.device), probe, count=False)) >= 0:
             slots = self._resident_slots(tab, ids)
             if slots is not None:  # fast path: one lookup and one gather
-                if tab.spec.codec.packed:
-                    return tab.spec.codec.decode(dev.slab.index_select(0, slots), tab.spec.dim)
-                return dev.slab[:, : tab.spec.dim].index_select(0, slots)
-        if ids.numel() == 0:
-            return torch.empty(0, tab.spec.dim, device=self.device)
-        # dedup through one sort (torch.unique with an inverse costs about twice as much)
-        srt, order = torch.sort(ids, stable=True)
-        uniq, inv_sorted = torch.unique_consecutive(srt, return_inverse=True)
-        inverse = torch.empty_like(inv_sorted).index_copy_(0, order, inv_sorted)
-        payload = self._access(tab, uniq, None)
-        weights = tab.spec.codec.decode(payload, tab.spec.dim)
-        return weights.index_select(0, inverse.to(payload.device))
+                return tab.spec.codec.gather(dev.slab, slots, tab.spec.dim)
+        g = self._gather(tab, ids)
+        return g.weights.index_select(0, g.inverse.to(g.weights.device))
 
     @_locked
     def gather(self, table: str, ids: Any) -> Gathered:
@@ -366,12 +357,11 @@ class TierStore:
         codec = tab.spec.codec
         if dslots is not None:  # `uniq` may stay unsorted: only these slots are touched
             if codec.packed:  # 16-bit weights: pool their float32 values
-                weights = codec.decode(dev.slab.index_select(0, dslots), dim)
+                weights = codec.gather(dev.slab, dslots, dim)
                 out = fused_pool(weights, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
-            else:
+            else:  # straight from the slab, no copy
                 out = fused_pool(dev.slab, dslots, inv, offsets, dim, psw, mean)
-                weights = dev.slab.index_select(0, dslots)[:, :dim] if need_weights else \
-                    torch.empty(0, dim)
+                weights = codec.gather(dev.slab, dslots, dim) if need_weights else torch.empty(0, dim)
             return out, Gathered(uniq, inv, weights, dslots, dev.generation)
         uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
         payload = self._access(tab, uniq, None)
@@ -512,12 +502,11 @@ class TierStore:
         dev = self.device_tier
         if ids.numel() == 0 or dev.capacity == 0:
             return None
-        slots = dev.lookup(torch.tensor(tab.index, device=dev.device), ids.to(dev.device),
+        slots = dev.lookup(tab.tix.to(dev.device), ids.to(dev.device),
                            count=False)
         if not bool((slots >= 0).all()):
             return None
-        dev.stats.lookups += ids.numel()
-        dev.stats.hits += ids.numel()
+        dev.count_lookups(ids.numel(), ids.numel())
         dev.touch(slots)
         return slots
 
@@ -629,14 +618,14 @@ class TierStore:
 
     def _pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:
         """Add `delta` to the prefetch pins of those rows wherever they are cached."""
-        tabs = torch.tensor(tab.index, dtype=torch.int64)
+        tabs = tab.tix
         for tier in (self.device_tier, self.host_tier):
             slots = tier.lookup(tabs.to(tier.device), uniq.to(tier.device), count=False)
             tier.pin(slots[slots >= 0], delta)
 
     def _hint(self, tab: _Table, rows: torch.Tensor, next_use: torch.Tensor) -> None:
         """Tell look-ahead policies the next known use (batch number) of cached rows."""
-        tabs = torch.tensor(tab.index, dtype=torch.int64)
+        tabs = tab.tix
         for tier in (self.device_tier, self.host_tier):
             if not tier.policy.wants_future:
                 continue
