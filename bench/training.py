@@ -9,6 +9,10 @@ Configurations:
   loaded into it before timing (lazily initialized, so LMDB holds nothing).
 - tierstore_cache10 / tierstore_cache1: device + host tiers (half each) hold 10% / 1% of all rows;
   LMDB holds every row (pre-populated before timing unless --init lazy); caches warmed up first.
+  Every tierstore config trains through `Prefetcher(depth=--depth)` (the real training path: the
+  pipeline's threads read the next batches' rows ahead and stage them, the write-behind writer
+  drains evicted rows). Per step they report the training thread's time inside LMDB, the stall
+  waiting for the pipeline, the background threads' time, and the rows read and written.
 - torch_embeddingbag: nn.EmbeddingBag(sparse=True) per table + row-wise Adagrad in torch ops.
 - fbgemm_cpu: FBGEMM's SplitTableBatchedEmbeddingBagsCodegen (HOST / CPU, EXACT_ROWWISE_ADAGRAD),
   skipped when fbgemm_gpu is not importable.
@@ -33,6 +37,7 @@ import torch
 from torch import nn
 
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
+from tierstore.prefetch import Prefetcher
 
 from .common import OUT_DIR, bar_plot, num_threads, save, table, thread_settings
 
@@ -94,8 +99,9 @@ class TierstoreRunner(Runner):
     """TieredEmbeddingBagCollection over a TierStore with the given cache capacities."""
 
     def __init__(self, wl: Workload, name: str, work: Path, frac: float | None, init: str,
-                 log=print) -> None:
+                 depth: int = 2, log=print) -> None:
         self.name, self.wl = name, wl
+        self.depth = depth
         total = wl.tables * wl.rows
         specs = [TableSpec(n, wl.rows, wl.dim, optimizer=RowWiseAdagrad(lr=LR, eps=EPS))
                  for n in wl.names]
@@ -125,15 +131,42 @@ class TierstoreRunner(Runner):
         self.setup_s = time.perf_counter() - t0
         log(f"{name}: setup {self.setup_s:.1f} s", file=sys.stderr, flush=True)
         self.ebc = TieredEmbeddingBagCollection(self.store, wl.names)
+        self._next = 0
+        self.pf = Prefetcher(self.ebc, self._batches(), depth=depth)
+
+    def _batches(self):
+        """The pool's batches in step order, forever (what the pipeline reads ahead)."""
+        i = 0
+        while True:
+            values, lengths = self.wl.steps[i % len(self.wl.steps)]
+            yield self.wl.names, values, lengths
+            i += 1
 
     def step(self, i: int) -> None:
-        """One training step."""
-        values, lengths = self.wl.steps[i % len(self.wl.steps)]
-        out = self.ebc(self.wl.names, values, lengths)
+        """One training step (batch i of the pool, delivered by the prefetch pipeline)."""
+        if i != self._next:
+            raise RuntimeError("TierstoreRunner steps must be consecutive")
+        self._next += 1
+        keys, values, lengths = next(self.pf)
+        out = self.ebc(keys, values, lengths)
         out.backward(self.wl.grad_out)
 
+    def counters(self) -> dict[str, float]:
+        """Cumulative I/O and pipeline counters (differences over the timed steps go in the record)."""
+        st = self.store
+        pf, wb = st.prefetch_stats, st.writeback
+        return {"lmdb_training_s": st.io_seconds["training"],
+                "lmdb_background_s": st.io_seconds["background"],
+                "stall_s": pf.stall_seconds,
+                "background_s": pf.read_seconds + pf.stage_seconds + wb.writer_seconds,
+                "writer_s": wb.writer_seconds, "readahead_s": pf.read_seconds,
+                "stage_s": pf.stage_seconds, "writeback_wait_s": wb.wait_seconds,
+                "rows_read": st.ssd_stats.lookups + pf.rows_read_ahead_from_ssd,
+                "rows_read_fg": st.ssd_stats.lookups, "rows_written": wb.rows_written}
+
     def close(self) -> None:
-        """Close the store and delete it."""
+        """Close the pipeline and the store, and delete it."""
+        self.pf.close()
         self.store.close()
         shutil.rmtree(self.path, ignore_errors=True)
 
@@ -236,13 +269,20 @@ def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, bloc
             r.step(pos[id(r)])
             pos[id(r)] += 1
     times: dict[int, list[tuple[float, int]]] = {id(r): [] for r in runners}
+    counted: dict[int, dict[str, float]] = {}
     for _ in range(blocks):
         for r in runners:
             i = pos[id(r)]
             n_ids = sum(wl.ids_per_step(j) for j in range(i, i + steps))
+            before = r.counters() if hasattr(r, "counters") else None
             t0 = time.perf_counter()
             run_block(r)
             times[id(r)].append((time.perf_counter() - t0, n_ids))
+            if before is not None:
+                after = r.counters()
+                acc = counted.setdefault(id(r), dict.fromkeys(after, 0.0))
+                for k in after:
+                    acc[k] += after[k] - before[k]
     if profile is not None:
         for r in runners:
             prof = cProfile.Profile()
@@ -259,6 +299,12 @@ def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, bloc
                     "ids_per_s": statistics.median(n / dt for dt, n in times[id(r)]),
                     "ms_per_step": statistics.median(1000 * dt / steps for dt, _ in times[id(r)]),
                     "samples_per_s_blocks": srates, "blocks": blocks, "steps_per_block": steps})
+        if id(r) in counted:  # per-step averages over the timed blocks
+            n = blocks * steps
+            out[-1]["per_step"] = {k: (v * 1000 / n if k.endswith("_s") else v / n)
+                                   for k, v in counted[id(r)].items()}
+            out[-1]["per_step"] = {k.replace("_s", "_ms") if k.endswith("_s") else k: v
+                                   for k, v in out[-1]["per_step"].items()}
     return out
 
 
@@ -283,6 +329,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--profile", action="store_true", help="also cProfile one block per config")
+    p.add_argument("--depth", type=int, default=2, help="prefetch depth of the tierstore configs")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quick", action="store_true", help="a short run: 8 x 100k rows, batch 512")
     args = p.parse_args(argv)
@@ -324,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             elif name == "torch_embeddingbag":
                 runners.append(TorchRunner(wl))
             elif name in FRACTIONS:
-                runners.append(TierstoreRunner(wl, name, work, FRACTIONS[name], args.init))
+                runners.append(TierstoreRunner(wl, name, work, FRACTIONS[name], args.init,
+                                               depth=args.depth))
             else:
                 raise SystemExit(f"unknown config {name!r}")
         for n in threads:
@@ -333,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             for runner, rec in zip(runners, recs):
                 if isinstance(runner, TierstoreRunner):
                     rec.update(capacity=runner.capacity, init=runner.init, setup_s=runner.setup_s,
-                               stats=runner.store.stats())
+                               depth=runner.depth, stats=runner.store.stats(),
+                               memory=runner.store.memory())
                 records.append(rec)
                 print(f"{rec['config']} threads={n}: {rec['samples_per_s']:,.0f} samples/s, "
                       f"{rec['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
@@ -353,6 +402,18 @@ def main(argv: list[str] | None = None) -> int:
                           ("samples_per_s", "samples/s", ",.0f"), ("ids_per_s", "ids/s", ",.0f"),
                           ("ms_per_step", "ms/step", ".1f"), ("vs_fbgemm", "vs fbgemm", ".3f"),
                           ("vs_resident", "vs resident", ".3f")]))
+    io_rows = [{"config": r["config"], "threads": r["threads"], **r["per_step"],
+                "anon_mib": r["memory"]["anon_rss_bytes"] / 2**20,
+                "budget_mib": r["memory"]["budget_bytes"] / 2**20}
+               for r in records if "per_step" in r]
+    if io_rows:
+        print("per step (means over the timed steps): training-thread LMDB time, stall, background")
+        print(table(io_rows, [("config", "config", "s"), ("threads", "thr", "d"),
+                              ("lmdb_training_ms", "lmdb fg ms", ".2f"), ("stall_ms", "stall ms", ".1f"),
+                              ("background_ms", "bg ms", ".1f"), ("writer_ms", "writer ms", ".1f"),
+                              ("readahead_ms", "read ms", ".1f"), ("stage_ms", "stage ms", ".1f"),
+                              ("rows_read", "rows read", ",.0f"), ("rows_written", "rows written", ",.0f"),
+                              ("anon_mib", "anon MiB", ",.0f"), ("budget_mib", "budget MiB", ",.0f")]))
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     meta = {"bench": "training", "argv": sys.argv[1:] if argv is None else argv,

@@ -1,4 +1,8 @@
-"""The store behaves exactly like a plain dict of rows, whatever its capacities and policy."""
+"""The store behaves exactly like a plain dict of rows, whatever its capacities and policy.
+
+Also whatever its write-behind ring: a ring of 1-6 rows, with a writer slowed down at random,
+so rows are read back while they wait in the ring, while they are being written, and after.
+"""
 
 from __future__ import annotations
 
@@ -26,9 +30,13 @@ class StoreVsDict(RuleBasedStateMachine):
     @initialize(opt_a=st.sampled_from(OPTIMIZERS), opt_b=st.sampled_from(OPTIMIZERS),
                 dev_cap=st.integers(0, 5), host_cap=st.integers(0, 8),
                 policy=st.sampled_from(["lru", "lfu"]), seed=st.integers(0, 3),
-                kernels=st.booleans())
-    def setup(self, opt_a, opt_b, dev_cap, host_cap, policy, seed, kernels):
+                kernels=st.booleans(), ring=st.integers(1, 6),
+                delay=st.sampled_from([0.0, 0.0005, 0.003]))
+    def setup(self, opt_a, opt_b, dev_cap, host_cap, policy, seed, kernels, ring, delay):
         self.kernels = kernels  # False: the pure-torch index path the CUDA tier uses
+        self.ring, self.delay = ring, delay
+        self.clock = 0
+        self.stamps: dict[tuple[str, int], int] = {}
         self.dir = tempfile.mkdtemp()
         self.specs = [ts.TableSpec("a", BIG, 3, optimizer=opt_a),
                       ts.TableSpec("b", BIG, 5, optimizer=opt_b, init=ts.NormalInit(0.5))]
@@ -38,7 +46,10 @@ class StoreVsDict(RuleBasedStateMachine):
 
     def _open(self, dev_cap, host_cap, policy):
         store = ts.TierStore(self.dir, self.specs, device_capacity=dev_cap,
-                             host_capacity=host_cap, policy=policy, seed=self.seed, device="cpu")
+                             host_capacity=host_cap, policy=policy, seed=self.seed, device="cpu",
+                             write_buffer=self.ring)
+        if self.delay:
+            store.writeback.delay = lambda: self.delay
         store.device_tier.index.use_kernels = store.host_tier.index.use_kernels = self.kernels
         store.fused = self.kernels
         return store
@@ -58,6 +69,18 @@ class StoreVsDict(RuleBasedStateMachine):
         ids = torch.tensor(ids, dtype=torch.int64)
         self.store.apply(table, ids, grads)
         self.model.apply(table, ids, grads)
+        for row in ids.tolist():
+            self.stamps[(table, row)] = self.clock
+
+    @rule(steps=st.integers(0, 3))
+    def advance(self, steps):
+        assert self.store.advance(steps) == self.clock + steps
+        self.clock += steps
+
+    @rule()
+    def drain(self):
+        self.store.writeback.drain()
+        assert self.store.writeback.pending == 0
 
     @rule()
     def flush(self):
@@ -68,6 +91,7 @@ class StoreVsDict(RuleBasedStateMachine):
     def reopen(self, dev_cap, host_cap, policy):
         self.store.close()
         self.store = self._open(dev_cap, host_cap, policy)
+        assert self.store.clock == self.clock  # saved at close
 
     @precondition(lambda self: hasattr(self, "store"))
     @invariant()
@@ -81,8 +105,12 @@ class StoreVsDict(RuleBasedStateMachine):
             with self._open(2, 2, "lru") as s:
                 for (table, row), payload in self.model.rows.items():
                     gath = s._access(s.tables[table], torch.tensor([row]), None)
-                    pd = self.model.specs[table].payload_dim
+                    spec = self.model.specs[table]
+                    pd = spec.payload_dim
                     assert torch.equal(gath[0, :pd], payload), (table, row)
+                    if (table, row) in self.stamps:  # the clock at the row's last update
+                        stamp = gath[0, spec.stamp_col : spec.stamp_col + 1].view(torch.int32)
+                        assert int(stamp) == self.stamps[(table, row)], (table, row)
             shutil.rmtree(self.dir, ignore_errors=True)
 
 

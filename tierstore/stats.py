@@ -40,6 +40,10 @@ class PrefetchStats:
     staged_from_ssd: int = 0
     rows_used: int = 0
     rows_resident_at_use: int = 0
+    rows_read_ahead_from_ssd: int = 0  # rows the pipeline's threads read from LMDB ahead of use
+    rows_read_ahead: int = 0  # rows served to the store from the pipeline's read-ahead buffers
+    read_seconds: float = 0.0  # pipeline threads reading LMDB (off the training thread)
+    stage_seconds: float = 0.0  # staging time spent holding the store lock
 
     def as_dict(self) -> dict:
         """The counters plus the prefetch hit rate (rows resident when their batch ran)."""

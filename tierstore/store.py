@@ -8,6 +8,7 @@ import functools
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 from ._kernels import HAVE_NUMBA
 from .backends.lmdb_backend import LmdbBackend
 from .backends.slab import Rows, SlabTier
+from .backends.writeback import WriteBehind
 from .config import TableSpec, parse_capacity, parse_size
 from .errors import (
     ConfigError,
@@ -123,7 +125,8 @@ class TierStore:
                  policy: str = "lru",
                  seed: int = 0, device: torch.device | str | None = None,
                  map_limit: int | str | None = None,
-                 record: str | os.PathLike | None = None) -> None:
+                 record: str | os.PathLike | None = None,
+                 write_buffer: int | str = "64MiB") -> None:
         tables = [tables] if isinstance(tables, TableSpec) else list(tables)
         if not tables or not all(isinstance(t, TableSpec) for t in tables):
             raise ConfigError("tables must be a non-empty sequence of TableSpec")
@@ -138,6 +141,7 @@ class TierStore:
         width = max(t.row_dim for t in tables)
         dcap = parse_capacity(device_capacity, width * 4)
         hcap = parse_capacity(host_capacity, width * 4)
+        wcap = max(1, parse_capacity(write_buffer, width * 4))
         limit = None if map_limit is None else parse_size(map_limit)
         self._closed = True
         self._lock = threading.RLock()
@@ -163,6 +167,11 @@ class TierStore:
         self.tables = {t.name: _Table(t, i, name_key(seed, t.name)) for i, t in enumerate(tables)}
         self._by_index = [self.tables[n] for n in names]
         self.ssd_stats = TierStats()
+        # read-ahead buffers of the prefetch pipeline: table -> [(tail at read, rows, payload, found)]
+        self._readahead: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
+        # seconds spent reading LMDB inside the store, on the main (training) thread and on others
+        self.io_seconds = {"training": 0.0, "background": 0.0}
+        self.writeback = WriteBehind(wcap, width, self._write_rows, name=f"tierstore-writer:{self.path.name}")
         clock = self.backend.get_meta("clock") or {}
         self.clock = int(clock.get("value", 0))  # logical clock (store.advance), stamped on updates
         self._clock_saved = self.clock
@@ -414,6 +423,7 @@ class TierStore:
             for slots, rows in tier.dirty_chunks(FLUSH_CHUNK):
                 self._write_down(rows.to(torch.device("cpu")))
                 tier.dirty[slots] = False
+        self.writeback.drain()
         self._save_clock()
         self.backend.sync()
 
@@ -459,6 +469,24 @@ class TierStore:
                           disk_bytes=self.backend.disk_bytes())
         return out
 
+    def memory(self) -> dict[str, int]:
+        """The process's anonymous resident bytes next to the store's own memory budget.
+
+        The budget is what the configured capacities allocate: both slabs, the write-behind
+        ring, their hash indexes and per-slot bookkeeping. Pages of the LMDB map are the
+        kernel's page cache (file-backed) and are reported separately.
+        """
+        budget = 0
+        for tier in (self.device_tier, self.host_tier):
+            if tier.device.type == "cpu":
+                budget += tier.slab.nbytes
+            budget += tier.index.table.nbytes + tier.capacity * 64  # index + bookkeeping bound
+        wb = self.writeback
+        budget += wb.payload.nbytes + wb.index.table.nbytes + wb.capacity * 40
+        status = _proc_status()
+        return {"anon_rss_bytes": status.get("RssAnon", 0), "file_rss_bytes": status.get("RssFile", 0),
+                "budget_bytes": budget}
+
     @_locked
     def check(self) -> None:
         """Assert internal invariants (tiers consistent, caches exclusive); for tests."""
@@ -479,6 +507,8 @@ class TierStore:
             self.flush()
         finally:
             self._closed = True
+            self.writeback.close()
+            self._readahead.clear()
             self.backend.close()
             if self._recorder is not None:
                 self._recorder.close()
@@ -495,6 +525,15 @@ class TierStore:
                 self.close()
         except Exception:
             pass
+
+    @property
+    def map_limit(self) -> int | None:
+        """The cap on the LMDB map (bytes), or None; raising it lets a stalled writer go on."""
+        return self.backend.map_limit
+
+    @map_limit.setter
+    def map_limit(self, value: int | str | None) -> None:
+        self.backend.map_limit = None if value is None else parse_size(value)
 
     @property
     def table_specs(self) -> dict[str, TableSpec]:
@@ -557,6 +596,8 @@ class TierStore:
             dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
         dhit = dslots >= 0
         nd = int(dhit.sum())
+        if nd < n:  # rows will move: room in the write-behind ring for the victims, or fail now
+            self.writeback.reserve(n - nd)
         if count:
             dev.count_lookups(n, nd)
         if nd == n:
@@ -670,19 +711,49 @@ class TierStore:
             tier.policy.on_future(slots[found], next_use.to(tier.device)[found])
 
     def _load(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
-        """Rows from LMDB, lazily initialized where never written; [n, width] float32."""
+        """Rows cached nowhere: from the write-behind ring, a read-ahead buffer, or LMDB; [n, width].
+
+        Rows never written are lazily initialized. The ring holds the newest version of every
+        row written back recently; a read-ahead buffer holds rows the prefetch pipeline read from
+        LMDB when they were in no cache and not in the ring, valid while every row written
+        since is still in the ring (so any newer version would have been found there).
+        """
         spec = tab.spec
         rows_np = rows.numpy()
         n = len(rows_np)
-        data, found = self.backend.get(spec.name, rows_np, spec.row_dim)
+        data = np.zeros((n, spec.row_dim), dtype=np.float32)
+        found = np.zeros(n, dtype=bool)
+        known = np.zeros(n, dtype=bool)
+        if n and self.writeback.tail:
+            hit, wdata = self.writeback.lookup(tab.index, rows)
+            if wdata.shape[0]:
+                h = hit.numpy()
+                data[h] = wdata[:, : spec.row_dim].numpy()
+                found |= h
+                known |= h
+        ahead = self._readahead.get(spec.name)
+        if ahead and not known.all():
+            self._read_ahead(ahead, rows_np, data, found, known)
+        need = ~known
+        nneed = int(np.count_nonzero(need))
+        if nneed:
+            t0 = time.perf_counter()
+            part = rows_np if nneed == n else rows_np[need]
+            got, gfound = self.backend.get(spec.name, part, spec.row_dim)
+            side = "training" if threading.current_thread() is threading.main_thread() else "background"
+            self.io_seconds[side] += time.perf_counter() - t0
+            if nneed == n:
+                data, found = (got if got.flags.writeable else got.copy()), gfound
+            else:
+                data[need] = got
+                found[need] = gfound
+            nfound = int(np.count_nonzero(gfound))
+            st = self.ssd_stats
+            st.lookups += nneed
+            st.hits += nfound
+            st.misses += nneed - nfound
+            st.bytes_read += nfound * (spec.row_dim + 1) * 4
         nfound = int(np.count_nonzero(found))
-        st = self.ssd_stats
-        st.lookups += n
-        st.hits += nfound
-        st.misses += n - nfound
-        st.bytes_read += nfound * spec.row_dim * 4
-        if not data.flags.writeable:  # the rows are updated in place and moved up: own them
-            data = data.copy()
         if nfound < n:
             lazy = ~found
             init = spec.init(tab.key, rows_np[lazy], spec.dim)
@@ -692,6 +763,32 @@ class TierStore:
         if spec.row_dim < self.width:  # narrower table: zero tail columns
             out = torch.nn.functional.pad(out, (0, self.width - spec.row_dim))
         return out
+
+    def _read_ahead(self, buffers: list, rows_np: np.ndarray, data: np.ndarray, found: np.ndarray,
+                    known: np.ndarray) -> None:
+        """Fill rows not yet known from the prefetch pipeline's still-current read-ahead buffers."""
+        wb = self.writeback
+        for since, brows, bdata, bfound in buffers:
+            if not wb.still_current(since):
+                continue
+            pos = np.searchsorted(brows, rows_np)
+            pos[pos >= len(brows)] = 0
+            match = (brows[pos] == rows_np) & ~known if len(brows) else np.zeros_like(known)
+            if match.any():
+                src = pos[match]
+                data[match] = bdata[src]
+                found[match] = bfound[src]
+                known |= match
+                self.prefetch_stats.rows_read_ahead += int(np.count_nonzero(match))
+            if known.all():
+                return
+
+    def _add_read_ahead(self, table: str, since: int, rows: np.ndarray, data: np.ndarray,
+                        found: np.ndarray, keep: int) -> None:
+        """Register rows the prefetch pipeline read from LMDB (sorted); keeps the newest `keep` buffers."""
+        bufs = self._readahead.setdefault(table, [])
+        bufs.append((since, rows, data, found))
+        del bufs[:-keep]
 
     def _place(self, moving: Rows, protect: torch.Tensor) -> None:
         """Insert rows into the device tier; victims and overflow cascade to host, then LMDB.
@@ -718,19 +815,37 @@ class TierStore:
             self._write_down(Rows.cat(parts))
 
     def _write_down(self, rows: Rows) -> None:
-        """Write rows (any tables) to LMDB in one transaction."""
+        """Hand dirty rows (any tables) to the write-behind ring; its writer thread writes them to LMDB."""
         if len(rows) == 0:
             return
-        batches = {}
-        tables = torch.unique(rows.tabs).tolist()
-        for t in tables:
-            tab = self._by_index[t]
-            part = rows if len(tables) == 1 else rows.take(rows.tabs == t)  # one table: no copy
-            batches[tab.spec.name] = (part.rows.numpy(),
-                                      part.payload[:, : tab.spec.row_dim].numpy())
-        written = self.backend.put(batches)
+        self.writeback.put(rows)
         self.ssd_stats.writebacks += len(rows)
+
+    def _write_rows(self, tabs: np.ndarray, rows: np.ndarray, payload: np.ndarray) -> int:
+        """Write rows of any tables to LMDB (the writer thread's sink); returns bytes."""
+        batches = {}
+        tables = np.unique(tabs)
+        for t in tables.tolist():
+            spec = self._by_index[t].spec
+            sel = slice(None) if len(tables) == 1 else tabs == t
+            batches[spec.name] = (rows[sel], payload[sel, : spec.row_dim])
+        written = self.backend.put(batches)
         self.ssd_stats.bytes_written += written
+        return written
+
+
+def _proc_status() -> dict[str, int]:
+    """Byte counts from /proc/self/status (Linux; empty elsewhere)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3 and parts[2] == "kB":
+                    out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def old_format_message(path: str | os.PathLike, version: object) -> str:

@@ -37,11 +37,13 @@ GET_CHUNK = 1024
 
 
 def _map_resident_default() -> int | None:
-    """`TIERSTORE_MAP_RESIDENT` (a size like "256MiB", or "none"), else 128 MiB."""
+    """`TIERSTORE_MAP_RESIDENT` (a size like "256MiB"), else None: never trim the map.
+
+    The data file's mapped pages are the kernel's page cache (file-backed, reclaimable), not the
+    process's own memory, and trimming them makes the next reads fault: off by default.
+    """
     text = os.environ.get("TIERSTORE_MAP_RESIDENT", "").strip()
-    if not text:
-        return 128 << 20
-    if text.lower() in ("none", "off", "0"):
+    if not text or text.lower() in ("none", "off", "0"):
         return None
     from ..config import parse_size
 
@@ -49,7 +51,8 @@ def _map_resident_default() -> int | None:
 
 
 # file-backed resident bytes the process may gain before the data file's mapping is dropped
-# (`trim_map`); None: never trim (resident memory then includes up to the whole file)
+# (`trim_map`); None (the default): never trim (file-backed resident pages then include up to the
+# whole file; they are page cache, not the process's anonymous memory)
 MAP_RESIDENT = _map_resident_default()
 # MDB_WRITEMAP for writers: None chooses it when the mapping is never trimmed. A writable map
 # writes a commit's pages in place (1.6x the put rate of pwrite commits), but trimming it makes
@@ -171,7 +174,7 @@ class LmdbBackend:
     # metadata ---------------------------------------------------------------------------
     def get_meta(self, key: str) -> dict | None:
         """A JSON metadata record, or None."""
-        with self.env.begin(db=self._meta) as txn:
+        with self.reading(), self.env.begin(db=self._meta) as txn:
             raw = txn.get(key.encode())
         if raw is None:
             return None
@@ -212,16 +215,22 @@ class LmdbBackend:
         n = len(rows)
         out = np.zeros((n, width), dtype=np.float32)
         found = np.zeros(n, dtype=bool)
-        db = self._db(table)
-        if n == 0 or db is None:
+        if n == 0:
             return out, found
         order = np.argsort(rows, kind="stable")  # sorted keys read the B-tree in order
         keys = encode_keys(rows[order])
         vals: list = []
-        with self.env.begin(db=db) as txn:
-            for i in range(0, n, GET_CHUNK):  # bounded pieces: trim the mapping in between
-                vals += map(txn.get, keys[i:i + GET_CHUNK])  # a C loop; a missing key gives None
-                self._note_touch()
+        with self.reading():  # any thread: map growth by the writer waits for this read
+            db = self._db(table) if self.env is not None else None
+            if db is None:
+                return out, found
+            try:
+                with self.env.begin(db=db) as txn:
+                    for i in range(0, n, GET_CHUNK):  # bounded pieces: trim the mapping in between
+                        vals += map(txn.get, keys[i:i + GET_CHUNK])  # a C loop; None when missing
+                        self._note_touch()
+            except lmdb.Error as exc:
+                self._raise_io(exc)
         hit = np.fromiter(map(operator.is_not, vals, repeat(None)), dtype=bool, count=n)
         nhit = int(np.count_nonzero(hit))
         if nhit:
@@ -391,11 +400,12 @@ class LmdbBackend:
     # misc ----------------------------------------------------------------------------------
     def count(self, table: str) -> int:
         """Rows stored for a table."""
-        db = self._db(table)
-        if db is None:
-            return 0
-        with self.env.begin(db=db) as txn:
-            return int(txn.stat(db)["entries"])
+        with self.reading():
+            db = self._db(table)
+            if db is None:
+                return 0
+            with self.env.begin(db=db) as txn:
+                return int(txn.stat(db)["entries"])
 
     def disk_bytes(self) -> int:
         """Size of the data file on disk (allocated blocks)."""

@@ -16,6 +16,7 @@ from ..errors import ConfigError, ShapeError, TierstoreError
 from ..store import TierStore
 
 _END = object()
+READ_CHUNK = 16384  # rows per reader task: page-cached reads gain nothing from more GIL hand-offs
 
 
 def _jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, list[torch.Tensor]]:
@@ -218,31 +219,46 @@ class Prefetcher:
             tabs = {t: store._table(t) for t in per_table}
             for t, uniq in per_table.items():
                 store._ids(tabs[t], uniq)  # validate before anything moves
-        # warm the page cache for rows not cached, in parallel and without the store lock
-        futures = []
-        for t, uniq in per_table.items():
-            with store._lock:
-                cold = uniq[self._uncached(tabs[t], uniq)]
-            for chunk in np.array_split(cold.numpy(), max(1, len(cold) // 4096)):
-                if len(chunk):
-                    futures.append(self._pool.submit(store.backend.warm, t, chunk))
-        for f in futures:
-            f.result()
-        if self.delay is not None:
-            time.sleep(self.delay())
-        stats = store.prefetch_stats
-        with store._lock:
-            if store._closed or self._stop.is_set():
-                return
+            # a row not in the write-behind ring has its newest value in LMDB or in a cache; what
+            # LMDB holds now stays its newest stored value while every row written back from here
+            # on is still in the ring, so a copy read now may serve a later miss (store._load)
+            since = store.writeback.tail
             window_rows = sum(u.numel() for w in self._window.values() for u in w.values())
             batch_rows = sum(u.numel() for u in per_table.values())
             cache_rows = store.device_tier.capacity + store.host_tier.capacity
-            if 2 * (window_rows + batch_rows) > cache_rows:
-                # the window cannot stay cached: staging would only evict rows the running step
-                # needs, so this batch gets the page-cache warm-up (done above) and no pins
+            # the window cannot stay cached: staging would only evict rows the running step needs,
+            # so this batch gets no pins, and every row the caches may lose by then is read ahead
+            warm_only = 2 * (window_rows + batch_rows) > cache_rows
+            cold = {t: uniq[self._uncached(tabs[t], uniq, ring_only=warm_only)]
+                    for t, uniq in per_table.items()}
+        # read them ahead, in parallel and without the store lock (py-lmdb releases the GIL)
+        t0 = time.perf_counter()
+        futures = {}
+        for t, rows in cold.items():
+            arr = rows.numpy()
+            width = tabs[t].spec.row_dim
+            futures[t] = [self._pool.submit(self._read, t, chunk, width)
+                          for chunk in np.array_split(arr, max(1, len(arr) // READ_CHUNK)) if len(chunk)]
+        got = {t: [f.result() for f in fs] for t, fs in futures.items()}
+        stats = store.prefetch_stats
+        stats.read_seconds += time.perf_counter() - t0
+        if self.delay is not None:
+            time.sleep(self.delay())
+        with store._lock:
+            if store._closed or self._stop.is_set():
+                return
+            t1 = time.perf_counter()
+            for t, parts in got.items():
+                if parts:
+                    store._add_read_ahead(t, since, cold[t].numpy(),
+                                          np.concatenate([p[0] for p in parts]),
+                                          np.concatenate([p[1] for p in parts]), keep=self.depth + 2)
+            stats.rows_read_ahead_from_ssd += sum(len(c) for c in cold.values())
+            if warm_only:  # its misses are served from the read-ahead buffers
                 stats.warm_only += 1
                 stats.rows_used += batch_rows
                 self._window[step] = {}
+                stats.stage_seconds += time.perf_counter() - t1
                 return
             for t, uniq in per_table.items():
                 d, h, s = store._stage(tabs[t], uniq)
@@ -257,11 +273,20 @@ class Prefetcher:
                 if fresh.numel():
                     store._hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
             self._window[step] = per_table
+            stats.stage_seconds += time.perf_counter() - t1
 
-    def _uncached(self, tab: Any, uniq: torch.Tensor) -> torch.Tensor:
+    def _read(self, table: str, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Read sorted rows from LMDB (a reader thread): (rows [n, width], found [n])."""
+        return self.store.backend.get(table, rows, width)
+
+    def _uncached(self, tab: Any, uniq: torch.Tensor, ring_only: bool = False) -> torch.Tensor:
+        """Mask of rows not in the write-behind ring and (unless `ring_only`) in no cache tier."""
         store = self.store
+        out = ~store.writeback.contains(tab.index, uniq)
+        if ring_only:
+            return out
         tabs = torch.tensor(tab.index, dtype=torch.int64)
         d = store.device_tier.lookup(tabs.to(store.device_tier.device),
                                      uniq.to(store.device_tier.device), count=False).cpu()
         h = store.host_tier.lookup(tabs, uniq, count=False)
-        return (d < 0) & (h < 0)
+        return out & (d < 0) & (h < 0)

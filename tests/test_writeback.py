@@ -1,0 +1,166 @@
+"""The write-behind ring and its writer: no stale reads, a full ring waits, failures keep rows."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tierstore as ts
+from tests.reference import DictStore
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = ts.TableSpec("t", 10**10, 4, optimizer=ts.Adagrad(0.1))
+
+
+def _grads(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, SPEC.dim, generator=torch.Generator().manual_seed(seed))
+
+
+def test_reads_are_served_from_the_ring_before_the_writer_commits(tmp_path):
+    with ts.TierStore(tmp_path / "s", SPEC, device_capacity=0, host_capacity=0, device="cpu",
+                      write_buffer=64) as s:
+        model = DictStore([SPEC])
+        s.writeback.delay = lambda: 0.3  # the writer sleeps before each batch
+        ids = torch.tensor([5, 9, 10**9])
+        s.apply("t", ids, _grads(3, 1))
+        model.apply("t", ids, _grads(3, 1))
+        assert s.writeback.pending == 3
+        data, found = s.backend.get("t", ids.numpy(), SPEC.row_dim)
+        assert not found.any()  # nothing reached LMDB yet ...
+        assert torch.equal(s.read("t", ids), model.read("t", ids))  # ... the ring serves them
+        s.apply("t", ids[:2], _grads(2, 2))  # a newer version supersedes the pending one
+        model.apply("t", ids[:2], _grads(2, 2))
+        assert torch.equal(s.read("t", ids), model.read("t", ids))
+        s.writeback.delay = None
+        s.flush()
+        assert s.writeback.pending == 0
+        data, found = s.backend.get("t", ids.numpy(), SPEC.row_dim)
+        assert found.all()
+        assert torch.equal(torch.from_numpy(data[:, : SPEC.dim]), model.read("t", ids))
+
+
+def test_a_full_ring_makes_the_caller_wait_and_drops_nothing(tmp_path):
+    model = DictStore([SPEC])
+    with ts.TierStore(tmp_path / "s", SPEC, device_capacity=3, host_capacity=2, device="cpu",
+                      write_buffer=2) as s:
+        s.writeback.delay = lambda: 0.002
+        for step in range(40):
+            ids = torch.arange(step * 4, step * 4 + 6) % 37
+            s.apply("t", ids, _grads(6, step))
+            model.apply("t", ids, _grads(6, step))
+        assert s.writeback.wait_seconds > 0  # the ring was full and the caller waited
+        assert s.writeback.stats()["rows_in"] > 2 * 40
+        every = torch.arange(37)
+        assert torch.equal(s.read("t", every), model.read("t", every))
+    with ts.TierStore(tmp_path / "s", SPEC, device="cpu") as s:
+        assert torch.equal(s.read("t", torch.arange(37)), model.read("t", torch.arange(37)))
+
+
+def test_prefetch_read_ahead_stays_exact_with_a_slow_writer(tmp_path):
+    """Rows read ahead by the pipeline are never used once a newer version passed through the ring."""
+    from tierstore.prefetch import Prefetcher
+
+    specs = [SPEC]
+    batches = [torch.randint(0, 60, (24,), generator=torch.Generator().manual_seed(i)) for i in range(30)]
+    model = DictStore(specs)
+    with ts.TierStore(tmp_path / "s", specs, device_capacity=4, host_capacity=4, device="cpu",
+                      write_buffer=8) as s:
+        s.writeback.delay = lambda: 0.001
+        src = ({"t": b} for b in batches)
+        with Prefetcher(s, src, depth=3) as pf:
+            for i, batch in enumerate(pf):
+                ids = batch["t"]
+                assert torch.equal(s.read("t", ids), model.read("t", ids))
+                s.apply("t", ids, _grads(len(ids), 100 + i))
+                model.apply("t", ids, _grads(len(ids), 100 + i))
+        assert s.prefetch_stats.rows_read_ahead_from_ssd > 0
+        every = torch.arange(60)
+        assert torch.equal(s.read("t", every), model.read("t", every))
+
+
+def test_writer_out_of_space_keeps_rows_and_fails_before_changing_anything(tmp_path):
+    spec = ts.TableSpec("t", 10**10, 64, optimizer=ts.Adagrad(0.1))
+    model = DictStore([spec])
+    rows_per_call = 2000
+    s = ts.TierStore(tmp_path / "s", spec, device_capacity=0, host_capacity=0, device="cpu",
+                     write_buffer=rows_per_call, map_limit="4MiB")
+    try:
+        with pytest.raises(ts.OutOfSpaceError):
+            for step in range(100):  # ~1 MiB of rows per call: the 4 MiB map fills up
+                ids = torch.arange(step * rows_per_call, (step + 1) * rows_per_call)
+                g = torch.ones(rows_per_call, 64) * (step + 1)
+                before = dict(model.rows)
+                try:
+                    s.apply("t", ids, g)
+                except ts.OutOfSpaceError:
+                    model.rows = before  # the failed call changed nothing in the model either
+                    raise
+                model.apply("t", ids, g)
+                s.flush()
+        touched = torch.arange(0, (step + 1) * rows_per_call)
+        # raising the limit lets the writer go on: nothing that was accepted is lost
+        s.map_limit = "1GiB"
+        s.flush()
+        assert torch.equal(s.read("t", touched), model.read("t", touched))
+    finally:
+        s.map_limit = "1GiB"
+        s.close()
+
+
+WORKER = r"""
+import sys, torch, tierstore as ts
+spec = ts.TableSpec("t", 10**10, 4, optimizer=ts.Adagrad(0.1))
+s = ts.TierStore(sys.argv[1], spec, device_capacity=4, host_capacity=4, device="cpu", write_buffer=3)
+s.writeback.delay = lambda: 0.01
+for step in range(1, 10**6):
+    ids = torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(step))
+    g = torch.randn(12, 4, generator=torch.Generator().manual_seed(10**6 + step))
+    print(f"S {step}", flush=True)
+    s.apply("t", ids, g)
+    if step % 5 == 0:
+        s.flush()
+        print(f"F {step}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kill_after", [0.8, 1.7])
+def test_kill_with_a_full_ring_loses_nothing_acknowledged(tmp_path, kill_after):
+    path = tmp_path / "s"
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(path)], stdout=subprocess.PIPE,
+                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    lines: list[str] = []
+    t0 = time.time()
+    while time.time() - t0 < 60:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.split())
+        acks = [int(x[1]) for x in lines if x[0] == "F"]
+        if acks and time.time() - t0 > kill_after + 2:
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    acked = max(int(x[1]) for x in lines if x[0] == "F")
+    started = max(int(x[1]) for x in lines if x[0] == "S")
+    # every row must hold its value after some step in [last acknowledged flush, last step started]
+    model = DictStore([SPEC])
+    states = {}
+    for step in range(1, started + 1):
+        ids = torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(step))
+        model.apply("t", ids, torch.randn(12, 4, generator=torch.Generator().manual_seed(10**6 + step)))
+        if step >= acked:
+            states[step] = model.read("t", torch.arange(50))
+    with ts.TierStore(path, SPEC, device="cpu") as s:
+        got = s.read("t", torch.arange(50))
+        s.check()
+    for row in range(50):
+        assert any(torch.equal(got[row], st[row]) for st in states.values()), row
+    assert np.isfinite(got.numpy()).all()

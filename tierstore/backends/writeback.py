@@ -1,0 +1,241 @@
+"""Write-behind: dirty rows leaving the caches wait in a bounded ring while a thread writes them to LMDB.
+
+The ring holds `capacity` rows. `put` appends rows at the tail (the training thread, under the
+store lock) and waits only when the ring is full of rows not yet written; a background writer
+takes rows from the head in large batches, sorts them by key and writes them to LMDB outside
+any store lock. A row keeps its ring slot after it is written, until the ring wraps around and
+needs the slot, so the ring is also a small cache of recently evicted rows.
+
+One truth per row: the hash index maps a (table, row) key to the slot of its *newest* version in
+the ring. A newer `put` of the same key supersedes the older slot (which the writer then skips),
+and a key leaves the index only when its slot is reused, which happens after the writer
+committed it. So a reader that finds a key in the ring gets its newest value, and a reader that
+does not will find the key's newest value in LMDB.
+
+Positions are monotonic counters: `tail` (next position to fill) and `head` (positions below it
+are committed). A row written to the ring at or after position p is still in the ring while
+`tail < p + capacity`; the read-ahead buffers of the prefetch pipeline use this to know that
+rows they read from LMDB earlier are still current (see `still_current`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ..errors import StoreClosedError, TierstoreError
+from ..index import HashIndex
+from .slab import Rows
+
+WRITE_CHUNK = 65536  # rows per writer batch: big sorted batches share LMDB leaf pages
+_RETRY_S = 0.2
+
+
+class WriteBehind:
+    """A bounded ring of rows waiting for (or just past) their write to LMDB, and its writer thread."""
+
+    def __init__(self, capacity: int, width: int, write: Callable[[np.ndarray, np.ndarray, np.ndarray], int],
+                 *, chunk: int = WRITE_CHUNK, name: str = "tierstore-writer",
+                 delay: Callable[[], float] | None = None) -> None:
+        self.capacity = max(1, int(capacity))
+        self.width = width
+        self._write = write  # (tabs, rows, payload) -> bytes written; raises TierstoreError
+        self.chunk = max(1, int(chunk))
+        self.delay = delay  # test hook: seconds the writer sleeps before each batch
+        self.payload = torch.zeros((self.capacity, width), dtype=torch.float32)
+        self._tabs = np.zeros(self.capacity, dtype=np.int64)
+        self._rows = np.zeros(self.capacity, dtype=np.int64)
+        self._indexed = np.zeros(self.capacity, dtype=bool)  # slot holds its key's newest version
+        self.index = HashIndex(self.capacity)
+        self.tail = 0  # next position to fill
+        self.head = 0  # positions below are committed to LMDB
+        self.error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._stop = False
+        # counters (read by stats)
+        self.rows_in = 0
+        self.rows_written = 0
+        self.rows_superseded = 0
+        self.bytes_written = 0
+        self.batches = 0
+        self.writer_seconds = 0.0
+        self.wait_seconds = 0.0  # time callers waited for room
+        self.hits = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # producer side (callers hold the store lock) ----------------------------------------
+    @property
+    def pending(self) -> int:
+        """Rows in the ring not yet committed to LMDB."""
+        return self.tail - self.head
+
+    def put(self, rows: Rows) -> None:
+        """Append rows (distinct keys, CPU) to the ring; waits while it is full of unwritten rows."""
+        n = len(rows)
+        off = 0
+        while off < n:
+            with self._cv:
+                k = self._wait_room(n - off)
+                part = rows.take(slice(off, off + k)) if (off or k < n) else rows
+                self._append(part)
+                self._cv.notify_all()
+            off += k
+
+    def _wait_room(self, want: int) -> int:
+        t0 = None
+        while self.tail - self.head >= self.capacity:
+            if self._stop:
+                raise StoreClosedError("the write-behind writer has stopped")
+            if self.error is not None and t0 is not None and time.perf_counter() - t0 > 2 * _RETRY_S:
+                raise self._failure()
+            if t0 is None:
+                t0 = time.perf_counter()
+            self._cv.wait(0.05)
+        if t0 is not None:
+            self.wait_seconds += time.perf_counter() - t0
+        return min(want, self.capacity - (self.tail - self.head))
+
+    def _append(self, part: Rows) -> None:
+        k = len(part)
+        tabs, rows = part.tabs.reshape(-1).contiguous(), part.rows.contiguous()
+        # the newest version wins: drop older ring versions of these keys from the index
+        old = self.index.find(tabs, rows)
+        hit = old >= 0
+        if bool(hit.any()):
+            olds = old[hit]
+            self.index.remove(olds)
+            self._indexed[olds.numpy()] = False
+        slots = torch.arange(self.tail, self.tail + k, dtype=torch.int64) % self.capacity
+        s = slots.numpy()
+        # reused slots were committed (tail - capacity < head): forget their keys if still indexed
+        stale = s[self._indexed[s]]
+        if stale.size:
+            self.index.remove(torch.from_numpy(stale))
+            self._indexed[stale] = False
+        self.index.add(tabs, rows, slots)
+        self._indexed[s] = True
+        self._tabs[s] = tabs.numpy()
+        self._rows[s] = rows.numpy()
+        self.payload.index_copy_(0, slots, part.payload)
+        self.tail += k
+        self.rows_in += k
+
+    def reserve(self, n: int) -> None:
+        """Wait for room for `n` more rows (at most the capacity) before a call changes anything.
+
+        Raises the writer's error instead when it cannot write, so a call that could not hand its
+        evicted rows to the ring fails before it moves any row.
+        """
+        want = min(int(n), self.capacity)
+        with self._cv:
+            t0 = None
+            while self.capacity - (self.tail - self.head) < want:
+                if self._stop:
+                    raise StoreClosedError("the write-behind writer has stopped")
+                if self.error is not None:
+                    raise self._failure()
+                if t0 is None:
+                    t0 = time.perf_counter()
+                self._cv.wait(0.05)
+            if t0 is not None:
+                self.wait_seconds += time.perf_counter() - t0
+
+    def lookup(self, tab: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hit mask [n], payloads [hits, width]) of the rows' newest ring versions."""
+        with self._cv:
+            slots = self.index.find(torch.tensor(tab, dtype=torch.int64), rows)
+            hit = slots >= 0
+            data = self.payload.index_select(0, slots[hit]) if bool(hit.any()) else self.payload[:0]
+        self.hits += int(data.shape[0])
+        return hit, data
+
+    def contains(self, tab: int, rows: torch.Tensor) -> torch.Tensor:
+        """Mask of the rows that have a version in the ring."""
+        with self._cv:
+            return self.index.find(torch.tensor(tab, dtype=torch.int64), rows) >= 0
+
+    def still_current(self, since_tail: int) -> bool:
+        """Whether every row put at or after position `since_tail` is still in the ring."""
+        return self.tail - since_tail < self.capacity
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every row put so far is committed; raises the writer's error if it cannot write."""
+        with self._cv:
+            target = self.tail
+            t0 = time.perf_counter()
+            while self.head < target:
+                if self.error is not None and time.perf_counter() - t0 > 2 * _RETRY_S:
+                    raise self._failure()
+                if self._stop or not self._thread.is_alive():
+                    raise StoreClosedError("the write-behind writer has stopped")
+                if timeout is not None and time.perf_counter() - t0 > timeout:
+                    raise TierstoreError(f"write-behind drain timed out after {timeout} s")
+                self._cv.wait(0.05)
+
+    def raise_if_failed(self) -> None:
+        """Raise the writer's last error while it cannot write (rows stay in the ring, retried)."""
+        if self.error is not None:
+            raise self._failure()
+
+    def _failure(self) -> TierstoreError:
+        err = self.error
+        if isinstance(err, TierstoreError):
+            return type(err)(f"{err} ({self.pending} written-back rows are kept in memory and "
+                             f"retried; free space or raise map_limit, then call flush())")
+        return TierstoreError(f"the write-behind writer failed: {err!r}")
+
+    def close(self) -> None:
+        """Stop the writer thread (after `drain()` for a clean close; rows still pending are dropped)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    # writer thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self.head == self.tail and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                lo, hi = self.head, min(self.tail, self.head + self.chunk)
+                slots = np.arange(lo, hi, dtype=np.int64) % self.capacity
+                live = slots[self._indexed[slots]]  # superseded versions are skipped
+                tabs, rows = self._tabs[live], self._rows[live]
+            if self.delay is not None:
+                time.sleep(self.delay())
+            t0 = time.perf_counter()
+            try:
+                # slots in [head, tail) are never refilled before head passes them: copy unlocked
+                payload = self.payload.index_select(0, torch.from_numpy(live)).numpy()
+                written = self._write(tabs, rows, payload) if len(live) else 0
+            except BaseException as exc:  # kept; callers see it; the batch is retried
+                with self._cv:
+                    self.error = exc
+                    self._cv.notify_all()
+                time.sleep(_RETRY_S)
+                continue
+            with self._cv:
+                self.head = hi
+                self.error = None
+                self.rows_written += len(live)
+                self.rows_superseded += (hi - lo) - len(live)
+                self.bytes_written += written
+                self.batches += 1
+                self.writer_seconds += time.perf_counter() - t0
+                self._cv.notify_all()
+
+    def stats(self) -> dict:
+        """Counters of the ring and its writer."""
+        return {"capacity": self.capacity, "pending": self.pending, "rows_in": self.rows_in,
+                "rows_written": self.rows_written, "rows_superseded": self.rows_superseded,
+                "bytes_written": self.bytes_written, "batches": self.batches,
+                "writer_seconds": self.writer_seconds, "wait_seconds": self.wait_seconds,
+                "hits": self.hits}
