@@ -149,7 +149,7 @@ class TierstoreRunner(Runner):
         self._next += 1
         keys, values, lengths = next(self.pf)
         out = self.ebc(keys, values, lengths)
-        out.backward(self.wl.grad_out)
+        out.backward(self.wl.grad_out.to(out.device))
 
     def counters(self) -> dict[str, float]:
         """Cumulative I/O and pipeline counters (differences over the timed steps go in the record)."""
@@ -235,7 +235,7 @@ class FbgemmRunner(Runner):
         """One training step."""
         k = i % len(self.wl.steps)
         out = self.tbe(self.wl.steps[k][0], self.offsets[k])
-        out.backward(self.wl.grad_out)
+        out.backward(self.wl.grad_out.to(out.device))
 
 
 def fbgemm_available() -> str | None:

@@ -21,6 +21,7 @@ import torch
 from ._kernels import HAVE_NUMBA
 from .backends.lmdb_backend import LmdbBackend
 from .backends.slab import Rows, SlabTier
+from .backends.wal import WriteLog, replay
 from .backends.writeback import WriteBehind
 from .config import TableSpec, parse_capacity, parse_size
 from .errors import (
@@ -171,7 +172,13 @@ class TierStore:
         self._readahead: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
         # seconds spent reading LMDB inside the store, on the main (training) thread and on others
         self.io_seconds = {"training": 0.0, "background": 0.0}
+        stored = [TableSpec.from_config(self.backend.get_meta(k)) for k in self.backend.meta_keys()
+                  if k.startswith("table:")]
+        # a write-behind log left by a crash: fold it into the tables before anything reads them
+        replay(self.backend, [t.name for t in stored], [t.row_dim for t in stored])
         self.writeback = WriteBehind(wcap, width, self._write_rows, name=f"tierstore-writer:{self.path.name}")
+        self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], 4 * wcap,
+                            self.writeback._cv)
         clock = self.backend.get_meta("clock") or {}
         self.clock = int(clock.get("value", 0))  # logical clock (store.advance), stamped on updates
         self._clock_saved = self.clock
@@ -424,6 +431,8 @@ class TierStore:
                 self._write_down(rows.to(torch.device("cpu")))
                 tier.dirty[slots] = False
         self.writeback.drain()
+        with self.writeback._cv:  # the writer is idle: fold the whole log into the tables
+            self.log.merge()
         self._save_clock()
         self.backend.sync()
 
@@ -465,6 +474,9 @@ class TierStore:
         out["device"].update(capacity=self.device_tier.capacity, resident=self.device_tier.size)
         out["host"].update(capacity=self.host_tier.capacity, resident=self.host_tier.size)
         out["prefetch"] = self.prefetch_stats.as_dict()
+        log = self.log
+        out["writeback"] = {**self.writeback.stats(), "log_rows": log.size,
+                            "log_appended": log.rows_appended, "log_merged": log.rows_merged}
         out["ssd"].update(rows_stored=sum(self.backend.count(n) for n in self.tables),
                           disk_bytes=self.backend.disk_bytes())
         return out
@@ -739,7 +751,7 @@ class TierStore:
         if nneed:
             t0 = time.perf_counter()
             part = rows_np if nneed == n else rows_np[need]
-            got, gfound = self.backend.get(spec.name, part, spec.row_dim)
+            got, gfound = self._read_stored(tab, part)
             side = "training" if threading.current_thread() is threading.main_thread() else "background"
             self.io_seconds[side] += time.perf_counter() - t0
             if nneed == n:
@@ -822,16 +834,34 @@ class TierStore:
         self.ssd_stats.writebacks += len(rows)
 
     def _write_rows(self, tabs: np.ndarray, rows: np.ndarray, payload: np.ndarray) -> int:
-        """Write rows of any tables to LMDB (the writer thread's sink); returns bytes."""
-        batches = {}
-        tables = np.unique(tabs)
-        for t in tables.tolist():
-            spec = self._by_index[t].spec
-            sel = slice(None) if len(tables) == 1 else tabs == t
-            batches[spec.name] = (rows[sel], payload[sel, : spec.row_dim])
-        written = self.backend.put(batches)
+        """The writer thread's sink: append rows to the write-behind log, merge it when it is large."""
+        log = self.log
+        written = log.append(tabs, rows, payload)
+        if log.size >= log.capacity * 3 // 4:  # fold the older half into the tables, sorted
+            written += log.merge(log.capacity // 2)
         self.ssd_stats.bytes_written += written
         return written
+
+    def _read_stored(self, tab: _Table, rows_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Stored rows (log first, then the table): (rows [n, row_dim], found [n]); any thread."""
+        spec = tab.spec
+        seqs = self.log.lookup(tab.index, torch.from_numpy(rows_np))
+        inlog = seqs >= 0
+        if not inlog.any():
+            return self.backend.get(spec.name, rows_np, spec.row_dim)
+        data = np.zeros((len(rows_np), spec.row_dim), dtype=np.float32)
+        found = np.zeros(len(rows_np), dtype=bool)
+        ldata, lfound = self.log.read(tab.index, rows_np[inlog], seqs[inlog])
+        idx = np.flatnonzero(inlog)
+        data[idx[lfound]] = ldata[lfound]
+        found[idx[lfound]] = True
+        rest = np.flatnonzero(~inlog)
+        rest = np.concatenate([rest, idx[~lfound]]) if (~lfound).any() else rest
+        if len(rest):  # merged meanwhile entries are in the table by now
+            mdata, mfound = self.backend.get(spec.name, rows_np[rest], spec.row_dim)
+            data[rest] = mdata
+            found[rest] = mfound
+        return data, found
 
 
 def _proc_status() -> dict[str, int]:

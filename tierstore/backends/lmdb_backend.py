@@ -13,6 +13,7 @@ import shutil
 import sys
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import islice, repeat
@@ -282,6 +283,46 @@ class LmdbBackend:
         if part:
             self._commit(part, total)
         return total
+
+    # the write-behind log (see wal.py) ------------------------------------------------------
+    def append_log(self, db: object, keys: list[bytes], vals: list[bytes]) -> int:
+        """Append entries under increasing keys past the log's end in one transaction; returns bytes."""
+        total = sum(map(len, vals)) + 8 * len(keys)
+        self._ensure_room(total)
+        self._wrote = True
+        self._check_space(len(keys) // 8 + 1)
+        while True:
+            try:
+                with self.env.begin(write=True, db=db) as txn:
+                    txn.cursor().putmulti(zip(keys, vals), append=True)
+                return total
+            except lmdb.MapFullError:
+                self._grow(total)
+            except lmdb.Error as exc:
+                self._raise_io(exc)
+
+    def read_log(self, db: object, first: bytes, n: int) -> tuple[list[bytes], list[bytes]]:
+        """The `n` log entries from key `first` on: (keys, values)."""
+        with self.reading(), self.env.begin(db=db) as txn:
+            cur = txn.cursor()
+            if not cur.set_key(first):
+                return [], []
+            items = list(islice(cur.iternext(keys=True, values=True), n))
+        return [k for k, _ in items], [v for _, v in items]
+
+    def get_log(self, db: object, keys: list[bytes]) -> list:
+        """Values of log keys (None where absent: merged meanwhile)."""
+        with self.reading(), self.env.begin(db=db) as txn:
+            return list(map(txn.get, keys))
+
+    def delete_log(self, db: object, keys: list[bytes]) -> None:
+        """Delete merged log entries in one transaction."""
+        self._wrote = True
+        try:
+            with self.env.begin(write=True, db=db) as txn:
+                deque(map(txn.delete, keys), maxlen=0)  # a C loop over the keys
+        except lmdb.Error as exc:
+            self._raise_io(exc)
 
     def _commit(self, parts: list, total: int) -> None:
         """One write transaction of sorted (db, keys, values, unique) parts; grows the map as needed."""

@@ -236,8 +236,7 @@ class Prefetcher:
         futures = {}
         for t, rows in cold.items():
             arr = rows.numpy()
-            width = tabs[t].spec.row_dim
-            futures[t] = [self._pool.submit(self._read, t, chunk, width)
+            futures[t] = [self._pool.submit(store._read_stored, tabs[t], chunk)
                           for chunk in np.array_split(arr, max(1, len(arr) // READ_CHUNK)) if len(chunk)]
         got = {t: [f.result() for f in fs] for t, fs in futures.items()}
         stats = store.prefetch_stats
@@ -274,10 +273,6 @@ class Prefetcher:
                     store._hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
             self._window[step] = per_table
             stats.stage_seconds += time.perf_counter() - t1
-
-    def _read(self, table: str, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Read sorted rows from LMDB (a reader thread): (rows [n, width], found [n])."""
-        return self.store.backend.get(table, rows, width)
 
     def _uncached(self, tab: Any, uniq: torch.Tensor, ring_only: bool = False) -> torch.Tensor:
         """Mask of rows not in the write-behind ring and (unless `ring_only`) in no cache tier."""

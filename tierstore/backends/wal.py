@@ -1,0 +1,243 @@
+"""The write-behind log: rows appended in arrival order to a log database inside the LMDB env.
+
+The writer thread appends each batch it takes from the write-behind ring to the database
+`__tierstore_log__` under increasing 8-byte sequence keys (`MDB_APPEND`: full pages, no random
+B-tree update), then folds the oldest part of the log into the tables in large key-sorted
+batches (`merge`), so each leaf page of a table absorbs many rows at once.
+
+A log value is `table id (u32, crc32 of the table name) | 0 (u32) | row id (i64) | record`, the
+record being the table's stored row format (row words and checksum, `record.py`). An in-memory
+hash index maps each (table, row) with a version in the log to the sequence number of its newest
+version; it holds at most `capacity` entries (the log is merged before it holds more), so its
+memory is bounded by the log's size. On open, a log left by a crash is merged into the tables
+before anything else (`replay`): appends are committed transactions, so the log holds whole
+rows only; a merge that was cut short is simply done again (rows are idempotent).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import lmdb
+import numpy as np
+import torch
+
+from ..errors import StoreCorruptError
+from ..index import HashIndex
+from .record import open_records, seal
+
+LOG_DB = b"__tierstore_log__"
+HEADER = 16  # table id u32, pad u32, row id i64
+_SEQ = np.dtype(">u8")
+
+
+def table_id(name: str) -> int:
+    """The stable 32-bit id of a table in log records."""
+    return zlib.crc32(name.encode())
+
+
+def _seq_keys(seqs: np.ndarray) -> list[bytes]:
+    return np.ascontiguousarray(seqs, dtype=_SEQ).view("V8").tolist()
+
+
+class WriteLog:
+    """The log database, its in-memory index and the merge into the tables (used by the writer)."""
+
+    def __init__(self, backend, names: list[str], row_dims: list[int], capacity: int,
+                 lock) -> None:
+        self.backend = backend
+        self.names = names
+        self.row_dims = row_dims
+        self.ids = np.array([table_id(n) for n in names], dtype=np.uint32)
+        if len(set(self.ids.tolist())) != len(names):
+            raise StoreCorruptError("two table names share a log id (crc32); rename one")
+        self.capacity = max(1, int(capacity))
+        self.index = HashIndex(self.capacity)
+        self.seq_of = np.full(self.capacity, -1, dtype=np.int64)  # index slot -> sequence number
+        self.lock = lock  # the write-behind ring's condition: guards the index
+        self.db = backend.env.open_db(LOG_DB, create=not backend.readonly)
+        self.next = self._last() + 1  # next sequence number
+        self.merged = self.next  # sequence numbers below are merged (or were never appended)
+        self.rows_appended = 0
+        self.rows_merged = 0
+        self.merge_seconds = 0.0
+        self.append_seconds = 0.0
+
+    def _last(self) -> int:
+        with self.backend.reading(), self.backend.env.begin(db=self.db) as txn:
+            cur = txn.cursor()
+            return int.from_bytes(cur.key(), "big") if cur.last() else -1
+
+    @property
+    def size(self) -> int:
+        """Entries appended and not yet merged."""
+        return self.next - self.merged
+
+    # writer thread -------------------------------------------------------------------
+    def append(self, tabs: np.ndarray, rows: np.ndarray, payload: np.ndarray) -> int:
+        """Append rows (distinct keys: table indexes, row ids, payloads [n, width]) in one transaction.
+
+        Returns bytes appended. Entries go table by table; a key's newer version always gets a
+        larger sequence number than its older ones, which is all the log's order must keep.
+        """
+        n = len(rows)
+        if n == 0:
+            return 0
+        if self.size + n > self.capacity:
+            self.merge(self.size + n - self.capacity + self.capacity // 2)
+        order, vals = [], []
+        for t in np.unique(tabs).tolist():  # one record width per table
+            sel = np.flatnonzero(tabs == t)
+            rec = seal(rows[sel], np.ascontiguousarray(payload[sel, : self.row_dims[t]]))
+            head = np.zeros((len(sel), HEADER), dtype=np.uint8)
+            head[:, 0:4] = np.frombuffer(self.ids[t].tobytes(), dtype=np.uint8)
+            head[:, 8:16] = rows[sel].astype("<i8").view(np.uint8).reshape(-1, 8)
+            full = np.concatenate([head, rec], axis=1)
+            order.append(sel)
+            vals += full.view(f"V{full.shape[1]}").ravel().tolist()
+        order = np.concatenate(order)
+        tabs, rows = tabs[order], rows[order]
+        seqs = np.arange(self.next, self.next + n, dtype=np.int64)
+        nbytes = self.backend.append_log(self.db, _seq_keys(seqs), vals)
+        with self.lock:
+            tt = torch.from_numpy(np.ascontiguousarray(tabs, dtype=np.int64))
+            tr = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+            old = self.index.find(tt, tr)
+            hit = old >= 0
+            if bool(hit.any()):
+                self.index.remove(old[hit])
+            slots = torch.from_numpy(seqs % self.capacity)
+            self.index.add(tt, tr, slots)
+            self.seq_of[slots.numpy()] = seqs
+            self.next += n
+        self.rows_appended += n
+        return nbytes
+
+    def merge(self, n: int | None = None) -> int:
+        """Fold the oldest `n` log entries (all when None) into the tables; returns bytes written."""
+        n = self.size if n is None else min(int(n), self.size)
+        if n <= 0:
+            return 0
+        lo, hi = self.merged, self.merged + n
+        keys, vals = self.backend.read_log(self.db, _seq_keys(np.array([lo]))[0], n)
+        if len(keys) != n:
+            raise StoreCorruptError(f"write-behind log of {self.backend.path}: expected {n} entries "
+                                    f"from {lo}, found {len(keys)}")
+        seqs = np.arange(lo, hi, dtype=np.int64)
+        batches: dict[str, list] = {}
+        gone = []
+        for sel, tabs, rows, recs in parse_entries(vals, self.ids, self.row_dims, self.backend.path):
+            with self.lock:  # newest versions only: an older one was superseded by a later entry
+                slots = self.index.find(torch.from_numpy(tabs), torch.from_numpy(rows)).numpy()
+                newest = (slots >= 0) & (self.seq_of[np.maximum(slots, 0)] == seqs[sel])
+            gone.append((slots[newest], seqs[sel][newest]))
+            for t in np.unique(tabs[newest]).tolist():
+                pick = newest & (tabs == t)
+                data = open_records(self.names[t], rows[pick], recs[pick], self.row_dims[t])
+                batches.setdefault(self.names[t], []).append((rows[pick], data))
+        merged = {name: (np.concatenate([r for r, _ in parts]), np.concatenate([d for _, d in parts]))
+                  for name, parts in batches.items()}
+        written = self.backend.put(merged) if merged else 0
+        self.backend.delete_log(self.db, keys)
+        with self.lock:
+            for slots, sq in gone:
+                still = self.seq_of[slots] == sq  # not re-appended meanwhile
+                if still.any():
+                    self.index.remove(torch.from_numpy(slots[still]))
+                    self.seq_of[slots[still]] = -1
+            self.merged = hi
+        self.rows_merged += sum(len(r) for r, _ in merged.values())
+        return written
+
+    # readers (any thread) ------------------------------------------------------------
+    def lookup(self, tab: int, rows: torch.Tensor) -> np.ndarray:
+        """Sequence numbers of the rows' newest log versions (-1 where none)."""
+        with self.lock:
+            if self.index.live == 0:
+                return np.full(rows.numel(), -1, dtype=np.int64)
+            slots = self.index.find(torch.tensor(tab, dtype=torch.int64), rows).numpy()
+            out = np.where(slots >= 0, self.seq_of[np.maximum(slots, 0)], -1)
+        return out
+
+    def read(self, tab: int, rows: np.ndarray, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows [n, row_dim], found [n]) of log versions; an entry merged meanwhile is not found."""
+        w = self.row_dims[tab]
+        vals = self.backend.get_log(self.db, _seq_keys(seqs))
+        found = np.fromiter((v is not None for v in vals), dtype=bool, count=len(vals))
+        out = np.zeros((len(vals), w), dtype=np.float32)
+        if found.any():
+            blob = np.frombuffer(b"".join(v for v in vals if v is not None), dtype=np.uint8)
+            blob = blob.reshape(int(found.sum()), HEADER + 4 * w + 4)
+            if (blob[:, :4].copy().view(np.uint32).ravel() != self.ids[tab]).any() or \
+                    (blob[:, 8:16].copy().view("<i8").ravel() != rows[found]).any():
+                raise StoreCorruptError(f"write-behind log of {self.backend.path}: an entry does not "
+                                        f"hold the row its index names (table {self.names[tab]!r})")
+            out[found] = open_records(self.names[tab], rows[found], blob[:, HEADER:], w)
+        return out, found
+
+
+def parse_entries(vals: list, ids: np.ndarray, row_dims: list[int], path: object):
+    """Group log values by size: yields (positions, table indexes, row ids, records uint8 [k, 4w+4])."""
+    if not vals:
+        return
+    lens = np.fromiter(map(len, vals), dtype=np.int64, count=len(vals))
+    arr = np.empty(len(vals), dtype=object)
+    arr[:] = vals
+    order = np.argsort(ids)
+    for size in np.unique(lens).tolist():
+        sel = np.flatnonzero(lens == size)
+        blob = np.frombuffer(b"".join(arr[sel].tolist()), dtype=np.uint8).reshape(len(sel), size)
+        tid = blob[:, 0:4].copy().view(np.uint32).ravel()
+        pos = np.searchsorted(ids[order], tid)
+        pos[pos >= len(ids)] = 0
+        tabs = order[pos]
+        widths = np.array([HEADER + 4 * w + 4 for w in row_dims])
+        if len(ids) == 0 or (ids[tabs] != tid).any() or (widths[tabs] != size).any():
+            raise StoreCorruptError(f"write-behind log of {path}: an entry of an unknown table or "
+                                    "with the wrong size")
+        rows = blob[:, 8:16].copy().view("<i8").ravel()
+        yield sel, tabs.astype(np.int64), rows, blob[:, HEADER:]
+
+
+def replay(backend, names: list[str], row_dims: list[int]) -> int:
+    """Merge a log left by an earlier run into the tables (the newest version of each row wins).
+
+    Returns the rows written; the log is emptied in the same way as a merge (tables first, then
+    the log, so a crash during replay replays again).
+    """
+    try:
+        db = backend.env.open_db(LOG_DB, create=False)
+    except lmdb.NotFoundError:
+        return 0
+    with backend.reading(), backend.env.begin(db=db) as txn:
+        if not txn.stat(db)["entries"]:
+            return 0
+        vals = [bytes(v) for v in txn.cursor().iternext(keys=False, values=True)]
+    ids = np.array([table_id(n) for n in names], dtype=np.uint32)
+    keyed = []
+    for sel, tabs, rows, recs in parse_entries(vals, ids, row_dims, backend.path):
+        keyed.append((sel, tabs, rows, recs))
+    seq = np.concatenate([k[0] for k in keyed])
+    tabs = np.concatenate([k[1] for k in keyed])
+    rows = np.concatenate([k[2] for k in keyed])
+    # the newest entry of each (table, row): the last one in log order
+    order = np.lexsort((seq, rows, tabs))
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = (tabs[order][1:] != tabs[order][:-1]) | (rows[order][1:] != rows[order][:-1])
+    keep = set(seq[order][last].tolist())
+    batches = {}
+    total = 0
+    for sel, t_, r_, recs in keyed:
+        mask = np.isin(sel, list(keep))
+        for t in np.unique(t_[mask]).tolist():
+            pick = mask & (t_ == t)
+            data = open_records(names[t], r_[pick], recs[pick], row_dims[t])
+            prev = batches.get(names[t])
+            batches[names[t]] = (r_[pick], data) if prev is None else \
+                (np.concatenate([prev[0], r_[pick]]), np.concatenate([prev[1], data]))
+            total += int(pick.sum())
+    backend.put(batches)
+    with backend.env.begin(write=True) as txn:
+        txn.drop(db, delete=False)
+    backend.sync()
+    return total
