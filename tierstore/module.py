@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import validate
 from .errors import ConfigError, ShapeError
 from .store import TierStore
 
@@ -37,8 +38,9 @@ class _TieredBags(torch.autograd.Function):
         ctx.gathered = None
         with store._lock:
             store._live()
-            store._apply_bags(store._table(ctx.table), g, offsets, grad_out.contiguous(), psw,
-                              ctx.mode)
+            tab = store._table(ctx.table)
+            grad_out = validate.bag_gradients(tab.spec, grad_out, psw)
+            store._apply_bags(tab, g, offsets, grad_out.contiguous(), psw, ctx.mode)
         g_psw = None
         if psw is not None and ctx.needs_input_grad[1]:
             n = g.inverse.numel()
