@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,6 +17,7 @@ from ..errors import ConfigError, ShapeError, TierstoreError
 from ..store import TierStore
 
 _END = object()
+CLOSE_TIMEOUT_S = 2.0  # how long close() waits for the staging thread before leaving it (daemon)
 
 
 def _jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, list[torch.Tensor]]:
@@ -81,17 +83,31 @@ class Prefetcher:
         self._window: dict[int, dict[str, torch.Tensor]] = {}  # staged, unreleased batches
         self._consumed = -1
         self._closed = False
-        self._error: BaseException | None = None
+        self._errbox: list[BaseException] = []  # the staging thread's error, if any
         self._stop = threading.Event()
         self._ready: queue.Queue = queue.Queue()
         self._permits = threading.Semaphore(depth + 1)
         self._pool = ThreadPoolExecutor(readers, thread_name_prefix="tierstore-read") \
             if depth > 0 else None
         self._thread: threading.Thread | None = None
+        # Lifecycle: the threads hold no strong reference to this object (the staging loop
+        # takes one through a weakref only while it stages), so an abandoned Prefetcher is
+        # collected; the finalizer then stops the threads and unpins the window. The store
+        # stops its prefetchers when it closes.
         if depth > 0:
-            self._thread = threading.Thread(target=self._run, name="tierstore-prefetch",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=_run, name="tierstore-prefetch", daemon=True,
+                args=(weakref.ref(self), self._source, self._permits, self._stop, self._ready,
+                      self._errbox))
+        self._finalizer = weakref.finalize(self, _shutdown, store, self._window, self._stop,
+                                           self._permits, depth, self._pool, self._thread)
+        store._prefetchers.add(self)
+        if self._thread is not None:
             self._thread.start()
+
+    @property
+    def _error(self) -> BaseException | None:
+        return self._errbox[0] if self._errbox else None
 
     # consumer side ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -168,47 +184,32 @@ class Prefetcher:
                 remaining = remaining[~hit]
 
     def close(self) -> None:
-        """Stop the pipeline, join its threads and unpin whatever is still staged."""
+        """Stop the pipeline, join its threads and unpin whatever is still staged.
+
+        Returns within about `CLOSE_TIMEOUT_S` even when the batch source blocks in `next()`:
+        the staging thread is a daemon and is then left to finish that call; it stages
+        nothing after close (it sees the stop flag under the store lock).
+        """
         if self._closed:
             return
+        self._closed = True
+        self._finalizer()
+
+    def _stop_for_store(self) -> None:
+        """The store is closing (its lock held): stop staging and drop the pins, without waiting."""
         self._closed = True
         self._stop.set()
         for _ in range(self.depth + 2):
             self._permits.release()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        for step in sorted(self._window):
-            self._release(step)
+        if self._pool is not None:  # readers take no store lock: waiting for them is safe
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        _unpin_all(self.store, self._window)
 
     def __enter__(self) -> Prefetcher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    # staging side -------------------------------------------------------------------------
-    def _run(self) -> None:
-        step = self._consumed
-        try:
-            for batch in self._source:
-                self._permits.acquire()
-                if self._stop.is_set():
-                    return
-                step += 1
-                self._stage(step, batch)
-                self._ready.put((step, batch))
-        except BaseException as exc:  # surfaced to the consumer
-            self._error = exc
-        finally:
-            self._ready.put(_END)
 
     def _stage(self, step: int, batch: Any) -> None:
         store = self.store
@@ -265,3 +266,53 @@ class Prefetcher:
                                      uniq.to(store.device_tier.device), count=False).cpu()
         h = store.host_tier.lookup(tabs, uniq, count=False)
         return (d < 0) & (h < 0)
+
+
+# lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------
+def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
+         stop: threading.Event, ready: queue.Queue, errbox: list) -> None:
+    """The staging loop: read a batch, wait for a window slot, stage it, hand it over."""
+    step = -1
+    try:
+        for batch in source:
+            permits.acquire()
+            if stop.is_set():
+                return
+            pf = ref()
+            if pf is None:  # abandoned: its finalizer stops the rest
+                return
+            try:
+                step += 1
+                pf._stage(step, batch)
+            finally:
+                del pf  # the last reference may go here: the finalizer then runs in this thread
+            ready.put((step, batch))
+    except BaseException as exc:  # surfaced to the consumer
+        errbox.append(exc)
+    finally:
+        ready.put(_END)
+
+
+def _unpin_all(store: TierStore, window: dict) -> None:
+    """Unpin every staged batch still in `window` (under the store lock)."""
+    with store._lock:
+        steps = sorted(window)
+        if not store._closed:
+            for step in steps:
+                for table, uniq in window[step].items():
+                    store._pin(store._table(table), uniq, -1)
+        window.clear()
+
+
+def _shutdown(store: TierStore, window: dict, stop: threading.Event,
+              permits: threading.Semaphore, depth: int, pool: ThreadPoolExecutor | None,
+              thread: threading.Thread | None) -> None:
+    """Stop a pipeline: wake and join its threads (bounded), then unpin its window."""
+    stop.set()
+    for _ in range(depth + 2):
+        permits.release()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(CLOSE_TIMEOUT_S)
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+    _unpin_all(store, window)
