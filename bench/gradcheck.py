@@ -3,7 +3,8 @@
 The case is bench.store's device_hit apply (one table, dim 64, row-wise Adagrad, batches of unique
 random ids, every row resident in the device tier). Blocks with the check (`validate.gradients`)
 and without it (the same function minus the `isfinite` pass) alternate in one process; the
-figure is the median over rounds of the per-call time ratio.
+figures are the median over rounds of the per-call time ratio, and of the check's own time
+(timed alone in the same rounds) as a share of the unchecked call.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def measure(batch: int, dim: int, rounds: int, calls: int) -> dict:
         ids = torch.randperm(10**6, generator=g)[:batch] * 997
         grads = torch.randn(batch, dim, generator=g)
         store.apply("t", ids, grads)  # resident from now on
-        on, off = [], []
+        on, off, alone = [], [], []
         try:
             for _ in range(rounds):
                 for fn, out in ((checked, on), (_unchecked, off)):
@@ -42,12 +43,18 @@ def measure(batch: int, dim: int, rounds: int, calls: int) -> dict:
                     for _ in range(calls):
                         store.apply("t", ids, grads)
                     out.append((time.perf_counter() - t0) / calls)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    checked(spec, grads)
+                alone.append((time.perf_counter() - t0) / calls)
         finally:
             validate.gradients = checked
             store.close()
     ratios = [a / b for a, b in zip(on, off)]
+    shares = [c / b for c, b in zip(alone, off)]
     return {"batch": batch, "dim": dim, "checked_us": 1e6 * statistics.median(on),
-            "unchecked_us": 1e6 * statistics.median(off), "ratio": statistics.median(ratios)}
+            "unchecked_us": 1e6 * statistics.median(off), "ratio": statistics.median(ratios),
+            "check_us": 1e6 * statistics.median(alone), "share": statistics.median(shares)}
 
 
 def main() -> None:
@@ -58,11 +65,11 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()
     torch.set_num_threads(1)
-    print("batch  dim  checked_us  unchecked_us  ratio")
+    print("batch  dim  checked_us  unchecked_us  ratio  check_alone_us  share")
     for b in (int(x) for x in args.batches.split(",")):
         r = measure(b, args.dim, args.rounds, args.calls)
         print(f"{r['batch']:>5}  {r['dim']:>3}  {r['checked_us']:>10.1f}  {r['unchecked_us']:>12.1f}"
-              f"  {r['ratio']:.3f}")
+              f"  {r['ratio']:.3f}  {r['check_us']:>14.1f}  {100 * r['share']:.1f}%")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import torch
 
+from ._kernels import HAVE_NUMBA
 from .config import TableSpec
 from .errors import ConfigError, InvalidGradientError, InvalidIdsError, ShapeError
 
@@ -37,10 +39,35 @@ def index_tensor(t: Any, what: str) -> torch.Tensor:
     return t.to(device="cpu", dtype=torch.int64)
 
 
+if HAVE_NUMBA:
+    import numba
+
+    # reassociation lets the sum vectorize; no `nnan`/`ninf` flag, so NaN and Inf keep their
+    # meaning: v * 0 is 0 for a finite v and NaN for NaN or +-Inf, so the sum is 0 iff all are
+    @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "nsz", "arcp", "contract"})
+    def _finite_kernel(a):  # pragma: no cover - compiled
+        s = np.float32(0.0)
+        for i in range(a.shape[0]):
+            s += a[i] * np.float32(0.0)
+        return s == 0
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of a float tensor is finite, in one pass without a temporary.
+
+    On the CPU a numba reduction (or numpy's isfinite without numba); `torch.isfinite(t).all()`
+    costs ~40x more per value on a CPU float32 tensor here (see bench.gradcheck).
+    """
+    if t.device.type == "cpu" and t.dtype == torch.float32:
+        a = t.detach().numpy().reshape(-1)
+        return bool(_finite_kernel(a)) if HAVE_NUMBA else bool(np.isfinite(a).all())
+    return bool(torch.isfinite(t).all())
+
+
 def gradients(spec: TableSpec, grads: torch.Tensor, what: str = "gradient") -> torch.Tensor:
     """Refuse NaN/Inf in a float32 gradient (one pass); clamp it to the table's `clip` if set."""
     not_meta(grads, what)
-    if grads.numel() and not bool(torch.isfinite(grads).all()):
+    if grads.numel() and not all_finite(grads):
         bad = int((~torch.isfinite(grads)).sum())
         raise InvalidGradientError(
             f"{what} for table {spec.name!r} holds {bad} NaN/Inf value(s); nothing was updated")
@@ -93,7 +120,7 @@ def bags(spec: TableSpec, unique: torch.Tensor, inverse: Any, offsets: Any, grad
         not_meta(psw, "per_sample_weights")
         if psw.numel() != n:
             raise ShapeError(f"per_sample_weights holds {psw.numel()} values, inverse {n}")
-        if n and not bool(torch.isfinite(psw).all()):
+        if n and not all_finite(psw):
             raise InvalidGradientError("per_sample_weights hold NaN/Inf; nothing was updated")
     return inverse, offsets, grad_out, psw
 
@@ -114,6 +141,6 @@ def json_extra(extra: Any) -> dict:
 def bag_gradients(spec: TableSpec, grad_out: torch.Tensor, psw: torch.Tensor | None
                   ) -> torch.Tensor:
     """The module's backward: refuse NaN/Inf in `grad_out` or the per-sample weights; clip."""
-    if psw is not None and psw.numel() and not bool(torch.isfinite(psw).all()):
+    if psw is not None and psw.numel() and not all_finite(psw):
         raise InvalidGradientError("per_sample_weights hold NaN/Inf; nothing was updated")
     return gradients(spec, grad_out.detach().to(dtype=torch.float32), "grad_out")
