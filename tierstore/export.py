@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zstandard
 
-from .backends.lmdb_backend import LmdbBackend
+from .backends.lmdb_backend import LmdbBackend, lmdb_errors
 from .config import TableSpec, parse_size
 from .errors import ConfigError, ConfigMismatchError, StoreCorruptError, TierstoreError
 from .persistence import (
@@ -120,7 +120,7 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
         raise ConfigError(f"shard size must be positive, got {shard_bytes}")
     check_new_dir(dest, overwrite, "export destination")
     t0 = time.perf_counter()
-    with _source(src) as (backend, txn):
+    with lmdb_errors(src.path if hasattr(src, "path") else src), _source(src) as (backend, txn):
         meta = backend.snapshot_meta(txn)
         store_meta = meta.get("store") or {}
         if store_meta.get("format_version") != FORMAT_VERSION:

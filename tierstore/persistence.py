@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import validate
-from .backends.lmdb_backend import LOCK_NAME, LmdbBackend
+from .backends.lmdb_backend import LOCK_NAME, LmdbBackend, lmdb_errors
 from .config import TableSpec
 from .errors import (
     ConfigError,
@@ -379,7 +379,8 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
 def checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | None = None,
                extra: dict | None = None, overwrite: bool = False) -> dict:
     """Flush, snapshot and copy the store to `dest`; returns the manifest once it is durable."""
-    return start_checkpoint(store, dest, step=step, extra=extra, overwrite=overwrite).wait()
+    with lmdb_errors(store.path):
+        return start_checkpoint(store, dest, step=step, extra=extra, overwrite=overwrite).wait()
 
 
 def load_manifest(directory: Path, name: str, kind: str, fmt: str, version: int,
@@ -442,11 +443,12 @@ def cross_check(dest: Path, manifest: dict) -> None:
     The table specs (optimizer hyperparameters included) and the seed the manifest lists must be
     the ones stored inside `data.mdb` itself.
     """
-    backend = LmdbBackend(dest, readonly=True)
-    try:
-        meta = {k: backend.get_meta(k) for k in backend.meta_keys()}
-    finally:
-        backend.close()
+    with lmdb_errors(dest):
+        backend = LmdbBackend(dest, readonly=True)
+        try:
+            meta = {k: backend.get_meta(k) for k in backend.meta_keys()}
+        finally:
+            backend.close()
     stored = {k[6:]: TableSpec.from_config(v).to_config() for k, v in meta.items()
               if k.startswith("table:") and v is not None}
     listed = {s.name: s.to_config() for s in manifest["specs"]}

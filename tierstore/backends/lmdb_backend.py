@@ -75,6 +75,15 @@ def lmdb_error(exc: Exception, path: Path) -> TierstoreError:
     return StoreCorruptError(f"LMDB error in {path}: {exc}")
 
 
+@contextmanager
+def lmdb_errors(path: str | os.PathLike):
+    """Translate LMDB errors raised inside the block (see `lmdb_error`)."""
+    try:
+        yield
+    except lmdb.Error as exc:
+        raise lmdb_error(exc, Path(path)) from exc
+
+
 def _stored_mark(text: bytes) -> bool:
     """Whether a lock file's text says a store was created in its directory."""
     return STORE_MARK in text
@@ -86,9 +95,12 @@ def encode_keys(rows: np.ndarray) -> list[bytes]:
     return np.ascontiguousarray(rows, dtype=_KEY_DTYPE).ravel().view(_KEY_VOID).tolist()
 
 
-def decode_keys(keys: list[bytes]) -> np.ndarray:
-    """Inverse of `encode_keys`."""
-    return np.frombuffer(b"".join(keys), dtype=_KEY_DTYPE).astype(np.int64)
+def decode_keys(keys: list[bytes], where: str = "a store") -> np.ndarray:
+    """Inverse of `encode_keys`; `where` names the store in the error for a damaged key."""
+    blob = b"".join(keys)
+    if len(blob) != 8 * len(keys):
+        raise StoreCorruptError(f"{where}: a stored row key is not 8 bytes long (damaged store)")
+    return np.frombuffer(blob, dtype=_KEY_DTYPE).astype(np.int64)
 
 
 class LmdbBackend:
@@ -721,7 +733,7 @@ class LmdbBackend:
                 raise StoreCorruptError(f"store {self.path}, table {table!r}: stored rows have "
                                         f"the wrong size ({width} floats)")
             data = np.frombuffer(blob, dtype=np.float32)
-            yield decode_keys(keys), data.reshape(-1, width)
+            yield decode_keys(keys, f"store {self.path}, table {table!r}"), data.reshape(-1, width)
 
 
 def fsync_path(path: Path) -> None:

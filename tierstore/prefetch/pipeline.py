@@ -10,9 +10,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import lmdb
 import numpy as np
 import torch
 
+from ..backends.lmdb_backend import lmdb_error
 from ..errors import ConfigError, ShapeError, TierstoreError
 from ..store import TierStore
 
@@ -150,6 +152,8 @@ class Prefetcher:
         err = self._error
         if err is not None:
             self.close()
+            if isinstance(err, lmdb.Error):  # a damaged page met by a reader thread
+                raise lmdb_error(err, self.store.path) from err
             if isinstance(err, TierstoreError):
                 raise err
             raise TierstoreError(f"prefetch pipeline failed: {err!r}") from err
