@@ -195,6 +195,33 @@ def test_overwrite_checkpoint_interrupted_anywhere_leaves_a_complete_one(tmp_pat
     store.close()
 
 
+def test_two_rename_fallback_is_recovered(tmp_path, monkeypatch):
+    """Where the file system cannot exchange directories, a kill between the two renames leaves
+    the old checkpoint aside; the next read of `dest` puts it back."""
+    store, ids, old_rows = _trained(tmp_path / "s")
+    ck = tmp_path / "ck"
+    store.checkpoint(ck, step=1)
+    store.apply("t", ids, torch.ones(len(ids), 8))
+    monkeypatch.setattr(persistence, "_exchange", lambda a, b: False)
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(dst) == ck:  # the second rename: the process "dies" here
+            raise _Crash
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(_Crash):
+        store.checkpoint(ck, step=2, overwrite=True)
+    monkeypatch.setattr(os, "replace", real)
+    assert not ck.exists() and list(tmp_path.glob(".ck.old-*"))
+    assert persistence.verify_checkpoint(ck)["step"] == 1  # recovered
+    assert not list(tmp_path.glob(".ck.old-*"))
+    store.checkpoint(ck, step=2, overwrite=True)  # the fallback publishes normally
+    assert persistence.verify_checkpoint(ck)["step"] == 2
+    store.close()
+
+
 def test_staging_leftovers_rejected_and_cleaned(tmp_path):
     store, ids, rows = _trained(tmp_path / "s")
     root = tmp_path / "ckpts"
@@ -430,8 +457,8 @@ def test_clip_bounds_huge_gradients(tmp_path):
 
 # rows 10 and 11: Prefetcher lifecycle ---------------------------------------------------------
 def _prefetch_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("tierstore-")
-            and t.is_alive()]
+    return [t for t in threading.enumerate() if t.is_alive() and
+            t.name.startswith(("tierstore-prefetch", "tierstore-read"))]
 
 
 def _pins(store: ts.TierStore) -> int:

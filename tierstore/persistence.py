@@ -179,13 +179,21 @@ def recover_dest(dest: Path) -> None:
     if dest.exists() or dest.is_symlink() or not dest.parent.is_dir():
         return
     olds = sorted((p for p in dest.parent.glob(f".{glob_escape(dest.name)}.old-*")
-                   if is_staging(p) and p.is_dir()), key=lambda p: p.stat().st_mtime)
+                   if is_staging(p) and p.is_dir() and not _writer_alive(p)),
+                  key=lambda p: p.stat().st_mtime)
     if olds:
         try:
             os.replace(olds[-1], dest)
             fsync_dir(dest.parent)
         except OSError:
             pass
+
+
+def _writer_alive(p: Path) -> bool:
+    """Whether the process named in a staging directory's name (another one) is still running."""
+    m = _STAGING_RE.match(p.name)
+    pid = None if m is None or m.group("pid") is None else int(m.group("pid"))
+    return pid is not None and pid != os.getpid() and _pid_alive(pid)
 
 
 def glob_escape(name: str) -> str:
@@ -204,12 +212,8 @@ def clean_stale(parent: Path) -> list[Path]:
         m = _STAGING_RE.match(p.name)
         if m is None or p.is_symlink() or not p.is_dir():
             continue
-        pid = m.group("pid")
-        if pid is not None and int(pid) != os.getpid() and _pid_alive(int(pid)):
-            continue  # another live process is writing it
-        if pid is not None and int(pid) == os.getpid() and m.group("kind") == "partial" and \
-                p in _ACTIVE:
-            continue  # one of ours, being written
+        if _writer_alive(p) or p in _ACTIVE:
+            continue  # another live process's, or one of ours, being written
         if m.group("kind") == "old" and not (parent / m.group("name")).exists():
             recover_dest(parent / m.group("name"))
             continue
