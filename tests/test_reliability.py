@@ -387,6 +387,11 @@ def test_meta_tensors_and_bad_extra_are_clear_errors(tmp_path):
             call()
     with pytest.raises(ts.ShapeError):
         store.apply("t", torch.arange(3), torch.ones(3, 8, device="meta"))
+    bag = ts.TieredEmbeddingBag(store, "t")
+    with pytest.raises(ts.InvalidIdsError):
+        bag(meta, torch.tensor([0]))
+    with pytest.raises(ts.ShapeError):
+        bag(torch.arange(3), torch.tensor([0], device="meta"))
     store.apply("t", torch.arange(10), torch.ones(10, 8))
     dirty = int(store.device_tier.dirty.sum() + store.host_tier.dirty.sum())
     assert dirty > 0
@@ -514,7 +519,7 @@ def test_close_is_bounded_when_the_source_blocks(tmp_path):
         closer.start()
         finished = done.wait(15)
         gate.set()  # let the source go either way
-        assert finished and time.monotonic() - t0 < 10
+        assert finished and time.monotonic() - t0 < 2  # does not wait on the blocked source
         assert _pins(store) == 0
         assert _wait(lambda: not any(t.name == "tierstore-prefetch" for t in _prefetch_threads()))
 

@@ -57,6 +57,7 @@ def _normalize(input: torch.Tensor, offsets: torch.Tensor | None,
                per_sample_weights: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """torch.nn.EmbeddingBag's input conventions -> (flat ids, offsets, flat weights)."""
+    validate.no_meta(input=input, offsets=offsets, per_sample_weights=per_sample_weights)
     if input.dim() == 2:
         if offsets is not None:
             raise ShapeError("offsets must be None when input is 2-D")
@@ -199,6 +200,7 @@ def _unpack_jagged(keys: Any, values: torch.Tensor | None, lengths: torch.Tensor
     keys = list(keys)
     if values is None:
         raise ShapeError("values are required")
+    validate.no_meta(values=values, lengths=lengths, offsets=offsets, weights=weights)
     if lengths is None:
         if offsets is None:
             raise ShapeError("give lengths or offsets")

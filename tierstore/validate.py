@@ -27,6 +27,13 @@ def not_meta(t: torch.Tensor, what: str, error: type[Exception] = ShapeError) ->
         raise error(f"{what} is on the 'meta' device (a tensor without data)")
 
 
+def no_meta(**tensors: Any) -> None:
+    """`not_meta` for each named tensor argument that is a tensor (ids get InvalidIdsError)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor):
+            not_meta(t, name, InvalidIdsError if name in ("input", "values") else ShapeError)
+
+
 def index_tensor(t: Any, what: str) -> torch.Tensor:
     """A 1-D integer tensor with data, as int64 on the CPU."""
     if not isinstance(t, torch.Tensor):

@@ -86,6 +86,7 @@ class Prefetcher:
         self._consumed = -1
         self._closed = False
         self._errbox: list[BaseException] = []  # the staging thread's error, if any
+        self._in_source = threading.Event()  # set while the staging thread waits in next(source)
         self._stop = threading.Event()
         self._ready: queue.Queue = queue.Queue()
         self._permits = threading.Semaphore(depth + 1)
@@ -100,9 +101,10 @@ class Prefetcher:
             self._thread = threading.Thread(
                 target=_run, name="tierstore-prefetch", daemon=True,
                 args=(weakref.ref(self), self._source, self._permits, self._stop, self._ready,
-                      self._errbox))
+                      self._errbox, self._in_source))
         self._finalizer = weakref.finalize(self, _shutdown, store, self._window, self._stop,
-                                           self._permits, depth, self._pool, self._thread)
+                                           self._permits, depth, self._pool, self._thread,
+                                           self._in_source)
         store._prefetchers.add(self)
         if self._thread is not None:
             self._thread.start()
@@ -190,9 +192,10 @@ class Prefetcher:
     def close(self) -> None:
         """Stop the pipeline, join its threads and unpin whatever is still staged.
 
-        Returns within about `CLOSE_TIMEOUT_S` even when the batch source blocks in `next()`:
-        the staging thread is a daemon and is then left to finish that call; it stages
-        nothing after close (it sees the stop flag under the store lock).
+        Does not wait for a staging thread that is blocked in the batch source's `next()`: that
+        thread is a daemon and is left to finish the call, then exits without staging (it
+        checks the stop flag, and checks it again under the store lock before any pin). A
+        thread busy staging is waited for at most `CLOSE_TIMEOUT_S`.
         """
         if self._closed:
             return
@@ -274,11 +277,19 @@ class Prefetcher:
 
 # lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------
 def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
-         stop: threading.Event, ready: queue.Queue, errbox: list) -> None:
+         stop: threading.Event, ready: queue.Queue, errbox: list,
+         in_source: threading.Event) -> None:
     """The staging loop: read a batch, wait for a window slot, stage it, hand it over."""
     step = -1
     try:
-        for batch in source:
+        while not stop.is_set():
+            in_source.set()
+            try:
+                batch = next(source)
+            except StopIteration:
+                return
+            finally:
+                in_source.clear()
             permits.acquire()
             if stop.is_set():
                 return
@@ -310,13 +321,13 @@ def _unpin_all(store: TierStore, window: dict) -> None:
 
 def _shutdown(store: TierStore, window: dict, stop: threading.Event,
               permits: threading.Semaphore, depth: int, pool: ThreadPoolExecutor | None,
-              thread: threading.Thread | None) -> None:
+              thread: threading.Thread | None, in_source: threading.Event) -> None:
     """Stop a pipeline: wake and join its threads (bounded), then unpin its window."""
     stop.set()
     for _ in range(depth + 2):
         permits.release()
     if thread is not None and thread is not threading.current_thread():
-        thread.join(CLOSE_TIMEOUT_S)
+        thread.join(0.05 if in_source.is_set() else CLOSE_TIMEOUT_S)  # never wait on the source
     if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
     _unpin_all(store, window)
