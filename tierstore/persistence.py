@@ -100,7 +100,7 @@ def check_new_dir(dest: Path, overwrite: bool, what: str) -> None:
 
 # staging names: `.NAME.partial-PID-HEX` (being written, or an old copy after an exchange) and
 # `.NAME.old-PID-HEX` (the old copy during a two-rename publish where exchange is unsupported)
-_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?:(?P<pid>\d+)-)?[0-9a-f]{8}$")
+_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?:(?P<pid>\d+)-)?[0-9A-Za-z_]+$")
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
