@@ -57,7 +57,9 @@ class Prefetcher:
     `readers` threads without the store lock (py-lmdb releases the GIL), which pulls their pages
     into the page cache; staging then moves them into the caches under the store lock, so a row
     staged early still reflects every update made before its batch runs. Look-ahead policies
-    receive each staged row's next use within the window.
+    receive each staged row's next use within the window. Use it with `with` or call `close()`;
+    one dropped without either is stopped (threads ended, pins released) when it is
+    garbage-collected or when its store closes (docs/reliability.md).
     """
 
     def __init__(self, store: TierStore | Any, batches: Iterable[Any], depth: int = 2, *,
