@@ -5,6 +5,7 @@ from .errors import (
     CapacityError,
     ConfigError,
     ConfigMismatchError,
+    InvalidGradientError,
     InvalidIdsError,
     OutOfSpaceError,
     ShapeError,
@@ -27,7 +28,7 @@ __all__ = [
     "UniformInit", "NormalInit", "ConstantInit",
     "TierstoreError", "UnknownTableError", "InvalidIdsError", "ShapeError", "ConfigError",
     "ConfigMismatchError", "StoreLockedError", "StoreCorruptError", "OutOfSpaceError",
-    "StoreClosedError", "CapacityError",
+    "StoreClosedError", "CapacityError", "InvalidGradientError",
 ]
 
 from .module import TieredEmbeddingBag, TieredEmbeddingBagCollection  # noqa: E402

@@ -24,6 +24,8 @@ class TableSpec:
 
     `dtype` is how the embedding is stored: "float32" (default, bit-exact), or "float16" /
     "bfloat16" (half the bytes; updates round stochastically; state stays float32).
+    `clip`: when set, every incoming gradient value is clamped to [-clip, clip] before the
+    optimizer sees it (see docs/reliability.md); None (default) leaves gradients as they are.
     """
 
     name: str
@@ -32,6 +34,7 @@ class TableSpec:
     optimizer: Optimizer = field(default_factory=SGD)
     init: Initializer = field(default_factory=UniformInit)
     dtype: str = "float32"
+    clip: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -52,6 +55,10 @@ class TableSpec:
             raise ConfigError(f"init must be a tierstore initializer or its name, got {self.init!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.clip is not None and (isinstance(self.clip, bool) or
+                                      not isinstance(self.clip, (int, float)) or
+                                      not 0 < self.clip < float("inf")):
+            raise ConfigError(f"clip must be a positive finite number or None, got {self.clip!r}")
 
     @property
     def state_dim(self) -> int:
@@ -85,16 +92,20 @@ class TableSpec:
 
     def to_config(self) -> dict:
         """Serialize to a JSON-able dict (stored in the store's metadata)."""
-        return {"name": self.name, "num_rows": self.num_rows, "dim": self.dim,
-                "optimizer": self.optimizer.to_config(), "init": self.init.to_config(),
-                "dtype": self.dtype}
+        cfg = {"name": self.name, "num_rows": self.num_rows, "dim": self.dim,
+               "optimizer": self.optimizer.to_config(), "init": self.init.to_config(),
+               "dtype": self.dtype}
+        if self.clip is not None:  # absent when unset: older stores' configs stay equal
+            cfg["clip"] = float(self.clip)
+        return cfg
 
     @classmethod
     def from_config(cls, cfg: dict) -> TableSpec:
         """Rebuild a spec from `to_config()` output."""
         return cls(name=cfg["name"], num_rows=int(cfg["num_rows"]), dim=int(cfg["dim"]),
                    optimizer=optimizer_from_config(cfg["optimizer"]),
-                   init=initializer_from_config(cfg["init"]), dtype=cfg.get("dtype", "float32"))
+                   init=initializer_from_config(cfg["init"]), dtype=cfg.get("dtype", "float32"),
+                   clip=cfg.get("clip"))
 
 
 def parse_size(value: int | str) -> int:

@@ -48,3 +48,7 @@ class StoreClosedError(TierstoreError):
 
 class CapacityError(TierstoreError):
     """A request that needs more cache rows than the configured capacity."""
+
+
+class InvalidGradientError(TierstoreError, ValueError):
+    """A gradient (or per-sample weight) that holds NaN or Inf; the call changes nothing."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zstandard
 
-from .backends.lmdb_backend import LmdbBackend
+from .backends.lmdb_backend import LmdbBackend, lmdb_errors
 from .config import TableSpec, parse_size
 from .errors import ConfigError, ConfigMismatchError, StoreCorruptError, TierstoreError
 from .persistence import (
@@ -31,9 +30,13 @@ from .persistence import (
 )
 from .persistence import (
     check_new_dir,
+    check_seal,
+    end_staging,
+    is_staging,
     load_manifest,
     os_error,
     publish_dir,
+    seal,
     staging_dir,
     verify_checkpoint,
     write_json_atomic,
@@ -118,7 +121,7 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
         raise ConfigError(f"shard size must be positive, got {shard_bytes}")
     check_new_dir(dest, overwrite, "export destination")
     t0 = time.perf_counter()
-    with _source(src) as (backend, txn):
+    with lmdb_errors(src.path if hasattr(src, "path") else src), _source(src) as (backend, txn):
         meta = backend.snapshot_meta(txn)
         store_meta = meta.get("store") or {}
         if store_meta.get("format_version") != FORMAT_VERSION:
@@ -160,14 +163,12 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
                                   "ids": "delta<i8", "payload": "<f4"},
                         "raw_bytes": raw_total, "bytes": out_total, "tables": tables}
             manifest["seconds"] = time.perf_counter() - t0
-            write_json_atomic(staging / MANIFEST, manifest)
+            write_json_atomic(staging / MANIFEST, seal(manifest))
             publish_dir(staging, dest)
         except OSError as exc:
-            shutil.rmtree(staging, ignore_errors=True)
             raise os_error(exc, f"cannot write export {dest}") from exc
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        finally:
+            end_staging(staging)
     return manifest
 
 
@@ -175,19 +176,33 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
 def read_export_manifest(src: str | os.PathLike) -> dict:
     """The manifest of an export directory; raises on a missing, foreign or malformed one."""
     src = Path(src)
+    if is_staging(src):
+        raise StoreCorruptError(f"{src} is the staging directory of an export that did not finish")
     manifest = load_manifest(src, MANIFEST, "export", EXPORT_FORMAT, EXPORT_VERSION)
     codec = manifest.get("codec") or {}
-    if codec.get("name") != "zstd" or codec.get("ids") != "delta<i8" or \
-            codec.get("payload") != "<f4":
+    if not isinstance(codec, dict) or codec.get("name") != "zstd" or \
+            codec.get("ids") != "delta<i8" or codec.get("payload") != "<f4":
         raise ConfigMismatchError(f"export {src} uses an unknown codec {codec!r}")
+    check_seal(manifest, src / MANIFEST, "export")
     try:
+        if not isinstance(codec.get("shuffle"), bool):
+            raise ValueError(f"codec.shuffle must be true or false, got {codec.get('shuffle')!r}")
         manifest["specs"] = [TableSpec.from_config(t["spec"]) for t in manifest["tables"]]
         for t in manifest["tables"]:
+            last = -1
             for s in t["shards"]:
-                int(s["rows"]), int(s["bytes"]), int(s["raw_bytes"]), str(s["sha256"])
+                int(s["bytes"]), int(s["raw_bytes"]), str(s["sha256"])
+                rows, first, end = int(s["rows"]), int(s["first_id"]), int(s["last_id"])
+                if rows < 1 or first <= last or end < first or end - first + 1 < rows:
+                    raise ValueError(f"shard {s['file']!r} lists {rows} rows in [{first}, {end}] "
+                                     f"after id {last}")
+                last = end
                 if not isinstance(s["file"], str) or ".." in Path(s["file"]).parts or \
                         Path(s["file"]).is_absolute():
                     raise ValueError(f"bad shard path {s['file']!r}")
+            if int(t["rows"]) != sum(int(s["rows"]) for s in t["shards"]):
+                raise ValueError(f"table {t['spec']['name']!r} lists {t['rows']} rows, its "
+                                 f"shards {sum(int(s['rows']) for s in t['shards'])}")
         int(manifest["seed"])
     except (KeyError, TypeError, ValueError, TierstoreError) as exc:
         raise StoreCorruptError(f"export manifest {src / MANIFEST} is malformed: {exc!r}") from exc
@@ -212,6 +227,9 @@ def _read_shard(src: Path, shard: dict, spec: TableSpec, shuffle: bool,
     if len(ids) and (ids[0] < 0 or ids[-1] >= spec.num_rows or
                      (len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()))):
         raise StoreCorruptError(f"export shard {path} holds row ids that are out of order or range")
+    if len(ids) and (int(ids[0]) != int(shard["first_id"]) or int(ids[-1]) != int(shard["last_id"])):
+        raise StoreCorruptError(f"export shard {path} holds ids [{ids[0]}, {ids[-1]}], its manifest "
+                                f"entry says [{shard['first_id']}, {shard['last_id']}]")
     return ids, payload
 
 
@@ -249,6 +267,6 @@ def import_store(src: str | os.PathLike, path: str | os.PathLike, *,
     except OSError as exc:
         raise os_error(exc, f"cannot import into {path}") from exc
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        end_staging(staging)
     manifest["import_seconds"] = time.perf_counter() - t0
     return manifest

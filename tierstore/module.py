@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import validate
 from .errors import ConfigError, ShapeError
 from .store import TierStore
 
@@ -37,8 +38,9 @@ class _TieredBags(torch.autograd.Function):
         ctx.gathered = None
         with store._lock:
             store._live()
-            store._apply_bags(store._table(ctx.table), g, offsets, grad_out.contiguous(), psw,
-                              ctx.mode)
+            tab = store._table(ctx.table)
+            grad_out = validate.bag_gradients(tab.spec, grad_out, psw)
+            store._apply_bags(tab, g, offsets, grad_out.contiguous(), psw, ctx.mode)
         g_psw = None
         if psw is not None and ctx.needs_input_grad[1]:
             n = g.inverse.numel()
@@ -55,6 +57,7 @@ def _normalize(input: torch.Tensor, offsets: torch.Tensor | None,
                per_sample_weights: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """torch.nn.EmbeddingBag's input conventions -> (flat ids, offsets, flat weights)."""
+    validate.no_meta(input=input, offsets=offsets, per_sample_weights=per_sample_weights)
     if input.dim() == 2:
         if offsets is not None:
             raise ShapeError("offsets must be None when input is 2-D")
@@ -197,6 +200,7 @@ def _unpack_jagged(keys: Any, values: torch.Tensor | None, lengths: torch.Tensor
     keys = list(keys)
     if values is None:
         raise ShapeError("values are required")
+    validate.no_meta(values=values, lengths=lengths, offsets=offsets, weights=weights)
     if lengths is None:
         if offsets is None:
             raise ShapeError("give lengths or offsets")

@@ -1,18 +1,23 @@
 """Checkpoints: flush, copy an MVCC snapshot of the LMDB file, publish it under a manifest.
 
 Layout of a checkpoint directory: `data.mdb` (a compacted LMDB copy of the whole store, taken in
-one read transaction right after the flush) and `MANIFEST.json` (written last). The directory is
-assembled under a hidden sibling name and renamed into place, so `dest` either holds a complete,
-checksummed checkpoint or nothing.
+one read transaction right after the flush) and `MANIFEST.json` (written last, with a checksum of
+its own content). The directory is assembled under a hidden sibling name (`.NAME.partial-PID-*`)
+and published by one atomic exchange of the two directories (`renameat2(RENAME_EXCHANGE)`), so
+`dest` is at every instant either the complete old checkpoint or the complete new one (see
+docs/reliability.md). Staging directories left by a killed process are removed by the next
+checkpoint, export or import in the same parent directory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -22,7 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .backends.lmdb_backend import LOCK_NAME, LmdbBackend
+from . import validate
+from .backends.lmdb_backend import LOCK_NAME, LmdbBackend, lmdb_errors
 from .config import TableSpec
 from .errors import (
     ConfigError,
@@ -92,24 +98,183 @@ def check_new_dir(dest: Path, overwrite: bool, what: str) -> None:
         raise ConfigError(f"{what} {dest} exists and is not empty (pass overwrite=True)")
 
 
+# staging names: `.NAME.partial-PID-HEX` (being written, or an old copy after an exchange) and
+# `.NAME.old-PID-HEX` (the old copy during a two-rename publish where exchange is unsupported)
+_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?:(?P<pid>\d+)-)?[0-9A-Za-z_]+$")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def is_staging(path: Path) -> bool:
+    """Whether `path` is a staging or leftover directory of a checkpoint, export or import."""
+    return _STAGING_RE.match(Path(path).name) is not None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux renameat2); False where that is unsupported."""
+    fn = getattr(_libc(), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]
+
+
 def publish_dir(staging: Path, dest: Path) -> None:
-    """Rename a fully written staging directory to `dest`, replacing what was there."""
-    old = None
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
+    """Make a fully written staging directory `dest`, replacing what was there.
+
+    An existing `dest` is swapped with the staging directory in one atomic exchange, then the
+    old content (now under the staging name) is removed: a kill at any point leaves `dest`
+    complete, old or new. Where the file system cannot exchange, two renames are used and a
+    kill between them leaves the old one under `.NAME.old-*`, which `recover_dest` (run by
+    every later checkpoint, read and restore of `dest`) renames back.
+    """
+    if dest.is_dir() and not dest.is_symlink():
+        if _exchange(staging, dest):
+            fsync_dir(dest.parent)
+            shutil.rmtree(staging, ignore_errors=True)  # the old content
+            return
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.replace(dest, old)
+        os.replace(staging, dest)
+        fsync_dir(dest.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
     os.replace(staging, dest)
     fsync_dir(dest.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` is running (a zombie counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def recover_dest(dest: Path) -> None:
+    """Rename a complete `.NAME.old-*` copy back to a missing `dest` (a two-rename publish cut short)."""
+    if dest.exists() or dest.is_symlink() or not dest.parent.is_dir():
+        return
+    olds = sorted((p for p in dest.parent.glob(f".{glob_escape(dest.name)}.old-*")
+                   if is_staging(p) and p.is_dir() and not _writer_alive(p)),
+                  key=lambda p: p.stat().st_mtime)
+    if olds:
+        try:
+            os.replace(olds[-1], dest)
+            fsync_dir(dest.parent)
+        except OSError:
+            pass
+
+
+def _writer_alive(p: Path) -> bool:
+    """Whether the process named in a staging directory's name (another one) is still running."""
+    m = _STAGING_RE.match(p.name)
+    pid = None if m is None or m.group("pid") is None else int(m.group("pid"))
+    return pid is not None and pid != os.getpid() and _pid_alive(pid)
+
+
+def glob_escape(name: str) -> str:
+    """`name` with glob metacharacters escaped."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def clean_stale(parent: Path) -> list[Path]:
+    """Remove staging directories of dead processes in `parent`; returns what was removed."""
+    gone: list[Path] = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return gone
+    for p in entries:
+        m = _STAGING_RE.match(p.name)
+        if m is None or p.is_symlink() or not p.is_dir():
+            continue
+        if _writer_alive(p) or p in _ACTIVE:
+            continue  # another live process's, or one of ours, being written
+        if m.group("kind") == "old" and not (parent / m.group("name")).exists():
+            recover_dest(parent / m.group("name"))
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        gone.append(p)
+    return gone
+
+
+_ACTIVE: set[Path] = set()  # staging directories this process is writing now
 
 
 def staging_dir(dest: Path) -> Path:
-    """A fresh hidden sibling directory of `dest` to assemble it in."""
+    """A fresh hidden sibling directory of `dest` to assemble it in (stale ones are removed first)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(dest.parent)
+    recover_dest(dest)
     staging = dest.with_name(f".{dest.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
+    _ACTIVE.add(staging)
     return staging
+
+
+def end_staging(staging: Path) -> None:
+    """Forget (and remove, if still there) a staging directory of this process."""
+    _ACTIVE.discard(staging)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+# manifest checksums ----------------------------------------------------------------------------
+DIGEST_KEY = "manifest_sha256"
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of a manifest's canonical JSON, without its own checksum field."""
+    body = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def seal(manifest: dict) -> dict:
+    """Add the manifest's checksum of its own content."""
+    manifest[DIGEST_KEY] = manifest_digest(manifest)
+    return manifest
+
+
+def check_seal(manifest: dict, path: Path, kind: str) -> None:
+    """StoreCorruptError when a manifest's content does not match its checksum.
+
+    Manifests written before checksums existed have none; they get the cross-checks only.
+    """
+    want = manifest.get(DIGEST_KEY)
+    if want is None:
+        return
+    try:
+        got = manifest_digest(manifest)
+    except (TypeError, ValueError) as exc:
+        raise StoreCorruptError(f"{kind} manifest {path} is malformed: {exc}") from exc
+    if got != want:
+        raise StoreCorruptError(
+            f"{kind} manifest {path} was changed after it was written (its checksum does not "
+            f"match its content)")
 
 
 # checkpoint ------------------------------------------------------------------------------------
@@ -147,6 +312,10 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
     dest = Path(dest)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise ConfigError(f"step must be an int or None, got {step!r}")
+    extra = validate.json_extra(extra)  # before the flush and the copy
+    store._live()
+    if is_staging(dest):
+        raise ConfigError(f"{dest} is a staging directory name; choose another destination")
     check_new_dir(dest, overwrite, "checkpoint destination")
     try:
         staging = staging_dir(dest)
@@ -159,7 +328,7 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
         txn = backend.snapshot()
         pause = time.perf_counter() - t0
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        end_staging(staging)
         raise
     pending = PendingCheckpoint(dest, pause)
     try:
@@ -169,14 +338,14 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
         counts = {t.name: backend.snapshot_count(txn, t.name) for t in tables}
     except BaseException:
         txn.abort()
-        shutil.rmtree(staging, ignore_errors=True)
+        end_staging(staging)
         raise
     from . import __version__
     from .store import FORMAT_VERSION
 
     head = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
             "store_format_version": FORMAT_VERSION, "tierstore_version": __version__,
-            "created_unix": time.time(), "step": step, "extra": extra or {},
+            "created_unix": time.time(), "step": step, "extra": extra,
             "seed": (meta.get("store") or {}).get("seed", store.seed),
             "tables": [{"spec": t.to_config(), "rows_stored": counts[t.name]} for t in tables],
             "pause_s": pause}
@@ -192,8 +361,8 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
             with open(data, "rb+") as f:
                 os.fsync(f.fileno())
             size, digest = file_digest(data)
-            manifest = {**head, "files": {DATA: {"bytes": size, "sha256": digest}},
-                        "copy_s": time.perf_counter() - t1}
+            manifest = seal({**head, "files": {DATA: {"bytes": size, "sha256": digest}},
+                             "copy_s": time.perf_counter() - t1})
             write_json_atomic(staging / MANIFEST, manifest)
             publish_dir(staging, dest)
             pending._manifest = manifest
@@ -202,8 +371,7 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
         except BaseException as exc:  # re-raised by wait()
             pending._error = exc
         finally:
-            if pending._error is not None:
-                shutil.rmtree(staging, ignore_errors=True)
+            end_staging(staging)
 
     thread = threading.Thread(target=copy, name=f"tierstore-checkpoint-{dest.name}", daemon=False)
     pending._thread = thread
@@ -215,7 +383,8 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
 def checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | None = None,
                extra: dict | None = None, overwrite: bool = False) -> dict:
     """Flush, snapshot and copy the store to `dest`; returns the manifest once it is durable."""
-    return start_checkpoint(store, dest, step=step, extra=extra, overwrite=overwrite).wait()
+    with lmdb_errors(store.path):
+        return start_checkpoint(store, dest, step=step, extra=extra, overwrite=overwrite).wait()
 
 
 def load_manifest(directory: Path, name: str, kind: str, fmt: str, version: int,
@@ -246,6 +415,11 @@ def load_manifest(directory: Path, name: str, kind: str, fmt: str, version: int,
 def read_manifest(dest: str | os.PathLike) -> dict:
     """The manifest of a complete checkpoint; raises on a missing, foreign or corrupt one."""
     dest = Path(dest)
+    if is_staging(dest):
+        raise StoreCorruptError(
+            f"{dest} is a staging directory of a checkpoint, export or import that did not "
+            f"finish (or the old copy of one that did); it is not a checkpoint")
+    recover_dest(dest)
     manifest = load_manifest(dest, MANIFEST, "checkpoint", CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
                              " (use `tierstore export` to move across versions)")
     from .store import FORMAT_VERSION
@@ -254,13 +428,42 @@ def read_manifest(dest: str | os.PathLike) -> dict:
         raise ConfigMismatchError(
             f"checkpoint {dest} holds a store of format version "
             f"{manifest.get('store_format_version')!r}; this tierstore reads {FORMAT_VERSION}")
+    check_seal(manifest, dest / MANIFEST, "checkpoint")
     try:
         manifest["specs"] = [TableSpec.from_config(t["spec"]) for t in manifest["tables"]]
         files = manifest["files"][DATA]
         int(files["bytes"]), str(files["sha256"]), int(manifest["seed"])
+        for t in manifest["tables"]:
+            if int(t["rows_stored"]) < 0:
+                raise ValueError(f"negative row count for table {t['spec']['name']!r}")
     except (KeyError, TypeError, ValueError, TierstoreError) as exc:
         raise StoreCorruptError(f"checkpoint manifest {dest / MANIFEST} is malformed: {exc!r}") from exc
     return manifest
+
+
+def cross_check(dest: Path, manifest: dict) -> None:
+    """StoreCorruptError when a checkpoint's manifest disagrees with its data file's metadata.
+
+    The table specs (optimizer hyperparameters included) and the seed the manifest lists must be
+    the ones stored inside `data.mdb` itself.
+    """
+    with lmdb_errors(dest):
+        backend = LmdbBackend(dest, readonly=True)
+        try:
+            meta = {k: backend.get_meta(k) for k in backend.meta_keys()}
+        finally:
+            backend.close()
+    stored = {k[6:]: TableSpec.from_config(v).to_config() for k, v in meta.items()
+              if k.startswith("table:") and v is not None}
+    listed = {s.name: s.to_config() for s in manifest["specs"]}
+    if stored != listed:
+        diff = sorted(n for n in set(stored) | set(listed) if stored.get(n) != listed.get(n))
+        raise StoreCorruptError(
+            f"checkpoint {dest}: the manifest's tables disagree with {DATA} for {diff}")
+    seed = (meta.get("store") or {}).get("seed")
+    if seed is not None and seed != manifest["seed"]:
+        raise StoreCorruptError(
+            f"checkpoint {dest}: the manifest says seed {manifest['seed']}, {DATA} says {seed}")
 
 
 def verify_checkpoint(dest: str | os.PathLike) -> dict:
@@ -276,6 +479,7 @@ def verify_checkpoint(dest: str | os.PathLike) -> dict:
         raise StoreCorruptError(
             f"checkpoint {dest}: {DATA} is corrupt or truncated ({size} bytes, sha256 "
             f"{digest[:12]}...; manifest says {want['bytes']} bytes, {want['sha256'][:12]}...)")
+    cross_check(dest, manifest)
     return manifest
 
 
@@ -334,6 +538,11 @@ def restore(dest: str | os.PathLike, path: str | os.PathLike, **open_kwargs: Any
     src = dest / DATA
     if not src.is_file():
         raise StoreCorruptError(f"checkpoint {dest} is missing {DATA}")
+    if src.stat().st_size != int(manifest["files"][DATA]["bytes"]):
+        raise StoreCorruptError(f"checkpoint file {src} is corrupt or truncated "
+                                f"({src.stat().st_size} bytes, manifest says "
+                                f"{manifest['files'][DATA]['bytes']})")
+    cross_check(dest, manifest)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

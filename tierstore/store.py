@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 import torch
 
+from . import validate
 from ._kernels import HAVE_NUMBA
-from .backends.lmdb_backend import LmdbBackend
+from .backends.lmdb_backend import LmdbBackend, lmdb_error
 from .backends.slab import Rows, SlabTier
 from .backends.wal import WriteLog, replay
 from .backends.writeback import WriteBehind
@@ -83,7 +85,10 @@ def _locked(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         with self._lock:
-            return fn(self, *args, **kwargs)
+            try:
+                return fn(self, *args, **kwargs)
+            except lmdb.Error as exc:  # every LMDB error leaves as a TierstoreError with the path
+                raise lmdb_error(exc, self.path) from exc
 
     return wrapper
 
@@ -152,6 +157,7 @@ class TierStore:
         # feature name -> table, registered by TieredEmbeddingBagCollection (None: ambiguous);
         # lets a Prefetcher over the store read jagged batches keyed by feature
         self.feature_tables: dict[str, str | None] = {}
+        self._prefetchers: weakref.WeakSet = weakref.WeakSet()  # stopped when the store closes
         self.fused = HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
         self.backend = LmdbBackend(self.path, map_limit=limit)
         try:
@@ -239,6 +245,7 @@ class TierStore:
                 ids = torch.as_tensor(np.asarray(ids))
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise InvalidIdsError(f"ids must be an integer tensor: {exc}") from exc
+        validate.not_meta(ids, "ids", InvalidIdsError)
         if ids.dtype not in _INT_DTYPES:
             raise InvalidIdsError(f"ids must be an integer tensor, got dtype {ids.dtype}")
         if ids.dim() != 1:
@@ -261,7 +268,7 @@ class TierStore:
         if tuple(grads.shape) != (n, tab.spec.dim):
             raise ShapeError(f"grads must have shape ({n}, {tab.spec.dim}) for table "
                              f"{tab.spec.name!r}, got {tuple(grads.shape)}")
-        return grads.detach().to(dtype=torch.float32)
+        return validate.gradients(tab.spec, grads.detach().to(dtype=torch.float32))
 
     # public API ---------------------------------------------------------------------------
     @_locked
@@ -345,9 +352,9 @@ class TierStore:
         """
         tab = self._table(table)
         unique = self._ids(tab, unique)
-        grad_out = self._grads(tab, grad_out, offsets.numel())
-        self._apply_bags(tab, Gathered(unique, inverse, grad_out[:0]), offsets, grad_out,
-                         per_sample_weights, mode)
+        inverse, offsets, grad_out, psw = validate.bags(tab.spec, unique, inverse, offsets,
+                                                        grad_out, per_sample_weights, mode)
+        self._apply_bags(tab, Gathered(unique, inverse, grad_out[:0]), offsets, grad_out, psw, mode)
 
     def _pool_forward(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
                       psw: torch.Tensor | None, mode: str, need_weights: bool
@@ -515,6 +522,8 @@ class TierStore:
         """Flush dirty rows and release the store (idempotent)."""
         if self._closed:
             return
+        for pf in list(self._prefetchers):  # abandoned or still running pipelines: stop them
+            pf._stop_for_store()
         try:
             self.flush()
         finally:

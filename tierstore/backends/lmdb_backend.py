@@ -29,6 +29,7 @@ META_DB = b"__tierstore_meta__"
 LOCK_NAME = "tierstore.lock"
 DATA_NAME = "data.mdb"
 COMPACT_PREFIX = ".compact-"
+STORE_MARK = b"tierstore-store"  # written into the lock file once the store's metadata is durable
 _INITIAL_MAP = 1 << 30
 TXN_ROWS = 8192  # rows per write transaction: bounds the pages one commit frees (see docs/persistence.md)
 COPY_CHUNK = 16384  # rows per transaction when rewriting a database in key order
@@ -69,15 +70,42 @@ _KEY_DTYPE = np.dtype(">u8")  # big-endian: byte order == row id order
 _KEY_VOID = np.dtype("V8")  # raw 8-byte records: `.tolist()` gives `bytes` (no NUL stripping)
 
 
+def lmdb_error(exc: Exception, path: Path) -> TierstoreError:
+    """The TierstoreError for an LMDB error in the store at `path` (full disk or damage)."""
+    if isinstance(exc, TierstoreError):
+        return exc
+    if isinstance(exc, lmdb.MapFullError) or getattr(exc, "errno", None) == errno.ENOSPC or \
+            "No space" in str(exc):
+        return OutOfSpaceError(f"store {path} is out of space: {exc}")
+    return StoreCorruptError(f"LMDB error in {path}: {exc}")
+
+
+@contextmanager
+def lmdb_errors(path: str | os.PathLike):
+    """Translate LMDB errors raised inside the block (see `lmdb_error`)."""
+    try:
+        yield
+    except lmdb.Error as exc:
+        raise lmdb_error(exc, Path(path)) from exc
+
+
+def _stored_mark(text: bytes) -> bool:
+    """Whether a lock file's text says a store was created in its directory."""
+    return STORE_MARK in text
+
+
 def encode_keys(rows: np.ndarray) -> list[bytes]:
     """Encode row ids as 8-byte big-endian keys that sort like the ids."""
     # one C pass: a void view's tolist() yields one 8-byte `bytes` per id ("S8" would strip NULs)
     return np.ascontiguousarray(rows, dtype=_KEY_DTYPE).ravel().view(_KEY_VOID).tolist()
 
 
-def decode_keys(keys: list[bytes]) -> np.ndarray:
-    """Inverse of `encode_keys`."""
-    return np.frombuffer(b"".join(keys), dtype=_KEY_DTYPE).astype(np.int64)
+def decode_keys(keys: list[bytes], where: str = "a store") -> np.ndarray:
+    """Inverse of `encode_keys`; `where` names the store in the error for a damaged key."""
+    blob = b"".join(keys)
+    if len(blob) != 8 * len(keys):
+        raise StoreCorruptError(f"{where}: a stored row key is not 8 bytes long (damaged store)")
+    return np.frombuffer(blob, dtype=_KEY_DTYPE).astype(np.int64)
 
 
 class LmdbBackend:
@@ -104,11 +132,17 @@ class LmdbBackend:
         self.map_resident = MAP_RESIDENT
         if self.path.exists() and not self.path.is_dir():
             raise TierstoreError(f"store path {self.path} exists and is not a directory")
+        self._marked = False
         if not readonly:
             self.path.mkdir(parents=True, exist_ok=True)
             self._acquire_lock()
             for stale in self.path.glob(COMPACT_PREFIX + "*"):  # from a compaction cut short
                 shutil.rmtree(stale, ignore_errors=True)
+            try:
+                self._check_held()
+            except BaseException:
+                self._release_lock()
+                raise
         elif not (self.path / DATA_NAME).exists():
             raise StoreCorruptError(f"{self.path} holds no tierstore data (no data.mdb)")
         self._dbs: dict[str, object] = {}
@@ -144,6 +178,12 @@ class LmdbBackend:
         try:
             self.check_file()
             self._meta = self.env.open_db(META_DB, create=not self.readonly)
+            if self._marked and not self.meta_keys():
+                raise StoreCorruptError(
+                    f"store {self.path} held a tierstore store but its metadata is gone; restore "
+                    f"it from a checkpoint (TierStore.restore) or remove the directory")
+            if not self._marked and not self.readonly and self.meta_keys():
+                self.mark_stored()  # a store made before the mark existed
         except StoreCorruptError:
             self.close()
             raise
@@ -151,6 +191,22 @@ class LmdbBackend:
             self.close()
             raise StoreCorruptError(
                 f"store at {self.path} has no tierstore metadata: {exc}") from exc
+
+    def _check_held(self) -> None:
+        """Refuse to create a new store where one was (the lock file says so) but data.mdb is gone.
+
+        LMDB would silently start an empty store over a missing or empty data file; a store that
+        held rows must come back with them or raise StoreCorruptError.
+        """
+        if not self._marked:
+            return
+        data = self.path / DATA_NAME
+        size = data.stat().st_size if data.exists() else -1
+        if size < 2 * 4096:  # an LMDB file holds at least its two meta pages
+            what = "missing" if size < 0 else f"{size} bytes long"
+            raise StoreCorruptError(
+                f"store {self.path} held a tierstore store but its {DATA_NAME} is {what}; restore "
+                f"it from a checkpoint (TierStore.restore) or remove the directory to start over")
 
     # locking ------------------------------------------------------------------------
     def _acquire_lock(self) -> None:
@@ -162,9 +218,23 @@ class LmdbBackend:
             raise StoreLockedError(
                 f"store {self.path} is already open for writing (by another process or handle)"
             ) from exc
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        self._marked = _stored_mark(os.pread(fd, 256, 0))
         self._lock_fd = fd
+        self._write_lock_text()
+
+    def _write_lock_text(self) -> None:
+        """The lock file's text: the holder's pid, and the store mark once the store exists."""
+        text = str(os.getpid()).encode() + (b"\n" + STORE_MARK + b"\n" if self._marked else b"")
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, text, 0)
+
+    def mark_stored(self) -> None:
+        """Record in the lock file that this directory holds a store (after its metadata is synced)."""
+        if self._marked or self._lock_fd is None:
+            return
+        self._marked = True
+        self._write_lock_text()
+        os.fsync(self._lock_fd)
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
@@ -238,7 +308,7 @@ class LmdbBackend:
             # filter(None) drops the misses (and an empty stored value, caught by the size check)
             dest = order if nhit == n else order[hit]
             blob = np.frombuffer(b"".join(filter(None, vals)), dtype=np.uint8)
-            out[dest] = open_records(table, rows[dest], blob, width)
+            out[dest] = open_records(table, rows[dest], blob, width, f"store {self.path}, ")
             found[dest] = True
         return out, found
 
@@ -378,10 +448,7 @@ class LmdbBackend:
                 f"of {rows} rows may need {need}")
 
     def _raise_io(self, exc: Exception) -> None:
-        if isinstance(exc, lmdb.MapFullError) or getattr(exc, "errno", None) == errno.ENOSPC or \
-                "No space" in str(exc):
-            raise OutOfSpaceError(f"store {self.path} is out of space: {exc}") from exc
-        raise StoreCorruptError(f"LMDB error in {self.path}: {exc}") from exc
+        raise lmdb_error(exc, self.path) from exc
 
     # map size --------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -459,6 +526,8 @@ class LmdbBackend:
             self.env.sync(True)
         except lmdb.Error as exc:
             self._raise_io(exc)
+        if not self._marked and not self.readonly and self._wrote:
+            self.mark_stored()  # the metadata is durable: from now on data.mdb must stay
 
     def close(self) -> None:
         """Close the environment and release the writer lock.
@@ -709,8 +778,9 @@ class LmdbBackend:
             vals = list(islice(vit, len(keys)))
             if not keys:
                 return
-            ids = decode_keys(keys)
-            yield ids, open_records(table, ids, np.frombuffer(b"".join(vals), dtype=np.uint8), width)
+            ids = decode_keys(keys, f"store {self.path}, table {table!r}")
+            yield ids, open_records(table, ids, np.frombuffer(b"".join(vals), dtype=np.uint8), width,
+                                   f"store {self.path}, ")
 
 
 def fsync_path(path: Path) -> None:

@@ -108,23 +108,24 @@ def seal(keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return out.view(np.uint8)
 
 
-def open_records(table: str, keys: np.ndarray, blob: np.ndarray, w: int) -> np.ndarray:
+def open_records(table: str, keys: np.ndarray, blob: np.ndarray, w: int, where: str = "") -> np.ndarray:
     """Verify records (uint8 [n, 4w + 4] or flat) under ids `keys`; returns their rows float32 [n, w].
 
-    Raises StoreCorruptError naming the table and the first damaged row.
+    Raises StoreCorruptError naming the table and the first damaged row (after `where`, e.g. the
+    store's path).
     """
     n = len(keys)
     words = np.frombuffer(blob, dtype=np.uint32) if not isinstance(blob, np.ndarray) \
         else blob.reshape(-1).view(np.uint32)
     if words.size != n * (w + 1):
         raise StoreCorruptError(
-            f"table {table!r}: stored rows have the wrong size (expected {4 * w + CHECK_BYTES} "
+            f"{where}table {table!r}: stored rows have the wrong size (expected {4 * w + CHECK_BYTES} "
             f"bytes per row)")
     words = words.reshape(n, w + 1)
     body = words[:, :w]
     bad = np.flatnonzero(row_checks(keys, body) != words[:, w])
     if bad.size:
         raise StoreCorruptError(
-            f"table {table!r}: row {int(keys[bad[0]])} failed its checksum ({bad.size} damaged "
+            f"{where}table {table!r}: row {int(keys[bad[0]])} failed its checksum ({bad.size} damaged "
             f"row(s) in this read); the store file is damaged")
     return body.view(np.float32)

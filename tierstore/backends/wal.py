@@ -133,7 +133,8 @@ class WriteLog:
             gone.append((slots[newest], seqs[sel][newest]))
             for t in np.unique(tabs[newest]).tolist():
                 pick = newest & (tabs == t)
-                data = open_records(self.names[t], rows[pick], recs[pick], self.row_dims[t])
+                data = open_records(self.names[t], rows[pick], recs[pick], self.row_dims[t],
+                                    f"store {self.backend.path}, ")
                 batches.setdefault(self.names[t], []).append((rows[pick], data))
         merged = {name: (np.concatenate([r for r, _ in parts]), np.concatenate([d for _, d in parts]))
                   for name, parts in batches.items()}
@@ -172,7 +173,8 @@ class WriteLog:
                     (blob[:, 8:16].copy().view("<i8").ravel() != rows[found]).any():
                 raise StoreCorruptError(f"write-behind log of {self.backend.path}: an entry does not "
                                         f"hold the row its index names (table {self.names[tab]!r})")
-            out[found] = open_records(self.names[tab], rows[found], blob[:, HEADER:], w)
+            out[found] = open_records(self.names[tab], rows[found], blob[:, HEADER:], w,
+                                      f"store {self.backend.path}, ")
         return out, found
 
 
@@ -231,7 +233,7 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
         mask = np.isin(sel, list(keep))
         for t in np.unique(t_[mask]).tolist():
             pick = mask & (t_ == t)
-            data = open_records(names[t], r_[pick], recs[pick], row_dims[t])
+            data = open_records(names[t], r_[pick], recs[pick], row_dims[t], f"store {backend.path}, ")
             prev = batches.get(names[t])
             batches[names[t]] = (r_[pick], data) if prev is None else \
                 (np.concatenate([prev[0], r_[pick]]), np.concatenate([prev[1], data]))

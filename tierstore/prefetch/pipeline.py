@@ -5,18 +5,22 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import lmdb
 import numpy as np
 import torch
 
+from ..backends.lmdb_backend import lmdb_error
 from ..errors import ConfigError, ShapeError, TierstoreError
 from ..store import TierStore
 
 _END = object()
 READ_CHUNK = 16384  # rows per reader task: page-cached reads gain nothing from more GIL hand-offs
+CLOSE_TIMEOUT_S = 2.0  # how long close() waits for the staging thread before leaving it (daemon)
 
 
 def _jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, list[torch.Tensor]]:
@@ -54,7 +58,9 @@ class Prefetcher:
     `readers` threads without the store lock (py-lmdb releases the GIL), which pulls their pages
     into the page cache; staging then moves them into the caches under the store lock, so a row
     staged early still reflects every update made before its batch runs. Look-ahead policies
-    receive each staged row's next use within the window.
+    receive each staged row's next use within the window. Use it with `with` or call `close()`;
+    one dropped without either is stopped (threads ended, pins released) when it is
+    garbage-collected or when its store closes (docs/reliability.md).
     """
 
     def __init__(self, store: TierStore | Any, batches: Iterable[Any], depth: int = 2, *,
@@ -82,17 +88,33 @@ class Prefetcher:
         self._window: dict[int, dict[str, torch.Tensor]] = {}  # staged, unreleased batches
         self._consumed = -1
         self._closed = False
-        self._error: BaseException | None = None
+        self._errbox: list[BaseException] = []  # the staging thread's error, if any
+        self._in_source = threading.Event()  # set while the staging thread waits in next(source)
         self._stop = threading.Event()
         self._ready: queue.Queue = queue.Queue()
         self._permits = threading.Semaphore(depth + 1)
         self._pool = ThreadPoolExecutor(readers, thread_name_prefix="tierstore-read") \
             if depth > 0 else None
         self._thread: threading.Thread | None = None
+        # Lifecycle: the threads hold no strong reference to this object (the staging loop
+        # takes one through a weakref only while it stages), so an abandoned Prefetcher is
+        # collected; the finalizer then stops the threads and unpins the window. The store
+        # stops its prefetchers when it closes.
         if depth > 0:
-            self._thread = threading.Thread(target=self._run, name="tierstore-prefetch",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=_run, name="tierstore-prefetch", daemon=True,
+                args=(weakref.ref(self), self._source, self._permits, self._stop, self._ready,
+                      self._errbox, self._in_source))
+        self._finalizer = weakref.finalize(self, _shutdown, store, self._window, self._stop,
+                                           self._permits, depth, self._pool, self._thread,
+                                           self._in_source)
+        store._prefetchers.add(self)
+        if self._thread is not None:
             self._thread.start()
+
+    @property
+    def _error(self) -> BaseException | None:
+        return self._errbox[0] if self._errbox else None
 
     # consumer side ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -135,6 +157,8 @@ class Prefetcher:
         err = self._error
         if err is not None:
             self.close()
+            if isinstance(err, lmdb.Error):  # a damaged page met by a reader thread
+                raise lmdb_error(err, self.store.path) from err
             if isinstance(err, TierstoreError):
                 raise err
             raise TierstoreError(f"prefetch pipeline failed: {err!r}") from err
@@ -169,47 +193,33 @@ class Prefetcher:
                 remaining = remaining[~hit]
 
     def close(self) -> None:
-        """Stop the pipeline, join its threads and unpin whatever is still staged."""
+        """Stop the pipeline, join its threads and unpin whatever is still staged.
+
+        Does not wait for a staging thread that is blocked in the batch source's `next()`: that
+        thread is a daemon and is left to finish the call, then exits without staging (it
+        checks the stop flag, and checks it again under the store lock before any pin). A
+        thread busy staging is waited for at most `CLOSE_TIMEOUT_S`.
+        """
         if self._closed:
             return
+        self._closed = True
+        self._finalizer()
+
+    def _stop_for_store(self) -> None:
+        """The store is closing (its lock held): stop staging and drop the pins, without waiting."""
         self._closed = True
         self._stop.set()
         for _ in range(self.depth + 2):
             self._permits.release()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        for step in sorted(self._window):
-            self._release(step)
+        if self._pool is not None:  # readers take no store lock: waiting for them is safe
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        _unpin_all(self.store, self._window)
 
     def __enter__(self) -> Prefetcher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    # staging side -------------------------------------------------------------------------
-    def _run(self) -> None:
-        step = self._consumed
-        try:
-            for batch in self._source:
-                self._permits.acquire()
-                if self._stop.is_set():
-                    return
-                step += 1
-                self._stage(step, batch)
-                self._ready.put((step, batch))
-        except BaseException as exc:  # surfaced to the consumer
-            self._error = exc
-        finally:
-            self._ready.put(_END)
 
     def _stage(self, step: int, batch: Any) -> None:
         store = self.store
@@ -285,3 +295,61 @@ class Prefetcher:
                                      uniq.to(store.device_tier.device), count=False).cpu()
         h = store.host_tier.lookup(tabs, uniq, count=False)
         return out & (d < 0) & (h < 0)
+
+
+# lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------
+def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
+         stop: threading.Event, ready: queue.Queue, errbox: list,
+         in_source: threading.Event) -> None:
+    """The staging loop: read a batch, wait for a window slot, stage it, hand it over."""
+    step = -1
+    try:
+        while not stop.is_set():
+            in_source.set()
+            try:
+                batch = next(source)
+            except StopIteration:
+                return
+            finally:
+                in_source.clear()
+            permits.acquire()
+            if stop.is_set():
+                return
+            pf = ref()
+            if pf is None:  # abandoned: its finalizer stops the rest
+                return
+            try:
+                step += 1
+                pf._stage(step, batch)
+            finally:
+                del pf  # the last reference may go here: the finalizer then runs in this thread
+            ready.put((step, batch))
+    except BaseException as exc:  # surfaced to the consumer
+        errbox.append(exc)
+    finally:
+        ready.put(_END)
+
+
+def _unpin_all(store: TierStore, window: dict) -> None:
+    """Unpin every staged batch still in `window` (under the store lock)."""
+    with store._lock:
+        steps = sorted(window)
+        if not store._closed:
+            for step in steps:
+                for table, uniq in window[step].items():
+                    store._pin(store._table(table), uniq, -1)
+        window.clear()
+
+
+def _shutdown(store: TierStore, window: dict, stop: threading.Event,
+              permits: threading.Semaphore, depth: int, pool: ThreadPoolExecutor | None,
+              thread: threading.Thread | None, in_source: threading.Event) -> None:
+    """Stop a pipeline: wake and join its threads (bounded), then unpin its window."""
+    stop.set()
+    for _ in range(depth + 2):
+        permits.release()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(0.05 if in_source.is_set() else CLOSE_TIMEOUT_S)  # never wait on the source
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+    _unpin_all(store, window)
