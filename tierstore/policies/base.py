@@ -24,12 +24,17 @@ _H1 = np.int64(-7046029254386353131)
 _H2 = np.int64(-4658895280553007687)
 
 
-def key_hash(tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def key_hash_np(tabs: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """A non-zero 64-bit hash of each (table, row) key, for policies that remember keys."""
-    t = np.broadcast_to(tabs.detach().cpu().numpy(), rows.shape).astype(np.int64)
-    h = rows.detach().cpu().numpy().astype(np.int64) * _H1 + t * _H2
+    t = np.broadcast_to(np.asarray(tabs, dtype=np.int64), np.shape(rows))
+    h = np.asarray(rows, dtype=np.int64) * _H1 + t * _H2
     h ^= h >> 31
-    return torch.from_numpy(h | 1)
+    return h | 1
+
+
+def key_hash(tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`key_hash_np` of key tensors (any device), as a CPU int64 tensor."""
+    return torch.from_numpy(key_hash_np(tabs.detach().cpu().numpy(), rows.detach().cpu().numpy()))
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def _walk(S, cap, w_target, main_target, table, n, mode, pins, prot, skip, mark,
             if v == tr:
                 v = -1
         if c != tw and (S[g, _WINDOW] + n - k > w_target or v < 0):
-            if v >= 0 and S[g, _PROBATION] + S[g, _PROTECTED] < main_target:
+            if S[g, _PROBATION] + S[g, _PROTECTED] < main_target:
                 q.move(S, cap, _PROBATION, c, log, nlog)
                 continue
             duel = v >= 0 and _sketch.estimate(table, S[c, _KEY]) > _sketch.estimate(table, S[v, _KEY])
