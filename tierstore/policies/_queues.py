@@ -26,7 +26,7 @@ _NO_BOOL = np.empty(0, dtype=np.bool_)
 
 def new_state(capacity: int, lists: int, columns: int) -> np.ndarray:
     """An empty state array: every slot outside every queue, every queue empty."""
-    width = max(FIRST_FREE + columns, lists + 8)
+    width = max(FIRST_FREE + columns, lists + 2)  # globals: queue lengths, then up to 2 more
     s = np.zeros((capacity + lists + 1, width), dtype=np.int64)
     s[:capacity, LIST] = -1
     for lst in range(lists):

@@ -212,6 +212,10 @@ class QueuePolicy(Policy):
             q.unlink_many(self.state, s)
             self.state[s, q.FIRST_FREE:] = 0
 
+    def queue_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The queue each slot is in (-1: none), for tests and diagnostics."""
+        return torch.from_numpy(self.state[as_numpy(slots), q.LIST].copy())
+
     def resident(self) -> int:
         """Number of slots in the policy's queues."""
         return int(self.g[: self.lists].sum())

@@ -35,8 +35,10 @@ def _access(S, cap, prot_target, slots, table, meta):  # pragma: no cover - comp
 
 
 @numba.njit(cache=True, nogil=True)
-def _insert(S, cap, slots, keys, table, meta):  # pragma: no cover - compiled
-    """New slots enter the window (its most recent end) and are counted in the sketch."""
+def _insert(S, cap, w_target, main_target, slots, keys, table,
+            meta):  # pragma: no cover - compiled
+    """New slots enter the window and are counted; while main has room, overflow moves there."""
+    g = S.shape[0] - 1
     nlog = np.zeros(1, dtype=np.int64)
     log = np.empty((0, 3), dtype=np.int64)
     for i in range(slots.shape[0]):
@@ -47,6 +49,8 @@ def _insert(S, cap, slots, keys, table, meta):  # pragma: no cover - compiled
         S[s, _KEY] = h
         _sketch.add(table, meta, h)
         q.push(S, cap, _WINDOW, s, log, nlog)
+        if S[g, _WINDOW] > w_target and S[g, _PROBATION] + S[g, _PROTECTED] < main_target:
+            q.move(S, cap, _PROBATION, S[cap + _WINDOW, q.NEXT], log, nlog)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -133,7 +137,8 @@ class WTinyLFU(QueuePolicy):
     def on_insert(self, slots: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         """New slots enter the window."""
         k = as_numpy(keys) if keys is not None else np.empty(0, dtype=np.int64)
-        _insert(self.state, self.capacity, as_numpy(slots), k, self.sketch, self.sketch_meta)
+        _insert(self.state, self.capacity, self.w_target, self.main_target, as_numpy(slots), k,
+                self.sketch, self.sketch_meta)
 
     def _walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
               origin: np.ndarray, log: np.ndarray, nlog: np.ndarray) -> tuple[int, bool]:

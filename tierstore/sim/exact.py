@@ -473,7 +473,7 @@ def _wtinylfu(ids, hashes, n_keys, capacity, w_target, main_target, prot_target,
         else:
             size += 1
         key[0] = hashes[i]
-        _wtlfu._insert(S, n_keys, one, key, table, meta)
+        _wtlfu._insert(S, n_keys, w_target, main_target, one, key, table, meta)
     return misses
 
 
