@@ -47,8 +47,9 @@ def add(table, meta, h):  # pragma: no cover - compiled
         meta[0] //= 2
 
 
-def new_sketch(capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """Counters for a cache of `capacity` entries: width >= capacity, aging every 10 x capacity."""
+def new_sketch(capacity: int, period: float) -> tuple[np.ndarray, np.ndarray]:
+    """Counters for a cache of `capacity` entries: width >= capacity, halved every
+    `period` x capacity accesses."""
     width = 1 << max(4, int(max(1, capacity) - 1).bit_length())
     return (np.zeros((DEPTH, width), dtype=np.uint8),
-            np.array([0, 10 * max(1, capacity)], dtype=np.int64))
+            np.array([0, max(1, int(period * max(1, capacity)))], dtype=np.int64))

@@ -111,7 +111,7 @@ class WTinyLFU(QueuePolicy):
 
     1% of the slots form an LRU window that every new row enters; the rest is a segmented
     LRU (80% protected, probation the rest). A row leaving the window enters main only if a
-    4-bit count-min sketch of recent accesses (aged by halving) counts it more often than
+    4-bit count-min sketch of recent accesses (halved every 2 x capacity accesses) counts it more often than
     main's eviction candidate. The sketch counts key hashes given by the tier on insert.
     """
 
@@ -121,13 +121,14 @@ class WTinyLFU(QueuePolicy):
     wants_keys = True
     window_fraction = 0.01
     protected_fraction = 0.8
+    aging_period = 2.0  # halve the sketch every 2 x capacity accesses (measured: docs/policies.md)
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
         super().__init__(capacity, device)
         self.w_target = max(1, round(self.capacity * self.window_fraction))
         self.main_target = max(0, self.capacity - self.w_target)
         self.prot_target = int(self.main_target * self.protected_fraction)
-        self.sketch, self.sketch_meta = _sketch.new_sketch(self.capacity)
+        self.sketch, self.sketch_meta = _sketch.new_sketch(self.capacity, self.aging_period)
 
     def on_hit(self, slots: torch.Tensor) -> None:
         """Count accesses; promote probation hits to protected."""

@@ -484,7 +484,7 @@ def wtinylfu(ids: np.ndarray, n_keys: int, capacity: int) -> int:
     pol = _wtlfu.WTinyLFU  # the tier policy's sizing rules
     w_target = max(1, round(capacity * pol.window_fraction))
     main_target = max(0, capacity - w_target)
-    table, meta = _sketch.new_sketch(capacity)
+    table, meta = _sketch.new_sketch(capacity, pol.aging_period)
     hashes = key_hash_np(np.zeros(1, dtype=np.int64), ids)  # as the tier hashes row ids
     return int(_wtinylfu(ids, hashes, n_keys, capacity, w_target, main_target,
                          int(main_target * pol.protected_fraction), table, meta))
