@@ -445,3 +445,17 @@ def test_store_results_identical_across_capacities(policy, tmp_path):
         store.device_tier.check()
         store.host_tier.check()
     store.close()
+
+
+@pytest.mark.parametrize("policy", ["wtinylfu", "arc", "lookahead:s3fifo"])
+def test_prefetch_bit_identical_with_new_policies(tmp_path, policy):
+    # pins from the prefetch pipeline and key-hash ghosts/sketches never change a result
+    from tests.test_prefetch import _delays, _train
+
+    base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5), steps=20)
+    for depth, caps in ((0, (2, 3)), (2, (30, 50))):
+        got, stats = _train(tmp_path / f"{depth}", depth, caps=caps, policy=policy, steps=20,
+                            delay=_delays(depth))
+        for k in base:
+            assert torch.equal(got[k], base[k]), (policy, depth, k)
+        assert stats["device"]["evictions"] + stats["host"]["evictions"] > 0
