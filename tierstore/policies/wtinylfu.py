@@ -15,10 +15,8 @@ _KEY = q.FIRST_FREE
 
 
 @numba.njit(cache=True, nogil=True)
-def _access(S, cap, prot_target, slots, table, meta):  # pragma: no cover - compiled
+def _access(S, cap, prot_target, slots, table, meta, log, nlog):  # pragma: no cover
     """Hits: count in the sketch; window and protected hits refresh, probation hits promote."""
-    nlog = np.zeros(1, dtype=np.int64)
-    log = np.empty((0, 3), dtype=np.int64)
     g = S.shape[0] - 1
     for i in range(slots.shape[0]):
         s = slots[i]
@@ -35,12 +33,10 @@ def _access(S, cap, prot_target, slots, table, meta):  # pragma: no cover - comp
 
 
 @numba.njit(cache=True, nogil=True)
-def _insert(S, cap, w_target, main_target, slots, keys, table,
-            meta):  # pragma: no cover - compiled
+def _insert(S, cap, w_target, main_target, slots, keys, table, meta, log,
+            nlog):  # pragma: no cover - compiled
     """New slots enter the window and are counted; while main has room, overflow moves there."""
     g = S.shape[0] - 1
-    nlog = np.zeros(1, dtype=np.int64)
-    log = np.empty((0, 3), dtype=np.int64)
     for i in range(slots.shape[0]):
         s = slots[i]
         if S[s, q.LIST] >= 0:
@@ -133,13 +129,13 @@ class WTinyLFU(QueuePolicy):
     def on_hit(self, slots: torch.Tensor) -> None:
         """Count accesses; promote probation hits to protected."""
         _access(self.state, self.capacity, self.prot_target, as_numpy(slots), self.sketch,
-                self.sketch_meta)
+                self.sketch_meta, q.EMPTY_LOG, np.zeros(1, dtype=np.int64))
 
     def on_insert(self, slots: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         """New slots enter the window."""
         k = as_numpy(keys) if keys is not None else np.empty(0, dtype=np.int64)
         _insert(self.state, self.capacity, self.w_target, self.main_target, as_numpy(slots), k,
-                self.sketch, self.sketch_meta)
+                self.sketch, self.sketch_meta, q.EMPTY_LOG, np.zeros(1, dtype=np.int64))
 
     def _walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
               origin: np.ndarray, log: np.ndarray, nlog: np.ndarray) -> tuple[int, bool]:

@@ -464,7 +464,7 @@ def _wtinylfu(ids, hashes, n_keys, capacity, w_target, main_target, prot_target,
     for i in range(ids.size):
         one[0] = ids[i]
         if S[one[0], q.LIST] >= 0:
-            _wtlfu._access(S, n_keys, prot_target, one, table, meta)
+            _wtlfu._access(S, n_keys, prot_target, one, table, meta, log, nlog)
             continue
         misses += 1
         if size >= capacity:
@@ -473,7 +473,7 @@ def _wtinylfu(ids, hashes, n_keys, capacity, w_target, main_target, prot_target,
         else:
             size += 1
         key[0] = hashes[i]
-        _wtlfu._insert(S, n_keys, w_target, main_target, one, key, table, meta)
+        _wtlfu._insert(S, n_keys, w_target, main_target, one, key, table, meta, log, nlog)
     return misses
 
 
