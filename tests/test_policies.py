@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 
 from tierstore.backends.slab import Rows, SlabTier
 from tierstore.errors import ConfigError
-from tierstore.policies import POLICIES, Policy, make_policy
+from tierstore.policies import POLICIES, Evictable, Policy, make_policy
 
 NAMES = sorted(POLICIES) + ["lookahead:lfu", "lookahead:s3fifo"]
 
@@ -18,8 +19,15 @@ def _state(policy: Policy) -> dict:
     """Every tensor and scalar of a policy's state (recursing into a fallback policy)."""
     out = {}
     for key, val in vars(policy).items():
+        if key.startswith("_scratch"):
+            continue  # scratch buffers, restored or meaningless between calls
         if isinstance(val, torch.Tensor):
             out[key] = val.clone()
+        elif isinstance(val, np.ndarray):
+            out[key] = torch.from_numpy(val.copy())
+        elif hasattr(val, "__dict__") and not isinstance(val, Policy):
+            out.update({f"{key}.{k}": torch.from_numpy(v.copy())
+                        for k, v in vars(val).items() if isinstance(v, np.ndarray)})
         elif isinstance(val, Policy):
             out.update({f"{key}.{k}": v for k, v in _state(val).items()})
         elif isinstance(val, (int, float, str)):
@@ -208,7 +216,7 @@ def test_clock_second_chance():
     assert p.victims(3, ev).tolist() == [2, 3, 0]
     p.on_evict(torch.tensor([2]))
     # the hand passed 0 and 1: cleared and re-queued behind 3
-    assert not bool(p.ref[0]) and not bool(p.ref[1])
+    assert not bool(p.referenced(torch.tensor([0, 1])).any())
     p.on_evict(torch.tensor([3]))
     p.on_insert(torch.tensor([2]))
     ev[3] = False
@@ -250,3 +258,204 @@ def test_unknown_policy_is_a_config_error():
         make_policy("lookahead:nope", 4)
     with pytest.raises(ConfigError):
         make_policy(3, 4)  # type: ignore[arg-type]
+
+
+# queue structures: orders equal simple reference models -------------------------------------
+def _ref_order(kind: str, events: list[tuple[str, list[int]]], cap: int) -> list[int]:
+    """Victim order of the textbook LRU / FIFO / LFU over (kind, slots) events, all evictable."""
+    t, last, born, count = 0, {}, {}, {}
+    for ev, slots in events:
+        for s in slots:
+            t += 1
+            if ev == "insert":
+                born[s], count[s] = t, 1
+            elif ev == "hit":
+                count[s] += 1
+            elif ev == "evict":
+                for d in (last, born, count):
+                    d.pop(s, None)
+                continue
+            last[s] = t
+    key = {"lru": lambda s: last[s], "fifo": lambda s: born[s],
+           "lfu": lambda s: (count[s], last[s])}[kind]
+    return sorted(born, key=key)
+
+
+@pytest.mark.parametrize("kind", ["lru", "fifo", "lfu"])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_queue_orders_match_reference(kind, data):
+    cap = data.draw(st.integers(1, 12))
+    p = make_policy(kind, cap)
+    live: list[int] = []
+    events: list[tuple[str, list[int]]] = []
+    for _ in range(data.draw(st.integers(1, 15))):
+        free = [s for s in range(cap) if s not in live]
+        op = data.draw(st.sampled_from(["insert", "hit", "evict"]))
+        if op == "insert" and free:
+            new = data.draw(st.lists(st.sampled_from(free), min_size=1, unique=True))
+            p.on_insert(torch.tensor(new))
+            live += new
+        elif op == "hit" and live:
+            hits = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=6))
+            p.on_hit(torch.tensor(hits))
+        elif op == "evict" and live:
+            n = data.draw(st.integers(1, len(live)))
+            new = p.victims(n, torch.ones(cap, dtype=torch.bool)).tolist()
+            assert new == _ref_order(kind, events, cap)[:n]
+            p.on_evict(torch.tensor(new))
+            live = [s for s in live if s not in new]
+        else:
+            continue
+        events.append((op, new if op != "hit" else hits))
+        p.check()
+    assert p.victims(cap, torch.ones(cap, dtype=torch.bool)).tolist() == _ref_order(kind, events,
+                                                                                       cap)
+
+
+def test_victims_skip_pinned_and_protected_without_a_mask():
+    p = _fill("lru", 8)
+    pins = np.zeros(8, dtype=np.int32)
+    pins[[0, 2]] = 1
+    prot = np.zeros(8, dtype=np.bool_)
+    prot[1] = True
+    assert p.victims(3, Evictable(pins=pins, protected=prot)).tolist() == [3, 4, 5]
+    assert p.victims(8, Evictable(pins=pins, protected=prot)).tolist() == [3, 4, 5, 6, 7]
+
+
+def test_clock_walk_larger_than_the_undo_log():
+    # 5000 referenced slots ahead of the first victim: the peek's log must grow and retry
+    cap = 6000
+    p = _fill("clock", cap)
+    p.on_hit(torch.arange(5000))
+    ev = torch.ones(cap, dtype=torch.bool)
+    want = list(range(5000, cap)) + list(range(10))
+    assert p.victims(1010, ev).tolist() == want
+    p.on_evict(torch.tensor(want))
+    assert p.victims(3, ev).tolist() == [10, 11, 12]
+    p.check()
+
+
+def test_remove_does_not_move_the_hand():
+    # removing a row for another reason is not an eviction: no second chances are spent
+    p = _fill("clock", 4)
+    p.on_hit(torch.tensor([0, 1]))
+    p.on_remove(torch.tensor([3]))
+    assert bool(p.referenced(torch.tensor([0, 1])).all())
+    assert p.victims(3, torch.ones(4, dtype=torch.bool)).tolist() == [2, 0, 1]
+    s = _fill("sieve", 4)
+    s.on_hit(torch.tensor([0]))
+    assert s.victims(1, torch.ones(4, dtype=torch.bool)).tolist() == [1]
+    s.on_evict(torch.tensor([1]))  # the hand now points at slot 2
+    s.on_remove(torch.tensor([2]))  # ... and steps on to slot 3
+    assert s.victims(2, torch.ones(4, dtype=torch.bool)).tolist() == [3, 0]
+    s.check()
+
+
+def test_s3fifo_ghost_hit_enters_main():
+    p = make_policy("s3fifo", 20)  # small queue: 2 slots
+    keys = torch.arange(100, 120)
+    p.on_insert(torch.arange(20), keys)
+    ev = torch.ones(20, dtype=torch.bool)
+    v = p.victims(1, ev)
+    first = int(v[0])
+    assert p.queue_of(v).tolist() == [0]  # evicted from the small queue
+    p.on_evict(v)
+    assert len(p.ghost) == 1
+    p.on_insert(v, keys[first:first + 1])  # the same key comes back
+    assert p.queue_of(v).tolist() == [1] and len(p.ghost) == 0
+    # a key never seen goes to the small queue
+    v2 = p.victims(1, ev)
+    p.on_evict(v2)
+    p.on_insert(v2, torch.tensor([999]))
+    assert p.queue_of(v2).tolist() == [0]
+    p.check()
+
+
+def test_wtinylfu_keeps_frequent_rows_through_a_scan():
+    cap = 200
+    p = make_policy("wtinylfu", cap)
+    p.on_insert(torch.arange(cap), torch.arange(cap) + 1)
+    hot = torch.arange(100)
+    for _ in range(5):
+        p.on_hit(hot)
+    ev = torch.ones(cap, dtype=torch.bool)
+    key = 10_000
+    for _ in range(20):  # a scan of one-hit rows through the cache
+        v = p.victims(10, ev)
+        assert not bool(torch.isin(v, hot).any())
+        p.on_evict(v)
+        p.on_insert(v, torch.arange(key, key + 10))
+        key += 10
+    p.check()
+    lru = _fill("lru", cap)
+    lru.on_hit(hot)
+    assert bool(torch.isin(lru.victims(150, ev), hot).any())  # LRU would lose them
+
+
+def test_arc_ghost_hit_adapts_target():
+    p = make_policy("arc", 10)
+    p.on_insert(torch.arange(10), torch.arange(1, 11))
+    ev = torch.ones(10, dtype=torch.bool)
+    v = p.victims(2, ev)
+    assert v.tolist() == [0, 1]  # T1's LRU end (p = 0)
+    p.on_evict(v)
+    assert len(p.b1) == 2
+    p.on_insert(v, torch.tensor([1, 2]))  # both keys were in B1: T1's target grows
+    assert float(p.p[0]) > 0 and len(p.b1) == 0
+    assert p.queue_of(v).tolist() == [1, 1]
+    p.check()
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_tier_pins_and_protect_both_ways(gather):
+    # gather=True reads the pins the way a CUDA tier does (nonzero on the device)
+    tier = SlabTier("t", 6, 1, "s3fifo")
+    tier.gather_pins = gather
+    rows = torch.arange(6)
+    tier.insert(Rows(torch.zeros_like(rows), rows, rows.float().unsqueeze(1),
+                     torch.zeros(6, dtype=torch.bool)))
+    slots = tier.lookup(torch.zeros_like(rows), rows)
+    tier.pin(slots[:2], 1)
+    new = torch.arange(10, 13)
+    k, out = tier.insert(Rows(torch.zeros_like(new), new, new.float().unsqueeze(1),
+                              torch.zeros(3, dtype=torch.bool)), protect=slots[2:3])
+    assert k == 3
+    assert sorted(out.rows.tolist()) == [3, 4, 5]
+    assert not bool(tier._protect_scratch.any())  # scratch marks cleared
+    tier.check()
+
+
+@pytest.mark.parametrize("policy", ["wtinylfu", "arc", "s3fifo", "clock", "sieve"])
+def test_store_results_identical_across_capacities(policy, tmp_path):
+    import tierstore as ts
+    from tests.reference import DictStore
+
+    specs = [ts.TableSpec("a", 10**9, 3, optimizer=ts.Adagrad(0.1))]
+    model = DictStore(specs, 0, fused=True)
+    store = ts.TierStore(tmp_path / "s", specs, device_capacity=4, host_capacity=7,
+                         policy=policy, seed=0, device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    for step in range(25):
+        ids = torch.randint(0, 30, (8,), generator=gen) ** 2
+        grads = torch.randn(8, 3, generator=gen)
+        assert torch.equal(store.read("a", ids), model.read("a", ids)), step
+        store.apply("a", ids, grads)
+        model.apply("a", ids, grads)
+        store.device_tier.check()
+        store.host_tier.check()
+    store.close()
+
+
+@pytest.mark.parametrize("policy", ["wtinylfu", "arc", "lookahead:s3fifo"])
+def test_prefetch_bit_identical_with_new_policies(tmp_path, policy):
+    # pins from the prefetch pipeline and key-hash ghosts/sketches never change a result
+    from tests.test_prefetch import _delays, _train
+
+    base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5), steps=20)
+    for depth, caps in ((0, (2, 3)), (2, (30, 50))):
+        got, stats = _train(tmp_path / f"{depth}", depth, caps=caps, policy=policy, steps=20,
+                            delay=_delays(depth))
+        for k in base:
+            assert torch.equal(got[k], base[k]), (policy, depth, k)
+        assert stats["device"]["evictions"] + stats["host"]["evictions"] > 0

@@ -29,7 +29,7 @@ FILES = {
     "libcachesim_cloudPhysicsIO": "libcachesim_cloudPhysicsIO.txt",
 }
 NAMES = {"LRU": "lru", "FIFO": "fifo", "LFU": "lfu", "Belady": "belady", "Clock": "clock",
-         "Sieve": "sieve", "S3FIFO": "s3fifo"}
+         "Sieve": "sieve", "S3FIFO": "s3fifo", "ARC": "arc"}
 needs_data = pytest.mark.skipif(not REF_PATH.exists(), reason="shared trace data not present")
 _cache: dict[str, tuple[np.ndarray, int]] = {}
 
@@ -158,12 +158,103 @@ def test_simulate_rejects_bad_input():
 
 # tier mode ---------------------------------------------------------------------------------
 @needs_data
-@pytest.mark.parametrize("policy", ["lru", "fifo", "clock", "lfu", "sieve", "belady"])
-def test_tier_mode_batch1_equals_exact(policy):
+@pytest.mark.parametrize("policy", ["lru", "fifo", "clock", "lfu", "sieve", "belady", "s3fifo",
+                                    "wtinylfu", "arc"])
+def test_tier_mode_batch1_equals_exact(policy):  # ARC too, on this trace prefix
     ids, n = _trace("lirs_multi2")
     ids = dense_keys(ids[:3000])[0]
     n = int(ids.max()) + 1
     assert simulate_tier(ids, n, policy, 57, 1) == simulate(policy, ids, n, 57)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "clock", "lfu", "sieve", "s3fifo",
+                                    "wtinylfu"])
+def test_tier_mode_batch1_equals_exact_on_zipf(policy):
+    # the tier's queue policies, one request a batch, are the textbook policies
+    ids, n = load_trace("zipf:alpha=0.9,keys=3000,requests=12000,seed=5").dense()
+    for cap in (40, 300):
+        assert simulate_tier(ids, n, policy, cap, 1) == simulate(policy, ids, n, cap)
+
+
+def test_tier_arc_close_to_textbook_arc():
+    # the tier picks victims before it sees the incoming keys, so a ghost hit adapts p one
+    # eviction late and REPLACE loses its "x in B2" tie rule (docs/policies.md)
+    ids, n = load_trace("zipf:alpha=0.9,keys=3000,requests=12000,seed=5").dense()
+    for cap in (40, 300):
+        tier = simulate_tier(ids, n, "arc", cap, 1) / ids.size
+        exact = simulate("arc", ids, n, cap) / ids.size
+        assert abs(tier - exact) < 0.005
+        assert tier < simulate("lru", ids, n, cap) / ids.size
+
+
+def _lcs_wtinylfu_wins() -> list:
+    if not REF_PATH.exists():
+        return []
+    ref = json.loads(REF_PATH.read_text())
+    return [pytest.param(t, int(c), id=f"{t}-{c}") for t, e in ref.items() if t != "cache2k_orm_busy"
+            for c, by in e["sizes"].items() if by["WTinyLFU"] < by["LRU"]]
+
+
+@needs_data
+@pytest.mark.parametrize(("trace", "capacity"), _lcs_wtinylfu_wins())
+def test_wtinylfu_beats_lru_where_libcachesim_does(trace, capacity):
+    ids, n = _trace(trace)
+    assert simulate("wtinylfu", ids, n, capacity) <= simulate("lru", ids, n, capacity)
+
+
+def test_wtinylfu_beats_lru_on_zipf():
+    ids, n = load_trace("zipf:alpha=1.0,keys=20000,requests=100000,seed=2").dense()
+    for cap in (200, 1000, 4000):
+        assert simulate("wtinylfu", ids, n, cap) <= simulate("lru", ids, n, cap)
+
+
+def _py_arc(keys, c):
+    """Megiddo & Modha's ARC pseudocode over Python lists (LRU end first)."""
+    t1, t2, b1, b2 = [], [], [], []
+    p, misses = 0.0, 0
+
+    def replace(in_b2):
+        if t1 and (len(t1) > p or (in_b2 and len(t1) == p)):
+            b1.append(t1.pop(0))
+        else:
+            b2.append(t2.pop(0))
+
+    for x in keys:
+        if x in t1 or x in t2:
+            (t1 if x in t1 else t2).remove(x)
+            t2.append(x)
+            continue
+        misses += 1
+        if x in b1:
+            p = min(c, p + max(len(b2) / len(b1), 1))
+            replace(False)
+            b1.remove(x)
+            t2.append(x)
+        elif x in b2:
+            p = max(0, p - max(len(b1) / len(b2), 1))
+            replace(True)
+            b2.remove(x)
+            t2.append(x)
+        else:
+            if len(t1) + len(b1) == c:
+                if len(t1) < c:
+                    b1.pop(0)
+                    replace(False)
+                else:
+                    t1.pop(0)
+            elif len(t1) + len(t2) + len(b1) + len(b2) >= c:
+                if len(t1) + len(t2) + len(b1) + len(b2) == 2 * c:
+                    b2.pop(0)
+                replace(False)
+            t1.append(x)
+    return misses
+
+
+@settings(max_examples=60, deadline=None)
+@given(keys=st.lists(st.integers(0, 15), max_size=80), cap=st.integers(1, 8))
+def test_arc_against_python_model(keys, cap):
+    ids, n = dense_keys(np.array(keys, dtype=np.int64))
+    assert simulate("arc", ids, n, cap) == _py_arc(list(ids), cap)
 
 
 def test_tier_mode_batches_and_lookahead():

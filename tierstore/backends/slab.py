@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import _memory
 from ..index import HashIndex
-from ..policies import make_policy
+from ..policies import Evictable, make_policy
+from ..policies.base import key_hash
 from ..stats import TierStats
 
 
@@ -80,6 +82,9 @@ class SlabTier:
         self._nfree = self.capacity
         self.stats = TierStats()
         self.generation = 0  # bumped whenever a slot changes owner (insert or release)
+        self.gather_pins = False  # True: the CUDA way of reading pins (tests force it on CPU)
+        self._protect_scratch: np.ndarray | None = None
+        self._protected = np.empty(0, dtype=np.int64)
 
     @property
     def size(self) -> int:
@@ -136,7 +141,10 @@ class SlabTier:
     def _release(self, slots: torch.Tensor, reuse: bool = False) -> None:
         """Empty slots; with `reuse` the caller refills them at once (no reset, no free list)."""
         self.generation += 1
-        self.policy.on_evict(slots)
+        if reuse:  # the policy's own victims (see _evict)
+            self.policy.on_evict(slots)
+        else:
+            self.policy.on_remove(slots)
         self.index.remove(slots)
         if reuse:
             return
@@ -147,12 +155,30 @@ class SlabTier:
         self._free_buf[self._nfree : self._nfree + m] = slots.flip(0)
         self._nfree += m
 
-    def evictable(self, protect: torch.Tensor | None = None) -> torch.Tensor:
-        """Mask of slots a policy may choose: occupied, unpinned, not in `protect`."""
-        ok = self.occupied & (self.pins == 0)
+    def evictable(self, protect: torch.Tensor | None = None) -> Evictable:
+        """Per-slot checks a policy applies to each candidate: unpinned, not in `protect`.
+
+        O(len(protect)) on the CPU (the pins are read in place); a CUDA tier gathers its
+        pinned slots on the device first. Valid until `_unprotect` (the scratch is shared).
+        """
+        scratch = self._protect_scratch
+        if scratch is None:
+            scratch = self._protect_scratch = np.zeros(self.capacity, dtype=np.bool_)
+        marked = []
         if protect is not None and protect.numel():
-            ok.index_fill_(0, protect, False)
-        return ok
+            marked.append(protect.detach().to("cpu", torch.int64).numpy())
+        if self.device.type == "cpu" and not self.gather_pins:
+            pins = self.pins.numpy()
+        else:
+            marked.append(torch.nonzero(self.pins).flatten().cpu().numpy())
+            pins = np.empty(0, dtype=np.int32)
+        self._protected = np.concatenate(marked) if marked else np.empty(0, dtype=np.int64)
+        scratch[self._protected] = True
+        return Evictable(pins=pins, protected=scratch)
+
+    def _unprotect(self) -> None:
+        """Clear the scratch marks `evictable` set."""
+        self._protect_scratch[self._protected] = False
 
     def _evict(self, need: int, protect: torch.Tensor | None,
                keep_clean: bool) -> tuple[Rows | None, torch.Tensor | None]:
@@ -161,11 +187,13 @@ class SlabTier:
         Returns (rows, slots): the victims' rows (all, or only the dirty ones; None when none
         is kept) and their slots (None when nothing could be evicted).
         """
-        ok = self.evictable(protect)
-        need = min(need, int(ok.sum()))
+        try:
+            victims = self.policy.victims(need, self.evictable(protect)).to(self.device)
+        finally:
+            self._unprotect()
+        need = victims.numel()
         if need <= 0:
             return None, None
-        victims = self.policy.victims(need, ok)
         dirty = self.dirty.index_select(0, victims)
         ndirty = int(dirty.sum())
         self.stats.evictions += need
@@ -214,7 +242,8 @@ class SlabTier:
         self.dirty.index_copy_(0, slots, rows.dirty)
         if rows.pins is not None:
             self.pins.index_copy_(0, slots, rows.pins)
-        self.policy.on_insert(slots)
+        self.policy.on_insert(slots, key_hash(rows.tabs, rows.rows) if self.policy.wants_keys
+                              else None)
         self.stats.insertions += k
         return k, evicted
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from .base import Policy
+from .arc import ARC
+from .base import Evictable, Policy, QueuePolicy
 from .belady import Belady
 from .clock import Clock
 from .fifo import FIFO
@@ -14,6 +15,7 @@ from .lookahead import Lookahead
 from .lru import LRU
 from .s3fifo import S3FIFO
 from .sieve import Sieve
+from .wtinylfu import WTinyLFU
 
 POLICIES: dict[str, type[Policy]] = {
     LRU.name: LRU,
@@ -24,6 +26,8 @@ POLICIES: dict[str, type[Policy]] = {
     Sieve.name: Sieve,
     Belady.name: Belady,
     Lookahead.name: Lookahead,
+    WTinyLFU.name: WTinyLFU,
+    ARC.name: ARC,
 }
 
 
@@ -48,6 +52,7 @@ def make_policy(name: str, capacity: int, device: torch.device | str = "cpu") ->
 
 
 __all__ = [
+    "ARC",
     "FIFO",
     "LFU",
     "LRU",
@@ -55,8 +60,11 @@ __all__ = [
     "S3FIFO",
     "Belady",
     "Clock",
+    "Evictable",
     "Lookahead",
     "Policy",
+    "QueuePolicy",
     "Sieve",
+    "WTinyLFU",
     "make_policy",
 ]

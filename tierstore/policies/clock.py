@@ -2,60 +2,68 @@
 
 from __future__ import annotations
 
+import numba
+import numpy as np
 import torch
 
-from .base import Policy
+from . import _queues as q
+from .base import Evictable, QueuePolicy, as_numpy
+
+_REF = q.FIRST_FREE
 
 
-class Clock(Policy):
-    """Second-chance FIFO: referenced slots are cleared and re-queued instead of evicted.
+@numba.njit(cache=True, nogil=True)
+def _walk(S, cap, n, mode, pins, prot, skip, mark, out, log, nlog):  # pragma: no cover
+    """The hand: clear and re-queue referenced slots, evict unreferenced allowed ones."""
+    t = cap
+    keep = t  # the last slot the hand left in place (pinned or protected)
+    k = 0
+    while k < n:
+        if q.log_full(log, nlog):
+            return k, False
+        s = S[keep, q.NEXT]
+        if s == t:
+            break
+        if S[s, _REF]:
+            q.put(S, s, _REF, 0, log, nlog)
+            q.move(S, cap, 0, s, log, nlog)
+        elif q.allowed(s, mode, pins, prot, skip, mark):
+            out[k] = s
+            k += 1
+            q.unlink(S, s, log, nlog)
+        else:
+            keep = s
+    return k, True
 
-    A batch peek is exact: the hand evicts unreferenced slots in queue order, and referenced
-    ones it passes go behind every slot now queued, so the victim order is (referenced, queue
-    stamp). `on_evict` then re-queues, in order, the referenced slots the hand passed.
-    """
+
+class Clock(QueuePolicy):
+    """Second-chance FIFO: the hand clears referenced slots and re-queues them at the tail."""
 
     name = "clock"
-
-    def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
-        super().__init__(capacity, device)
-        self.queued = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
-        self.ref = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
-        self.live = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
-        self.clock = 0
-
-    def _key(self) -> torch.Tensor:
-        return self.queued + self.ref.long() * (1 << 62)
+    columns = 1
 
     def on_hit(self, slots: torch.Tensor) -> None:
         """Set the reference bit."""
-        self.ref[slots] = True
+        self.state[as_numpy(slots), _REF] = 1
 
-    def on_insert(self, slots: torch.Tensor) -> None:
+    def on_insert(self, slots: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         """Queue new slots at the tail, unreferenced."""
-        self.queued[slots] = self._stamps(slots.numel())
-        self.ref[slots] = False
-        self.live[slots] = True
+        s = as_numpy(slots)
+        q.push_many(self.state, self.capacity, 0, s)
+        self.state[s, _REF] = 0
 
-    def on_evict(self, slots: torch.Tensor) -> None:
-        """Advance the hand past the evicted slots, re-queueing the referenced ones it passed."""
-        if slots.numel() == 0:
-            return
-        last = int(self._key()[slots].max())
-        self.live[slots] = False
-        self.ref[slots] = False
-        self.queued[slots] = 0
-        passed = torch.nonzero(self.live & self.ref & (self.queued < last)).flatten()
-        if passed.numel():
-            passed = passed[torch.sort(self.queued[passed], stable=True).indices]
-            self.ref[passed] = False
-            self.queued[passed] = self._stamps(passed.numel())
+    def _walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
+              origin: np.ndarray, log: np.ndarray, nlog: np.ndarray) -> tuple[int, bool]:
+        origin[:] = 0
+        return _walk(self.state, self.capacity, n, mode, ev.pins, ev.protected, ev.skip, mark,
+                     out, log, nlog)
 
-    def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
-        """Unreferenced slots in queue order, then referenced ones in queue order."""
-        return self._lowest(self._key(), n, evictable)
+    def referenced(self, slots: torch.Tensor) -> torch.Tensor:
+        """The reference bits of slots (for tests)."""
+        return torch.from_numpy(self.state[as_numpy(slots), _REF] != 0)
 
     def check(self) -> None:
-        """Dead slots carry no state; stamps never exceed the clock."""
-        assert not bool((self.ref & ~self.live).any())
-        assert self.capacity == 0 or int(self.queued.max()) <= self.clock
+        """Queues are consistent; slots outside the queue carry no reference bit."""
+        super().check()
+        st = self.state[: self.capacity]
+        assert not bool(((st[:, _REF] != 0) & (st[:, q.LIST] < 0)).any())

@@ -4,31 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from .base import Policy
+from . import _queues as q
+from .base import QueuePolicy, as_numpy
 
 
-class FIFO(Policy):
-    """First in, first out by insertion stamp."""
+class FIFO(QueuePolicy):
+    """First in, first out: one queue in insertion order."""
 
     name = "fifo"
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
-        super().__init__(capacity, device)
-        self.born = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
-        self.clock = 0
-
-    def on_insert(self, slots: torch.Tensor) -> None:
-        """Stamp new slots with their insertion order."""
-        self.born[slots] = self._stamps(slots.numel())
-
-    def on_evict(self, slots: torch.Tensor) -> None:
-        """Clear the stamps of emptied slots."""
-        self.born[slots] = 0
-
-    def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
-        """The n oldest evictable slots."""
-        return self._lowest(self.born, n, evictable)
-
-    def check(self) -> None:
-        """Stamps never exceed the clock."""
-        assert self.capacity == 0 or int(self.born.max()) <= self.clock
+    def on_insert(self, slots: torch.Tensor, keys: torch.Tensor | None = None) -> None:
+        """New slots join the newest end of the queue."""
+        q.push_many(self.state, self.capacity, 0, as_numpy(slots))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .base import INT64_MAX, Policy
+from .base import INT64_MAX, Evictable, Policy, as_evictable, as_numpy
 
 UNKNOWN = INT64_MAX
 
@@ -17,8 +18,9 @@ class Lookahead(Policy):
     the caller (the prefetch pipeline, or the trace benchmark) sends hints *after* a step's
     hits and inserts: for the rows of the step just served whose next use lies inside the
     window, and for resident rows of each batch that enters the window. Victims are first
-    the slots with no known next use, in the fallback policy's order, then the slots used
-    farthest in the future (ties: lowest slot).
+    the slots with no known next use, in the fallback policy's order (its walk skips hinted
+    slots), then the slots used farthest in the future (ties: lowest slot); that second
+    stage sorts the hinted slots, so it costs O(capacity) when it runs.
     """
 
     name = "lookahead"
@@ -32,41 +34,60 @@ class Lookahead(Policy):
 
         self.fallback_name = fallback or self.default_fallback
         self.fallback = make_policy(self.fallback_name, capacity, device)
-        self.next_use = torch.full((self.capacity,), UNKNOWN, dtype=torch.int64,
-                                   device=self.device)
+        self.wants_keys = self.fallback.wants_keys
+        self.next_use = np.full(self.capacity, UNKNOWN, dtype=np.int64)
+        self.hinted = np.zeros(self.capacity, dtype=np.bool_)
+
+    def _forget(self, s: np.ndarray) -> None:
+        self.next_use[s] = UNKNOWN
+        self.hinted[s] = False
 
     def on_hit(self, slots: torch.Tensor) -> None:
         """Consume the hints of used slots and tell the fallback policy."""
-        self.next_use[slots] = UNKNOWN
+        self._forget(as_numpy(slots))
         self.fallback.on_hit(slots)
 
-    def on_insert(self, slots: torch.Tensor) -> None:
+    def on_insert(self, slots: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         """New slots have no known next use until hinted."""
-        self.next_use[slots] = UNKNOWN
-        self.fallback.on_insert(slots)
+        self._forget(as_numpy(slots))
+        self.fallback.on_insert(slots, keys)
 
     def on_evict(self, slots: torch.Tensor) -> None:
-        """Forget hints of emptied slots."""
-        self.next_use[slots] = UNKNOWN
-        self.fallback.on_evict(slots)
+        """Unhinted victims were the fallback's choice; hinted ones are removals for it."""
+        s = as_numpy(slots)
+        hinted = self.hinted[s]
+        self.fallback.on_evict(torch.from_numpy(s[~hinted]))
+        if hinted.any():
+            self.fallback.on_remove(torch.from_numpy(s[hinted]))
+        self._forget(s)
+
+    def on_remove(self, slots: torch.Tensor) -> None:
+        """Forget removed slots."""
+        self._forget(as_numpy(slots))
+        self.fallback.on_remove(slots)
 
     def on_future(self, slots: torch.Tensor, next_use: torch.Tensor) -> None:
         """Record the next known use (absolute step) of slots; the last hint for a slot wins."""
-        self.next_use[slots] = next_use.to(device=self.device, dtype=torch.int64)
+        s = as_numpy(slots)
+        self.next_use[s] = as_numpy(next_use)
+        self.hinted[s] = True
 
-    def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
+    def victims(self, n: int, evictable: Evictable | torch.Tensor) -> torch.Tensor:
         """Slots without a known next use (fallback order), then farthest next use first."""
-        if n <= 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        unknown = evictable & (self.next_use == UNKNOWN)
-        n_unknown = int(unknown.sum())
-        first = self.fallback.victims(min(n, n_unknown), unknown)
-        if n_unknown >= n:
+        if n <= 0 or self.capacity == 0:
+            return self._empty()
+        ev = as_evictable(evictable)
+        skip = self.hinted if not ev.skip.size else (self.hinted | ev.skip)
+        first = self.fallback.victims(n, ev.with_skip(skip))
+        if first.numel() >= n:
             return first
-        rest = self._lowest(-self.next_use, n - n_unknown, evictable & ~unknown)
-        return torch.cat([first, rest])
+        idx = np.flatnonzero(self.hinted)
+        idx = idx[ev.allows(idx)]
+        idx = idx[np.lexsort((idx, -self.next_use[idx]))][: n - first.numel()]
+        return torch.cat([first, self._out(idx)])
 
     def check(self) -> None:
-        """The fallback policy's invariants hold; hints are non-negative."""
+        """The fallback policy's invariants hold; hints are non-negative and flagged."""
         assert bool((self.next_use >= 0).all())
+        assert bool(((self.next_use != UNKNOWN) == self.hinted).all())
         self.fallback.check()

@@ -14,6 +14,10 @@ import numba
 import numpy as np
 
 from ..errors import ConfigError
+from ..policies import _queues as q
+from ..policies import _sketch
+from ..policies import wtinylfu as _wtlfu
+from ..policies.base import key_hash_np
 
 NIL = -1
 
@@ -438,6 +442,114 @@ def s3fifo(ids: np.ndarray, n_keys: int, capacity: int) -> int:  # pragma: no co
     return misses
 
 
+# W-TinyLFU (the tier policy's kernels, one request at a time) ------------------------------------
+@numba.njit(cache=True, nogil=True)
+def _wtinylfu(ids, hashes, n_keys, capacity, w_target, main_target, prot_target, table,
+              meta):  # pragma: no cover - compiled
+    S = np.zeros((n_keys + 4, 8), dtype=np.int64)
+    S[:n_keys, q.LIST] = -1
+    for lst in range(3):
+        S[n_keys + lst, q.PREV] = n_keys + lst
+        S[n_keys + lst, q.NEXT] = n_keys + lst
+    one = np.empty(1, dtype=np.int64)
+    key = np.empty(1, dtype=np.int64)
+    out = np.empty(1, dtype=np.int64)
+    origin = np.empty(1, dtype=np.int64)
+    no_i32 = np.empty(0, dtype=np.int32)
+    no_bool = np.empty(0, dtype=np.bool_)
+    log = np.empty((0, 3), dtype=np.int64)
+    nlog = np.zeros(1, dtype=np.int64)
+    size = 0
+    misses = 0
+    for i in range(ids.size):
+        one[0] = ids[i]
+        if S[one[0], q.LIST] >= 0:
+            _wtlfu._access(S, n_keys, prot_target, one, table, meta, log, nlog)
+            continue
+        misses += 1
+        if size >= capacity:
+            _wtlfu._walk(S, n_keys, w_target, main_target, table, 1, 0, no_i32, no_bool,
+                         no_bool, no_bool, out, origin, log, nlog)
+        else:
+            size += 1
+        key[0] = hashes[i]
+        _wtlfu._insert(S, n_keys, w_target, main_target, one, key, table, meta, log, nlog)
+    return misses
+
+
+def wtinylfu(ids: np.ndarray, n_keys: int, capacity: int) -> int:
+    """W-TinyLFU: 1% LRU window, SLRU main (80% protected), count-min sketch admission."""
+    if capacity <= 0:
+        return int(ids.size)
+    pol = _wtlfu.WTinyLFU  # the tier policy's sizing rules
+    w_target = max(1, round(capacity * pol.window_fraction))
+    main_target = max(0, capacity - w_target)
+    table, meta = _sketch.new_sketch(capacity, pol.aging_period)
+    hashes = key_hash_np(np.zeros(1, dtype=np.int64), ids)  # as the tier hashes row ids
+    return int(_wtinylfu(ids, hashes, n_keys, capacity, w_target, main_target,
+                         int(main_target * pol.protected_fraction), table, meta))
+
+
+# ARC ---------------------------------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True, inline="always")
+def _arc_replace(S, n_keys, p, in_b2, log, nlog):  # pragma: no cover - compiled
+    g = S.shape[0] - 1
+    t1 = S[g, 0]
+    if t1 >= 1 and (t1 > p or (in_b2 and t1 == p)):
+        q.move(S, n_keys, 2, S[n_keys + 0, q.NEXT], log, nlog)  # T1's LRU -> B1
+    else:
+        q.move(S, n_keys, 3, S[n_keys + 1, q.NEXT], log, nlog)  # T2's LRU -> B2
+
+
+@numba.njit(cache=True, nogil=True)
+def arc(ids: np.ndarray, n_keys: int, capacity: int) -> int:  # pragma: no cover - compiled
+    """ARC as in Megiddo & Modha's pseudocode: lists T1, T2 (cached) and ghosts B1, B2."""
+    if capacity <= 0:
+        return ids.size
+    c = capacity
+    S = np.zeros((n_keys + 5, 8), dtype=np.int64)  # lists 0: T1, 1: T2, 2: B1, 3: B2
+    S[:n_keys, q.LIST] = -1
+    for lst in range(4):
+        S[n_keys + lst, q.PREV] = n_keys + lst
+        S[n_keys + lst, q.NEXT] = n_keys + lst
+    g = S.shape[0] - 1
+    log = np.empty((0, 3), dtype=np.int64)
+    nlog = np.zeros(1, dtype=np.int64)
+    p = 0.0
+    misses = 0
+    for i in range(ids.size):
+        x = ids[i]
+        lst = S[x, q.LIST]
+        if lst == 0 or lst == 1:
+            q.move(S, n_keys, 1, x, log, nlog)
+            continue
+        misses += 1
+        b1, b2 = S[g, 2], S[g, 3]
+        if lst == 2:
+            p = min(float(c), p + max(b2 / b1, 1.0))
+            _arc_replace(S, n_keys, p, False, log, nlog)
+            q.move(S, n_keys, 1, x, log, nlog)
+            continue
+        if lst == 3:
+            p = max(0.0, p - max(b1 / b2, 1.0))
+            _arc_replace(S, n_keys, p, True, log, nlog)
+            q.move(S, n_keys, 1, x, log, nlog)
+            continue
+        t1, t2 = S[g, 0], S[g, 1]
+        if t1 + b1 == c:
+            if t1 < c:
+                q.unlink(S, S[n_keys + 2, q.NEXT], log, nlog)
+                _arc_replace(S, n_keys, p, False, log, nlog)
+            else:
+                q.unlink(S, S[n_keys + 0, q.NEXT], log, nlog)
+        elif t1 + t2 + b1 + b2 >= c:
+            if t1 + t2 + b1 + b2 == 2 * c:
+                q.unlink(S, S[n_keys + 3, q.NEXT], log, nlog)
+            _arc_replace(S, n_keys, p, False, log, nlog)
+        q.push(S, n_keys, 0, x, log, nlog)
+    return misses
+
+
 Simulator = Callable[[np.ndarray, int, int], int]
 
 EXACT: dict[str, Simulator] = {
@@ -448,6 +560,8 @@ EXACT: dict[str, Simulator] = {
     "sieve": sieve,
     "s3fifo": s3fifo,
     "belady": belady,
+    "wtinylfu": wtinylfu,
+    "arc": arc,
 }
 
 
