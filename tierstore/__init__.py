@@ -11,6 +11,7 @@ from .errors import (
     StoreClosedError,
     StoreCorruptError,
     StoreLockedError,
+    StoreNotFoundError,
     TierstoreError,
     UnknownTableError,
 )
@@ -27,7 +28,7 @@ __all__ = [
     "UniformInit", "NormalInit", "ConstantInit",
     "TierstoreError", "UnknownTableError", "InvalidIdsError", "ShapeError", "ConfigError",
     "ConfigMismatchError", "StoreLockedError", "StoreCorruptError", "OutOfSpaceError",
-    "StoreClosedError", "CapacityError",
+    "StoreClosedError", "CapacityError", "StoreNotFoundError",
 ]
 
 from .module import TieredEmbeddingBag, TieredEmbeddingBagCollection  # noqa: E402

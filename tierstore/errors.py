@@ -48,3 +48,7 @@ class StoreClosedError(TierstoreError):
 
 class CapacityError(TierstoreError):
     """A request that needs more cache rows than the configured capacity."""
+
+
+class StoreNotFoundError(TierstoreError, FileNotFoundError):
+    """No tierstore store at the given path (for `TierStore.open`, which needs an existing one)."""
