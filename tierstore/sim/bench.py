@@ -97,6 +97,15 @@ def size_for_hit_rate(policy: str, ids: np.ndarray, n_keys: int, target: float,
 
 
 def _plot(records: list[dict], path: str, title: str, floor: float | None = None) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(records, title, floor)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_figure(records: list[dict], title: str, floor: float | None = None):
+    """The miss-ratio plot: a line per (policy, mode), a marker per policy, the compulsory floor."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,8 +136,7 @@ def _plot(records: list[dict], path: str, title: str, floor: float | None = None
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
