@@ -145,7 +145,7 @@ def test_demo_real_run_reports_rows_not_an_ssd_hit_rate(tmp_path, capsys):
     ssd = [ln for ln in out.splitlines() if ln.startswith("ssd")]
     assert len(ssd) == 1 and "rows read" in ssd[0] and "written" in ssd[0]
     assert "hit rate" not in ssd[0]
-    with ts.TierStore.open(tmp_path / "d", device="cpu") as s:
+    with ts.TierStore.open(tmp_path / "d", device="cpu", device_capacity=16, host_capacity=16) as s:
         assert s.table_specs["items"].num_rows == 1_000_000
 
 
@@ -193,7 +193,7 @@ def test_export_and_import_messages_name_cli_flags(tmp_path, capsys):
 
 def test_compact_on_an_open_store_says_compacting(tmp_path, capsys):
     _store(tmp_path / "s")
-    with ts.TierStore.open(tmp_path / "s", device="cpu"):
+    with ts.TierStore.open(tmp_path / "s", device="cpu", device_capacity=4, host_capacity=4):
         assert main(["compact", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
     assert "before compacting" in err and "restoring" not in err
