@@ -211,3 +211,18 @@ def test_console_command_from_outside_the_clone(tmp_path):
     assert r.returncode == 0, r.stderr
     recs = json.loads(out.read_text())
     assert recs[0]["policy"] == "lru" and recs[0]["requests"] == 1000
+
+
+def test_export_import_verify_info_real_runs(tmp_path, capsys):
+    _store(tmp_path / "s")
+    with ts.TierStore.open(tmp_path / "s", device="cpu", device_capacity=4, host_capacity=4) as s:
+        want = s.read("t", torch.arange(100))
+        s.checkpoint(tmp_path / "ck")
+    assert main(["checkpoint-verify", str(tmp_path / "ck")]) == 0
+    assert main(["export", str(tmp_path / "s"), str(tmp_path / "e"), "--level", "3"]) == 0
+    assert main(["import", str(tmp_path / "e"), str(tmp_path / "b")]) == 0
+    assert main(["info", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "ok: step" in out and "exported 10 rows" in out and "imported 10 rows" in out
+    with ts.TierStore.open(tmp_path / "b", device="cpu", device_capacity=4, host_capacity=4) as s:
+        assert torch.equal(s.read("t", torch.arange(100)), want)
