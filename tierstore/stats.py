@@ -2,7 +2,8 @@
 
 Definitions (the same in `stats()`, the demo's progress bar and its final table):
 - a cache tier's `lookups` are the distinct rows of a batch asked of it (the host tier is asked
-  for the device tier's misses), `hit_rate` = hits / lookups since the store was opened;
+  for the device tier's misses), `hit_rate` = hits / lookups since the store was opened (one
+  exception: `read`'s all-resident fast path counts every id, duplicates included);
 - the SSD tier (LMDB) never misses: a row it has not stored is initialized lazily. It reports
   `rows_read` (stored rows read), `rows_initialized` (never-written rows created from the seed)
   and `rows_written` (rows written back), not a hit rate.

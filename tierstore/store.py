@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ._kernels import HAVE_NUMBA
-from .backends.lmdb_backend import LmdbBackend
+from .backends.lmdb_backend import DATA_NAME, LmdbBackend
 from .backends.slab import Rows, SlabTier
 from .config import TableSpec, parse_capacity, parse_size
 from .errors import (
@@ -726,8 +726,8 @@ class TierStore:
 def stored_config(path: str | os.PathLike) -> tuple[list[TableSpec], int]:
     """The table specs (creation order of names aside) and seed recorded in a store directory."""
     p = Path(path)
-    if not (p / "data.mdb").is_file():
-        raise StoreNotFoundError(f"no tierstore store at {p} (no data.mdb); "
+    if not (p / DATA_NAME).is_file():
+        raise StoreNotFoundError(f"no tierstore store at {p} (no {DATA_NAME}); "
                                  "create one with TierStore(path, tables)")
     backend = LmdbBackend(p, readonly=True)
     try:
