@@ -226,3 +226,9 @@ def test_export_import_verify_info_real_runs(tmp_path, capsys):
     assert "ok: step" in out and "exported 10 rows" in out and "imported 10 rows" in out
     with ts.TierStore.open(tmp_path / "b", device="cpu", device_capacity=4, host_capacity=4) as s:
         assert torch.equal(s.read("t", torch.arange(100)), want)
+
+
+def test_demo_bad_option_is_a_clear_error(tmp_path, capsys):
+    assert main(["demo", "--policy", "nope", "--path", str(tmp_path / "d"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tierstore demo: error:") and "nope" in err

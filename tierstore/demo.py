@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from . import RowWiseAdagrad, TableSpec, TierStore
+from .errors import TierstoreError
 from .stats import progress_line, tier_table
 
 
@@ -40,6 +42,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m tierstore.demo") 
     args = ap.parse_args(argv)
     if args.steps < 0 or args.batch < 1:
         ap.error("--steps must be >= 0 and --batch >= 1")
+    try:
+        return _run(args)
+    except TierstoreError as exc:  # bad capacities, policy, a locked store...
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if not args.keep:
         shutil.rmtree(args.path, ignore_errors=True)
     spec = TableSpec("items", args.rows, args.dim, optimizer=RowWiseAdagrad(lr=0.05))
