@@ -133,3 +133,11 @@ def test_info_shows_last_open_hyperparameters_when_they_differ(tmp_path, capsys)
         assert s.table_specs["t"].optimizer.lr == 0.1
     t = store_info(str(tmp_path / "s"))["tables"][0]
     assert t["last_open"] is None  # the latest open used the stored ones again
+
+
+def test_bad_policy_on_a_new_store_records_nothing(tmp_path):
+    with pytest.raises(ts.ConfigError, match="policy"):
+        ts.TierStore(tmp_path / "s", _specs(), policy="nope", device_capacity=2, host_capacity=2)
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(ts.StoreNotFoundError):
+        ts.TierStore.open(tmp_path / "s")

@@ -149,6 +149,9 @@ class TierStore:
         # lets a Prefetcher over the store read jagged batches keyed by feature
         self.feature_tables: dict[str, str | None] = {}
         self.fused = HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
+        from .policies import make_policy
+
+        make_policy(policy, 0)  # an unknown policy is refused before the store is touched
         self.backend = LmdbBackend(self.path, map_limit=limit)
         try:
             self._check_config(tables, add_tables)
