@@ -66,8 +66,7 @@ def tier_table(stats: dict) -> list[str]:
                      f"{t['writebacks']:>11,}")
     s = stats["ssd"]
     lines.append(f"{'ssd':<8} rows read {s['rows_read']:,}, initialized lazily (never written) "
-                 f"{s['rows_initialized']:,}, written {s['rows_written']:,}; "
-                 f"{s.get('rows_stored', 0):,} rows stored")
+                 f"{s['rows_initialized']:,}, written {s['rows_written']:,}")
     return lines
 
 
