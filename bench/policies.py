@@ -1,8 +1,8 @@
-"""`python -m bench.policies`: the cache policy benchmark (see tierstore.sim.bench)."""
+"""`python -m bench.policies` in a clone; installed, use `tierstore bench-policies` (tierstore.sim.bench)."""
 
 from __future__ import annotations
 
 from tierstore.sim.bench import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(prog="python -m bench.policies"))

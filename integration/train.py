@@ -26,6 +26,7 @@ from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, T
 from tierstore.errors import ConfigError, StoreCorruptError, StoreLockedError, TierstoreError
 from tierstore.persistence import fsync_dir
 from tierstore.prefetch import Prefetcher
+from tierstore.stats import progress_line, tier_table
 
 from .data import SPARSE_NAMES, Batch, CriteoTSV, SyntheticCriteo, parse_tables
 from .model import DLRM
@@ -406,16 +407,18 @@ class Trainer:
             if self.step % 10 == 0 or self.step == cfg.steps:
                 self.peak_anon = max(self.peak_anon, rss_parts()["anon"])
                 self.peak_disk = max(self.peak_disk, self.store.backend.disk_bytes())
-            if cfg.progress and (self.step % 10 == 0 or self.step == cfg.steps):
-                bar.set_postfix_str(self._postfix(t_start, start_step, loss_ema))
+            if self.step == cfg.steps or (cfg.progress and self.step % 10 == 0):
+                st = self.store.stats()
+                if self.step == cfg.steps:
+                    self.train_stats = st  # the final table shows the bar's last figures
+                if cfg.progress:
+                    bar.set_postfix_str(self._postfix(st, t_start, start_step, loss_ema))
 
-    def _postfix(self, t_start: float, start_step: int, loss: float) -> str:
-        st = self.store.stats()
+    def _postfix(self, st: dict, t_start: float, start_step: int, loss: float) -> str:
         secs = max(time.perf_counter() - t_start, 1e-9)
         sps = (self.step - start_step) * self.cfg.batch / secs
         stall = self.times["data"] + self.times["lookup"]
-        return (f"{sps:,.0f} samples/s, loss {loss:.4f}, hit dev {st['device']['hit_rate']:.3f} "
-                f"host {st['host']['hit_rate']:.3f}, stall {stall:.1f}s")
+        return f"{sps:,.0f} samples/s, loss {loss:.4f}, {progress_line(st)}, stall {stall:.1f}s"
 
     def _summary(self, train_s: float, start_step: int, final: dict) -> dict:
         st = self.store.stats()
@@ -434,7 +437,7 @@ class Trainer:
             "ids_per_s": steps * self.cfg.batch * len(SPARSE_NAMES) / train_s if train_s else 0.0,
             "times": dict(self.times),
             "stall_s": self.times["data"] + self.times["lookup"],
-            "tiers": {k: st[k] for k in ("device", "host", "ssd")},
+            "tiers": {k: getattr(self, "train_stats", st)[k] for k in ("device", "host", "ssd")},
             "prefetch": st.get("prefetch", {}),
             "rows_stored": rows_stored,
             "disk_bytes": st["ssd"]["disk_bytes"],
@@ -498,14 +501,8 @@ def format_summary(s: dict) -> str:
         f"checkpoints {s['checkpoint_bytes'] / mib:,.1f} MiB; store peak {s['peak_disk_bytes'] / mib:,.1f} "
         f"MiB during training, {s.get('disk_bytes_closed', 0) / mib:,.1f} MiB after close",
         "",
-        f"{'tier':<8} {'capacity':>10} {'resident':>10} {'lookups':>12} {'hit rate':>9} "
-        f"{'evictions':>10} {'writebacks':>11}",
     ]
-    for name in ("device", "host", "ssd"):
-        t = tiers[name]
-        lines.append(f"{name:<8} {t.get('capacity', '-')!s:>10} {t.get('resident', '-')!s:>10} "
-                     f"{t['lookups']:>12,} {t['hit_rate']:>9.3f} {t['evictions']:>10,} "
-                     f"{t['writebacks']:>11,}")
+    lines += tier_table(tiers)
     if s["evals"]:
         lines.append("")
         lines.append("held-out: " + ", ".join(f"step {e['step']} AUC {e['auc']:.4f}" for e in s["evals"]))

@@ -161,7 +161,7 @@ def test_compact_bad_paths(tmp_path):
     with pytest.raises(ts.ConfigError):
         persistence.compact(f)
     path = tmp_path / "s"
-    store = ts.TierStore(path, SPECS, seed=3, device="cpu")
+    store = ts.TierStore(path, SPECS, seed=3, device="cpu", device_capacity=0, host_capacity=0)
     with pytest.raises(StoreLockedError):
         persistence.compact(path)
     store.close()
@@ -204,7 +204,7 @@ def test_kill9_during_compaction(tmp_path, trial):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert same_dump(dump(path), want)  # the old file or the new one, never a torn one
-    store = ts.TierStore(path, SPECS, seed=3, device="cpu")
+    store = ts.TierStore(path, SPECS, seed=3, device="cpu", device_capacity=0, host_capacity=0)
     store.close()
     assert not [p for p in os.listdir(path) if p.startswith(".compact")]
     assert same_dump(dump(path), want)

@@ -211,13 +211,15 @@ def test_resume_rejects_changed_model_options(tmp_path):
 
 
 def test_a_run_directory_in_use_is_refused(tmp_path, capsys):
-    cfg = tr.TrainConfig(run_dir=str(tmp_path / "run"), tables="uniform:1000", progress=False)
+    small = ["--device-capacity", "64", "--host-capacity", "64"]  # the defaults cost 2 GiB of slots here
+    cfg = tr.TrainConfig(run_dir=str(tmp_path / "run"), tables="uniform:1000", progress=False,
+                         device_capacity="64", host_capacity="64")
     t = tr.Trainer(cfg)
     try:
-        assert tr.main(["--tables", "uniform:1000", "--run-dir", cfg.run_dir, "--no-progress"]) == 1
+        assert tr.main(["--tables", "uniform:1000", "--run-dir", cfg.run_dir, "--no-progress", *small]) == 1
         assert "in use" in capsys.readouterr().err
         assert (tmp_path / "run" / "run.json").is_file()
     finally:
         t.close()
     assert tr.main(["--tables", "uniform:1000", "--run-dir", cfg.run_dir, "--no-progress",
-                    "--steps", "1", "--batch", "8", "--eval-batches", "1"]) == 0
+                    "--steps", "1", "--batch", "8", "--eval-batches", "1", *small]) == 0

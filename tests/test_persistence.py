@@ -399,9 +399,10 @@ def test_cli_export_import_verify(ckpt, tmp_path, capsys):
 
 
 def test_restore_with_default_capacities(tmp_path):
-    spec = ts.TableSpec("t", 100, 4)
+    # wide rows: the default 64MiB + 512MiB hold few slots (narrow rows made this test peak at 3 GiB)
+    spec = ts.TableSpec("t", 100, 1024)
     with ts.TierStore(tmp_path / "s", [spec], device_capacity=2, host_capacity=2) as s:
-        s.apply("t", torch.arange(10), torch.ones(10, 4))
+        s.apply("t", torch.arange(10), torch.ones(10, 1024))
         want = s.read("t", torch.arange(10))
         s.checkpoint(tmp_path / "ck")
     with ts.TierStore.restore(tmp_path / "ck", tmp_path / "r") as r:

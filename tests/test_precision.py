@@ -112,7 +112,8 @@ def test_half_lazy_rows_round_to_nearest_and_halve_the_payload(tmp_path, dtype):
 def test_dtype_is_checked_on_open_and_reopen(tmp_path):
     with pytest.raises(ts.ConfigError, match="dtype"):
         ts.TableSpec("t", 10, 4, dtype="int8")
-    ts.TierStore(tmp_path / "s", [ts.TableSpec("t", 10, 4, dtype="bfloat16")]).close()
+    ts.TierStore(tmp_path / "s", [ts.TableSpec("t", 10, 4, dtype="bfloat16")], device_capacity=2,
+                 host_capacity=2).close()
     with pytest.raises(ts.ConfigMismatchError, match="dtype"):
         ts.TierStore(tmp_path / "s", [ts.TableSpec("t", 10, 4, dtype="float16")])
 
@@ -156,9 +157,9 @@ def test_half_rows_survive_checkpoint_and_export(tmp_path):
         s.checkpoint(tmp_path / "ck")
     export_store(tmp_path / "a", tmp_path / "ex")
     import_store(tmp_path / "ex", tmp_path / "b")
-    with ts.TierStore(tmp_path / "b", [spec]) as s:
+    with ts.TierStore(tmp_path / "b", [spec], device_capacity=3, host_capacity=3) as s:
         assert torch.equal(s.read("t", ids), want)
-    with ts.TierStore.restore(tmp_path / "ck", tmp_path / "c") as s:
+    with ts.TierStore.restore(tmp_path / "ck", tmp_path / "c", device_capacity=3, host_capacity=3) as s:
         assert torch.equal(s.read("t", ids), want)
 
 

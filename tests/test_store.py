@@ -162,7 +162,7 @@ def test_reopen_with_other_config_is_refused(tmp_path, change):
     with pytest.raises(ts.ConfigMismatchError):
         _open(tmp_path / "s", [spec], seed=3)
     # nothing damaged, and the lock was released by the failed opens
-    with _open(tmp_path / "s", [spec, ts.TableSpec("new", 3, 2)]) as s:
+    with _open(tmp_path / "s", [spec, ts.TableSpec("new", 3, 2)], add_tables=True) as s:
         assert torch.equal(s.read("t", torch.arange(50)), want)
         s.read("new", torch.tensor([1]))
 

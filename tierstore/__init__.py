@@ -12,6 +12,7 @@ from .errors import (
     StoreClosedError,
     StoreCorruptError,
     StoreLockedError,
+    StoreNotFoundError,
     TierstoreError,
     UnknownTableError,
 )
@@ -28,7 +29,7 @@ __all__ = [
     "UniformInit", "NormalInit", "ConstantInit",
     "TierstoreError", "UnknownTableError", "InvalidIdsError", "ShapeError", "ConfigError",
     "ConfigMismatchError", "StoreLockedError", "StoreCorruptError", "OutOfSpaceError",
-    "StoreClosedError", "CapacityError", "InvalidGradientError",
+    "StoreClosedError", "CapacityError", "InvalidGradientError", "StoreNotFoundError",
 ]
 
 from .module import TieredEmbeddingBag, TieredEmbeddingBagCollection  # noqa: E402

@@ -9,47 +9,72 @@ import sys
 from .backends.lmdb_backend import LmdbBackend
 from .config import TableSpec
 from .errors import TierstoreError
+from .store import LAST_OPEN
+
+# library keyword arguments named in error messages -> this command's flags
+_FLAG_NAMES = {"overwrite=True": "--overwrite", "map_limit": "--map-limit"}
 
 
 def _info(args: argparse.Namespace) -> int:
-    backend = LmdbBackend(args.path, readonly=True)
-    try:
-        store = backend.get_meta("store") or {}
-        tables = [TableSpec.from_config(backend.get_meta(k)) for k in sorted(backend.meta_keys())
-                  if k.startswith("table:")]
-        report = {
-            "path": str(args.path),
-            "format_version": store.get("format_version"),
-            "seed": store.get("seed"),
-            "disk_bytes": backend.disk_bytes(),
-            "map_used_bytes": backend.used_bytes(),
-            "tables": [{**t.to_config(), "rows_stored": backend.count(t.name),
-                        "payload_floats": t.payload_dim} for t in tables],
-        }
-    finally:
-        backend.close()
+    report = store_info(args.path)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"store {report['path']}  format v{report['format_version']}  seed {report['seed']}")
     print(f"disk: {report['disk_bytes'] / 2**20:.1f} MiB")
-    print(f"{'table':<20} {'num_rows':>16} {'dim':>5} {'optimizer':>16} {'rows stored':>12}")
+    print(f"{'table':<20} {'num_rows':>16} {'dim':>5} {'dtype':>9} {'optimizer':>16} {'rows stored':>12}")
     for t in report["tables"]:
-        print(f"{t['name']:<20} {t['num_rows']:>16} {t['dim']:>5} "
+        print(f"{t['name']:<20} {t['num_rows']:>16} {t['dim']:>5} {t['dtype']:>9} "
               f"{t['optimizer']['kind']:>16} {t['rows_stored']:>12}")
+    print("\nhyperparameters (stored at creation; TierStore.open uses these):")
+    for t in report["tables"]:
+        print(f"  {t['name']}: optimizer {_kv(t['optimizer'])}; init {_kv(t['init'])}")
+        if t.get("last_open"):
+            last = t["last_open"]
+            print(f"  {'':{len(t['name'])}}  last opened with: optimizer {_kv(last['optimizer'])}; "
+                  f"init {_kv(last['init'])}")
+    print(f"\nopen it with: TierStore.open({str(report['path'])!r})  "
+          f"(= TierStore(path, tables, seed={report['seed']}) with the stored specs)")
     return 0
 
 
-def _bench_policies(args: argparse.Namespace) -> int:
-    from .sim.bench import main as bench_main
-
-    return bench_main(args.rest)
+def _kv(cfg: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in cfg.items())
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from .demo import main as demo_main
+def store_info(path: str) -> dict:
+    """What `tierstore info` reports: format, seed, sizes, each table's specs and last-open specs."""
+    backend = LmdbBackend(path, readonly=True)
+    try:
+        store = backend.get_meta("store") or {}
+        last_open = backend.get_meta(LAST_OPEN) or {}
+        tables = [TableSpec.from_config(backend.get_meta(k)) for k in sorted(backend.meta_keys())
+                  if k.startswith("table:")]
+        report = {
+            "path": str(path),
+            "format_version": store.get("format_version"),
+            "seed": store.get("seed"),
+            "disk_bytes": backend.disk_bytes(),
+            "map_used_bytes": backend.used_bytes(),
+            "tables": [],
+        }
+        for t in tables:
+            cfg = t.to_config()
+            last = last_open.get(t.name)
+            report["tables"].append({**cfg, "rows_stored": backend.count(t.name),
+                                     "payload_floats": t.payload_dim,
+                                     "last_open": last if last not in (None, cfg) else None})
+    finally:
+        backend.close()
+    return report
 
-    return demo_main(args.rest)
+
+def _forwarded() -> dict[str, tuple[str, str]]:
+    """Subcommands that forward every argument to a module's `main(argv, prog)`: (module, help)."""
+    return {
+        "bench-policies": ("tierstore.sim.bench", "miss ratios of cache policies on a trace, and sizing"),
+        "demo": ("tierstore.demo", "exercise a store on a 10**11-row table and print its stats"),
+    }
 
 
 def _upgrade(args: argparse.Namespace) -> int:
@@ -101,48 +126,73 @@ def _compact(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `tierstore` command."""
-    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("info", help="tables, rows stored, bytes on disk and config of a store")
+def build_parser() -> argparse.ArgumentParser:
+    """The `tierstore` command's parser (forwarding subcommands are listed, parsed by their module)."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__, formatter_class=fmt,
+                                     epilog="`tierstore COMMAND -h` shows a command's options.")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    p = sub.add_parser("info", help="tables, rows stored, bytes on disk and config of a store",
+                       formatter_class=fmt)
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_info)
-    p = sub.add_parser("bench-policies", help="miss ratios of cache policies on a trace",
-                       add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_bench_policies)
-    p = sub.add_parser("demo", help="exercise a store on a 10**11-row table", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_demo)
-    p = sub.add_parser("export", help="portable, versioned dump of a store or checkpoint")
+    for name, (_, text) in _forwarded().items():
+        sub.add_parser(name, help=f"{text} (all options: tierstore {name} -h)", add_help=False)
+    p = sub.add_parser("export", help="portable, versioned dump of a store or checkpoint",
+                       formatter_class=fmt)
     p.add_argument("src", help="store directory (not open elsewhere) or checkpoint directory")
     p.add_argument("dest")
-    p.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
+    p.add_argument("--level", type=int, default=1, help="zstd level")
     p.add_argument("--no-shuffle", action="store_true", help="do not byte-shuffle floats")
-    p.add_argument("--shard-size", default="32MiB", help="raw bytes per shard (default 32MiB)")
+    p.add_argument("--shard-size", default="32MiB", help="raw bytes per shard")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dest")
     p.set_defaults(func=_export)
-    p = sub.add_parser("import", help="build a new store from an export")
+    p = sub.add_parser("import", help="build a new store from an export", formatter_class=fmt)
     p.add_argument("src")
-    p.add_argument("path")
+    p.add_argument("path", help="a new (or empty) directory for the store")
     p.add_argument("--map-limit", default=None, help="cap on the store's size, e.g. 100GiB")
     p.set_defaults(func=_import)
-    p = sub.add_parser("checkpoint-verify", help="check a checkpoint's manifest and checksums")
+    p = sub.add_parser("checkpoint-verify", help="check a checkpoint's manifest and checksums",
+                       formatter_class=fmt)
     p.add_argument("dest")
     p.set_defaults(func=_checkpoint_verify)
-    p = sub.add_parser("upgrade", help="convert a closed store of on-disk format 1 to format 2")
+    p = sub.add_parser("upgrade", help="convert a closed store of on-disk format 1 to format 2",
+                       formatter_class=fmt)
     p.add_argument("path")
     p.set_defaults(func=_upgrade)
-    p = sub.add_parser("compact", help="rewrite a closed store's file in key order (smaller)")
+    p = sub.add_parser("compact", help="rewrite a closed store's file in key order (smaller)",
+                       formatter_class=fmt)
     p.add_argument("path")
     p.set_defaults(func=_compact)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cli_message(exc: BaseException) -> str:
+    """An error's message with library keyword arguments replaced by this command's flags."""
+    text = str(exc)
+    for kwarg, flag in _FLAG_NAMES.items():
+        text = text.replace(kwarg, flag)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `tierstore` command."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    forwarded = _forwarded()
+    if argv and argv[0] in forwarded:  # every option belongs to the wrapped module
+        import importlib
+
+        rest = argv[1:]
+        if rest[:1] == ["--"]:
+            rest = rest[1:]
+        module = importlib.import_module(forwarded[argv[0]][0])
+        return module.main(rest, prog=f"tierstore {argv[0]}")
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except TierstoreError as exc:
-        print(f"tierstore: error: {exc}", file=sys.stderr)
+        print(f"tierstore {args.cmd}: error: {cli_message(exc)}", file=sys.stderr)
         return 2
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -11,6 +12,8 @@ import torch
 from tqdm import tqdm
 
 from . import RowWiseAdagrad, TableSpec, TierStore
+from .errors import TierstoreError
+from .stats import progress_line, tier_table
 
 
 def zipf_ids(rng: np.random.Generator, n: int, num_rows: int, alpha: float,
@@ -22,19 +25,31 @@ def zipf_ids(rng: np.random.Generator, n: int, num_rows: int, alpha: float,
     return torch.from_numpy(spread.astype(np.int64))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m tierstore.demo") -> int:
     """Run the demo; returns an exit code."""
-    ap = argparse.ArgumentParser(prog="python -m tierstore.demo", description=__doc__)
-    ap.add_argument("--path", default="demo_store")
-    ap.add_argument("--rows", type=int, default=10**11)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch", type=int, default=8192)
-    ap.add_argument("--device-capacity", default="16MiB")
-    ap.add_argument("--host-capacity", default="128MiB")
-    ap.add_argument("--policy", default="lru")
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--path", default="demo_store", help="store directory (replaced unless --keep)")
+    ap.add_argument("--rows", type=int, default=10**11, help="rows in the table")
+    ap.add_argument("--dim", type=int, default=64, help="embedding dim")
+    ap.add_argument("--steps", type=int, default=200, help="batches to run")
+    ap.add_argument("--batch", type=int, default=8192, help="ids per batch")
+    ap.add_argument("--device-capacity", default="16MiB", help="device tier size (bytes or rows)")
+    ap.add_argument("--host-capacity", default="128MiB", help="host tier size (bytes or rows)")
+    ap.add_argument("--policy", default="lru", help="eviction policy of both cache tiers")
     ap.add_argument("--keep", action="store_true", help="keep the store from an earlier run")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
+    if args.steps < 0 or args.batch < 1:
+        ap.error("--steps must be >= 0 and --batch >= 1")
+    try:
+        return _run(args)
+    except TierstoreError as exc:  # bad capacities, policy, a locked store...
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if not args.keep:
         shutil.rmtree(args.path, ignore_errors=True)
     spec = TableSpec("items", args.rows, args.dim, optimizer=RowWiseAdagrad(lr=0.05))
@@ -42,25 +57,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with TierStore(args.path, [spec], device_capacity=args.device_capacity,
                    host_capacity=args.host_capacity, policy=args.policy) as store:
-        for _ in tqdm(range(args.steps), desc="steps", unit="batch"):
+        bar = tqdm(range(args.steps), desc="steps", unit="batch", disable=args.no_progress)
+        for step in bar:
             ids = zipf_ids(rng, args.batch, args.rows, 1.05, 5_000_000)
             g = store.gather("items", ids)
             grads = torch.randn(g.unique.numel(), args.dim, generator=torch.Generator().manual_seed(1))
             store.apply_unique("items", g.unique, grads * 0.01)
+            if step % 10 == 9 or step == args.steps - 1:
+                bar.set_postfix_str(progress_line(store.stats()))
+        stats = store.stats()  # the bar's last figures and the table below are this snapshot
+        bar.set_postfix_str(progress_line(stats))
+        bar.close()
         store.flush()
         secs = time.perf_counter() - t0
-        stats = store.stats()
+        stored = store.stats()["ssd"]
     ids_total = args.steps * args.batch
     print(f"\n{args.steps} steps x {args.batch} ids on a {args.rows:.3g}-row table: "
-          f"{ids_total / secs / 1e6:.2f} M ids/s ({secs:.1f} s)")
-    print(f"{'tier':<8} {'capacity':>10} {'resident':>10} {'lookups':>10} {'hit rate':>9} "
-          f"{'evictions':>10} {'writebacks':>10}")
-    for name in ("device", "host", "ssd"):
-        s = stats[name]
-        print(f"{name:<8} {s.get('capacity', '-')!s:>10} {s.get('resident', '-')!s:>10} "
-              f"{s['lookups']:>10} {s['hit_rate']:>9.3f} {s['evictions']:>10} {s['writebacks']:>10}")
-    print(f"rows stored in LMDB: {stats['ssd']['rows_stored']}, "
-          f"disk: {stats['ssd']['disk_bytes'] / 2**20:.1f} MiB")
+          f"{ids_total / max(secs, 1e-9) / 1e6:.2f} M ids/s ({secs:.1f} s)")
+    print("\n".join(tier_table(stats)))
+    print(f"after the final flush: {stored['rows_stored']:,} rows stored in LMDB, "
+          f"disk {stored['disk_bytes'] / 2**20:.1f} MiB")
     return 0
 
 

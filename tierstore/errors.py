@@ -52,3 +52,7 @@ class CapacityError(TierstoreError):
 
 class InvalidGradientError(TierstoreError, ValueError):
     """A gradient (or per-sample weight) that holds NaN or Inf; the call changes nothing."""
+
+
+class StoreNotFoundError(TierstoreError, FileNotFoundError):
+    """No tierstore store at the given path (for `TierStore.open`, which needs an existing one)."""

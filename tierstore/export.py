@@ -244,7 +244,8 @@ def import_store(src: str | os.PathLike, path: str | os.PathLike, *,
 
     src, path = Path(src), Path(path)
     manifest = read_export_manifest(src)
-    check_new_dir(path, False, "import destination")
+    check_new_dir(path, False, "import destination",
+                  "an import builds a new store: choose a new path or remove this one")
     shuffle = bool(manifest["codec"].get("shuffle"))
     try:
         staging = staging_dir(path)

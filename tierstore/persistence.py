@@ -90,12 +90,12 @@ def os_error(exc: OSError, what: str) -> TierstoreError:
     return ConfigError(f"{what}: {exc}")
 
 
-def check_new_dir(dest: Path, overwrite: bool, what: str) -> None:
+def check_new_dir(dest: Path, overwrite: bool, what: str, hint: str = "pass overwrite=True") -> None:
     """Refuse a destination that is a file, or a non-empty directory unless `overwrite`."""
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
         raise ConfigError(f"{what} {dest} exists and is not a directory")
     if dest.is_dir() and any(dest.iterdir()) and not overwrite:
-        raise ConfigError(f"{what} {dest} exists and is not empty (pass overwrite=True)")
+        raise ConfigError(f"{what} {dest} exists and is not empty ({hint})")
 
 
 # staging names: `.NAME.partial-PID-HEX` (being written, or an old copy after an exchange) and
@@ -485,7 +485,7 @@ def verify_checkpoint(dest: str | os.PathLike) -> dict:
 
 # restore ---------------------------------------------------------------------------------------
 @contextmanager
-def writer_lock(path: Path) -> Iterator[None]:
+def writer_lock(path: Path, doing: str = "restoring") -> Iterator[None]:
     """Hold the store's writer lock (the one TierStore takes) for the duration."""
     fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -493,7 +493,7 @@ def writer_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             raise StoreLockedError(
-                f"store {path} is open for writing elsewhere; close it before restoring") from exc
+                f"store {path} is open for writing elsewhere; close it before {doing}") from exc
         try:
             yield
         finally:
@@ -574,7 +574,7 @@ def compact(path: str | os.PathLike) -> dict:
         raise ConfigError(f"store path {path} exists and is not a directory")
     if not (path / DATA).is_file():
         raise StoreCorruptError(f"{path} holds no tierstore data (no {DATA})")
-    with writer_lock(path):  # not open elsewhere (StoreLockedError) ...
+    with writer_lock(path, "compacting"):  # not open elsewhere (StoreLockedError) ...
         LmdbBackend(path, readonly=True).close()  # ... and a tierstore store, or raise
     t0 = time.perf_counter()
     backend = LmdbBackend(path)

@@ -1,4 +1,14 @@
-"""Counters reported by `TierStore.stats()`."""
+"""Counters reported by `TierStore.stats()`, and the one way to print them.
+
+Definitions (the same in `stats()`, the demo's progress bar and its final table):
+- a cache tier's `lookups` are the distinct rows of a batch asked of it (the host tier is asked
+  for the device tier's misses), `hit_rate` = hits / lookups since the store was opened (one
+  exception: `read`'s all-resident fast path counts every id, duplicates included);
+- the SSD tier (LMDB) never misses: a row it has not stored is initialized lazily. It reports
+  `rows_read` (stored rows read), `rows_initialized` (never-written rows created from the seed)
+  and `rows_written` (rows written back), not a hit rate.
+"""
+
 
 from __future__ import annotations
 
@@ -26,6 +36,46 @@ class TierStats:
     def as_dict(self) -> dict:
         """The counters and the hit rate as a plain dict."""
         return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+@dataclass
+class SsdStats(TierStats):
+    """The LMDB tier's counters: rows read, rows initialized lazily, rows written (no hit rate)."""
+
+    def as_dict(self) -> dict:
+        """The counters plus `rows_read`, `rows_initialized` and `rows_written`."""
+        return {**asdict(self), "rows_read": self.hits, "rows_initialized": self.misses,
+                "rows_written": self.writebacks}
+
+
+def progress_line(stats: dict) -> str:
+    """The tier part of a progress bar: cache hit rates and the SSD tier's rows read / written."""
+    d, h, s = stats["device"], stats["host"], stats["ssd"]
+    return (f"hit dev {d['hit_rate']:.3f} host {h['hit_rate']:.3f}, "
+            f"ssd read {_si(s['rows_read'])} written {_si(s['rows_written'])}")
+
+
+def tier_table(stats: dict) -> list[str]:
+    """The final per-tier table: caches with hit rates, then the SSD tier's row counts."""
+    lines = [f"{'tier':<8} {'capacity':>10} {'resident':>10} {'lookups':>12} {'hits':>12} "
+             f"{'hit rate':>9} {'evictions':>10} {'writebacks':>11}"]
+    for name in ("device", "host"):
+        t = stats[name]
+        lines.append(f"{name:<8} {t['capacity']:>10,} {t['resident']:>10,} {t['lookups']:>12,} "
+                     f"{t['hits']:>12,} {t['hit_rate']:>9.3f} {t['evictions']:>10,} "
+                     f"{t['writebacks']:>11,}")
+    s = stats["ssd"]
+    lines.append(f"{'ssd':<8} rows read {s['rows_read']:,}, initialized lazily (never written) "
+                 f"{s['rows_initialized']:,}, written {s['rows_written']:,}")
+    return lines
+
+
+def _si(n: int) -> str:
+    """A count in k/M/G for a progress bar."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
 
 
 @dataclass

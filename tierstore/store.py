@@ -21,7 +21,7 @@ import torch
 
 from . import validate
 from ._kernels import HAVE_NUMBA
-from .backends.lmdb_backend import LmdbBackend, lmdb_error
+from .backends.lmdb_backend import DATA_NAME, LmdbBackend, lmdb_error
 from .backends.slab import Rows, SlabTier
 from .backends.wal import WriteLog, replay
 from .backends.writeback import WriteBehind
@@ -32,17 +32,19 @@ from .errors import (
     InvalidIdsError,
     ShapeError,
     StoreClosedError,
+    StoreNotFoundError,
     UnknownTableError,
 )
 from .fused import BatchUpdate, bag_positions
 from .fused import pool as fused_pool
 from .index import dedup, sort_unique
 from .initializers import name_key
-from .stats import PrefetchStats, TierStats
+from .stats import PrefetchStats, SsdStats
 
 FORMAT_VERSION = 2  # 2: rows carry a last-update stamp column and a checksum word
 CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
 FLUSH_CHUNK = 65536  # rows per LMDB transaction when flushing
+LAST_OPEN = "last_open"  # metadata record: the table specs of the latest open, per table
 _OPEN_STORES: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -131,7 +133,7 @@ class TierStore:
                  policy: str = "lru",
                  seed: int = 0, device: torch.device | str | None = None,
                  map_limit: int | str | None = None,
-                 record: str | os.PathLike | None = None,
+                 record: str | os.PathLike | None = None, add_tables: bool = False,
                  write_buffer: int | str = "64MiB") -> None:
         tables = [tables] if isinstance(tables, TableSpec) else list(tables)
         if not tables or not all(isinstance(t, TableSpec) for t in tables):
@@ -159,9 +161,12 @@ class TierStore:
         self.feature_tables: dict[str, str | None] = {}
         self._prefetchers: weakref.WeakSet = weakref.WeakSet()  # stopped when the store closes
         self.fused = HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
+        from .policies import make_policy
+
+        make_policy(policy, 0)  # an unknown policy is refused before the store is touched
         self.backend = LmdbBackend(self.path, map_limit=limit)
         try:
-            self._check_config(tables)
+            self._check_config(tables, add_tables)
             self.backend.open_tables(names)
             self.device_tier = SlabTier("device", dcap, width, policy, self.device)
             self.host_tier = SlabTier("host", hcap, width, policy, "cpu",
@@ -173,7 +178,7 @@ class TierStore:
         self.width = width
         self.tables = {t.name: _Table(t, i, name_key(seed, t.name)) for i, t in enumerate(tables)}
         self._by_index = [self.tables[n] for n in names]
-        self.ssd_stats = TierStats()
+        self.ssd_stats = SsdStats()
         # read-ahead buffers of the prefetch pipeline: table -> [(tail at read, rows, payload, found)]
         self._readahead: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
         # seconds spent reading LMDB inside the store, on the main (training) thread and on others
@@ -201,7 +206,7 @@ class TierStore:
         _OPEN_STORES.add(self)
 
     # configuration ------------------------------------------------------------------------
-    def _check_config(self, tables: list[TableSpec]) -> None:
+    def _check_config(self, tables: list[TableSpec], add_tables: bool = False) -> None:
         store = self.backend.get_meta("store")
         if store is not None:
             if store.get("format_version") != FORMAT_VERSION:
@@ -213,6 +218,12 @@ class TierStore:
         for spec in tables:
             cfg = self.backend.get_meta(f"table:{spec.name}")
             if cfg is None:
+                if store is not None and not add_tables:  # a typo must not create a table for good
+                    stored = sorted(k[len("table:"):] for k in self.backend.meta_keys()
+                                    if k.startswith("table:"))
+                    raise UnknownTableError(
+                        f"store {self.path} has no table {spec.name!r}; it holds {stored} "
+                        "(pass add_tables=True to add a new table)")
                 new[f"table:{spec.name}"] = spec.to_config()
                 continue
             problems = _mismatch(TableSpec.from_config(cfg), spec)
@@ -222,9 +233,28 @@ class TierStore:
                     + "; ".join(problems))
         if store is None:
             new["store"] = {"format_version": FORMAT_VERSION, "seed": self.seed}
+        old = self.backend.get_meta(LAST_OPEN) or {}  # each table's specs at its latest open
+        last = {**old, **{t.name: t.to_config() for t in tables}}
+        if last != old:
+            new[LAST_OPEN] = last
         if new:
             self.backend.put_meta(new)
             self.backend.sync()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, device_capacity: int | str = "64MiB",
+             host_capacity: int | str = "512MiB", policy: str = "lru",
+             device: torch.device | str | None = None, map_limit: int | str | None = None,
+             readonly: bool = False, write_buffer: int | str = "64MiB") -> TierStore:
+        """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none)."""
+        if readonly:
+            from .serving import ReadOnlyStore
+
+            return ReadOnlyStore(path, host_capacity=host_capacity, device=device)
+        specs, seed = stored_config(path)
+        return cls(path, specs, device_capacity=device_capacity, host_capacity=host_capacity,
+                   policy=policy, seed=seed, device=device, map_limit=map_limit,
+                   write_buffer=write_buffer)
 
     # validation -----------------------------------------------------------------------------
     def _live(self) -> None:
@@ -800,6 +830,11 @@ class TierStore:
                 data[match] = bdata[src]
                 found[match] = bfound[src]
                 known |= match
+                k, f = int(np.count_nonzero(match)), int(np.count_nonzero(bfound[src]))
+                st = self.ssd_stats  # read from LMDB by the pipeline's threads, counted at use
+                st.lookups += k
+                st.hits += f
+                st.misses += k - f
                 self.prefetch_stats.rows_read_ahead += int(np.count_nonzero(match))
             if known.all():
                 return
@@ -895,6 +930,24 @@ def old_format_message(path: str | os.PathLike, version: object) -> str:
                 f"`tierstore upgrade {path}` (the store must be closed)")
     return (f"store {path} has on-disk format version {version!r}; this tierstore reads version "
             f"{FORMAT_VERSION}")
+
+
+def stored_config(path: str | os.PathLike) -> tuple[list[TableSpec], int]:
+    """The table specs (creation order of names aside) and seed recorded in a store directory."""
+    p = Path(path)
+    if not (p / DATA_NAME).is_file():
+        raise StoreNotFoundError(f"no tierstore store at {p} (no {DATA_NAME}); "
+                                 "create one with TierStore(path, tables)")
+    backend = LmdbBackend(p, readonly=True)
+    try:
+        store = backend.get_meta("store")
+        specs = [TableSpec.from_config(backend.get_meta(k)) for k in backend.meta_keys()
+                 if k.startswith("table:")]
+    finally:
+        backend.close()
+    if store is None or not specs:
+        raise StoreNotFoundError(f"{p} holds LMDB data but no tierstore tables")
+    return specs, int(store["seed"])
 
 
 def open_tables(path: str | os.PathLike) -> Iterable[TableSpec]:

@@ -37,6 +37,24 @@ _IDS_HEAD = struct.Struct("<IIBI")
 ORACLE_GENERAL = np.dtype([("time", "<u4"), ("obj", "<u8"), ("size", "<u4"), ("next", "<i8")])
 
 
+TRACE_FORMATS = """\
+trace formats (--trace):
+  zipf:alpha=1.0,keys=1000000,requests=1000000,seed=0
+        independent Zipf(alpha) requests over `keys` keys (popular keys scattered)
+  shift:alpha=1.0,keys=1000000,requests=1000000,period=100000,drift=0,seed=0
+        Zipf whose hot set moves by `drift` keys (default keys/10) every `period` requests
+  FILE.npy          1-D integer keys, or [n, 2] of (table, row)
+  FILE.tsrec        a recording made with TierStore(..., record=FILE.tsrec)
+  *oracleGeneral*   libCacheSim oracleGeneral binary (name contains oracleGeneral)
+  FILE.csv / FILE.tsv / criteo:FILE
+                    Criteo rows: each of C1..C26 is a table, hex values are the ids
+  FILE.jsonl        Criteo JSON lines with a `sparse` list
+  FILE (other)      text, one integer key per line (`*` lines skipped), or raw integers
+                    of --trace-dtype (default >i4 when the content is not text)
+  any file may be .gz or .xz compressed
+"""
+
+
 @dataclass
 class Trace:
     """A request sequence: per request a table index and a row id, plus the table names."""
