@@ -154,7 +154,7 @@ def _torch_reference(kind: str, w0: torch.Tensor, lr: float, wd: float, batches)
     return p.detach()
 
 
-def _store_run(path, kind_or_opt, lr, wd, rows, dim, batches, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _store_run(path, kind_or_opt, lr, wd, rows, dim, batches, fused: bool):
     opt = TORCH_OPT[kind_or_opt][0](lr, wd) if isinstance(kind_or_opt, str) else kind_or_opt
     spec = ts.TableSpec("t", 10**9, dim, optimizer=opt)
     ids_all = torch.arange(rows) * 7919
