@@ -6,13 +6,14 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
+from tests.profiles import examples
 from tierstore.index import HashIndex
 
 KEYS = st.tuples(st.integers(0, 3), st.one_of(st.integers(0, 50), st.integers(0, 2**63 - 1)))
 OPS = st.lists(st.tuples(st.booleans(), st.lists(KEYS, max_size=12)), max_size=30)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples())
 @given(ops=OPS, capacity=st.integers(1, 40), kernels=st.sampled_from(["numba", "torch", "mixed"]))
 def test_index_matches_dict(ops, capacity, kernels):
     """Both paths, and both interleaved (backward-shift deletion meeting torch tombstones)."""

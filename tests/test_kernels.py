@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 
 import tierstore as ts
+from tests.profiles import examples
 from tierstore import _memory
 from tierstore.fused import bag_positions
 from tierstore.index import SLOT_MASK, HashIndex, dedup, sort_unique
@@ -15,7 +16,7 @@ from tierstore.index import SLOT_MASK, HashIndex, dedup, sort_unique
 IDS = st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**63 - 1)), max_size=300)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples())
 @given(ids=IDS)
 def test_dedup_is_a_unique_with_inverse(ids):
     t = torch.tensor(ids, dtype=torch.int64)
@@ -29,7 +30,7 @@ def test_dedup_is_a_unique_with_inverse(ids):
     assert torch.equal(su, ref_u) and torch.equal(sinv, ref_inv)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples())
 @given(lengths=st.lists(st.integers(0, 6), max_size=40))
 def test_bag_positions_match_repeat_interleave(lengths):
     ln = torch.tensor(lengths, dtype=torch.int64)

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
 from tierstore.backends.slab import Rows, SlabTier
 from tierstore.errors import ConfigError
 from tierstore.policies import POLICIES, Policy, make_policy
@@ -142,7 +143,7 @@ for _name in NAMES:
 
 # a SlabTier with any policy behaves like a dict of its resident keys -------------------------
 @pytest.mark.parametrize("name", NAMES)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(0.4))
 @given(data=st.data())
 def test_tier_behaves_like_a_dict(name, data):
     cap = data.draw(st.integers(1, 12))

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 
 import tierstore as ts
+from tests.profiles import examples
 from tierstore.precision import CODECS
 
 HALF = ["bfloat16", "float16"]
@@ -25,7 +26,7 @@ def _neighbour_toward(r: torch.Tensor, x: torch.Tensor, dt: torch.dtype) -> torc
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples())
 @given(vals=st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=40),
        olds=st.lists(st.floats(-10, 10, width=32), min_size=40, max_size=40))
 def test_stochastic_rounding_picks_a_bracketing_neighbour(dtype, vals, olds):

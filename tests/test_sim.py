@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
 from tierstore.errors import ConfigError
 from tierstore.sim.bench import main, parse_capacities, size_for_hit_rate
 from tierstore.sim.exact import EXACT, dense_keys, simulate
@@ -128,7 +129,7 @@ def _py_belady(keys, cap):
     return misses
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples())
 @given(keys=st.lists(st.integers(0, 12), max_size=60), cap=st.integers(0, 8))
 def test_exact_against_python_models(keys, cap):
     ids, n = dense_keys(np.array(keys, dtype=np.int64))
