@@ -76,8 +76,23 @@ def test_unsorted_resident_rows_survive_eviction_before_backward(tmp_path):
     assert torch.equal(results[0], results[1])
 
 
-def test_threads_split_kernels_without_changing_a_bit(tmp_path):
-    """Pooling, updates and lookups split over threads give the single-thread bits."""
+def test_threads_split_kernels_without_changing_a_bit(tmp_path, monkeypatch):
+    """Pooling, updates and lookups split over threads give the single-thread bits.
+
+    The split is forced (CPUS patched) and counted, so the test means the same on a 1-CPU runner.
+    """
+    from tierstore import _parallel
+
+    monkeypatch.setattr(_parallel, "CPUS", 4)
+    submitted = []
+    real_executor = _parallel._executor
+
+    class Counting:
+        def submit(self, fn, *args):
+            submitted.append(args)
+            return real_executor().submit(fn, *args)
+
+    monkeypatch.setattr(_parallel, "_executor", Counting)
     spec = ts.TableSpec("t", 200_000, 16, optimizer=ts.RowWiseAdagrad(0.1))
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 200_000, (40_000,), generator=gen)
@@ -97,6 +112,9 @@ def test_threads_split_kernels_without_changing_a_bit(tmp_path):
                     (out * grad).sum().backward()
                     outs.append(out.detach())
                 results.append((torch.stack(outs), store.read("t", ids)))
+            if threads == 1:
+                assert not submitted  # one thread: nothing handed to the pool
+        assert len(submitted) >= 3 * 2  # every step split its pool and update over 2 threads
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[0][0], results[1][0])

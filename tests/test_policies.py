@@ -125,14 +125,17 @@ class PolicyContract:
         p.on_insert(v)
         p.check()
 
-    def test_empty_calls(self):
-        p = self.make()
+    def test_empty_calls_change_no_eviction_order(self):
+        p = self.filled(3)
+        ev = torch.ones(self.capacity, dtype=torch.bool)
+        order = p.victims(self.capacity, ev)  # the whole eviction order
         empty = torch.empty(0, dtype=torch.int64)
         p.on_hit(empty)
         p.on_insert(empty)
         p.on_evict(empty)
         p.on_future(empty, empty)
-        assert p.victims(0, torch.ones(self.capacity, dtype=torch.bool)).numel() == 0
+        assert torch.equal(p.victims(self.capacity, ev), order)
+        assert p.victims(0, ev).numel() == 0
         p.check()
 
 
@@ -150,7 +153,7 @@ def test_tier_behaves_like_a_dict(name, data):
     tier = SlabTier("t", cap, 1, name)
     model: dict[int, float] = {}
     nbatches = data.draw(st.integers(1, 12))
-    for _ in range(nbatches):
+    for step in range(nbatches):
         keys = data.draw(st.lists(st.integers(0, 30), min_size=1, max_size=10, unique=True))
         rows = torch.tensor(keys, dtype=torch.int64)
         tabs = torch.zeros_like(rows)
@@ -171,7 +174,12 @@ def test_tier_behaves_like_a_dict(name, data):
                 del model[r]
         for r in miss[:k_in].tolist():
             model[r] = float(r * 10)
-        tier.policy.on_future(tier.lookup(tabs, rows).clamp(min=0)[:0], rows[:0])
+        # next-use hints for the resident keys of this batch (lookahead and belady use them)
+        res = tier.lookup(tabs, rows)
+        res = res[res >= 0]
+        nxt = data.draw(st.lists(st.integers(step + 1, step + 20), min_size=res.numel(),
+                                 max_size=res.numel()))
+        tier.policy.on_future(res, torch.tensor(nxt, dtype=torch.int64))
         tier.check()
         assert sorted(tier.resident()[1].tolist()) == sorted(model)
         assert tier.size == len(model) <= cap

@@ -132,7 +132,9 @@ def test_half_training_tracks_float32(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_half_torch_update_path_matches_kernels_within_an_ulp(tmp_path, dtype):
+def test_half_torch_update_path_matches_kernels_to_one_16bit_step(tmp_path, dtype):
+    """The two update paths' float32 results may differ in the last bits, so stochastic rounding
+    may pick the other neighbour: the stored 16-bit patterns are equal or adjacent, never further."""
     spec = ts.TableSpec("t", 100, 6, optimizer=ts.Adagrad(0.2), dtype=dtype)
     ids = torch.arange(20)
     grads = torch.randn(20, 6, generator=torch.Generator().manual_seed(2))
@@ -142,8 +144,11 @@ def test_half_torch_update_path_matches_kernels_within_an_ulp(tmp_path, dtype):
             s.fused = fused
             s.apply("t", ids, grads)
             out.append(s.read("t", ids))
-    ulp = out[0].abs() * (2.0**-7 if dtype == "bfloat16" else 2.0**-10)
-    assert bool(((out[0] - out[1]).abs() <= ulp + 1e-7).all())
+    dt = CODECS[dtype].torch_dtype
+    a, b = (o.to(dt).view(torch.int16).to(torch.int32) for o in out)
+    assert torch.equal(out[0].to(dt).float(), out[0]) and torch.equal(out[1].to(dt).float(), out[1])
+    assert bool(((a - b).abs() <= 1).all())  # same sign everywhere here: adjacent patterns
+    assert bool((torch.sign(out[0]) == torch.sign(out[1])).all())
 
 
 def test_half_rows_survive_checkpoint_and_export(tmp_path):
