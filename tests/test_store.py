@@ -218,6 +218,7 @@ def test_cli_info(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_memory_bounded_by_capacities(tmp_path):
     code = f"""
 import psutil, torch, tierstore as ts
