@@ -77,6 +77,10 @@ def test_reference_trace_shapes():
     for name in ("cache2k_web07", "lirs_sprite", "libcachesim_cloudPhysicsIO"):
         ids, n = _trace(name)
         assert (ids.size, n) == (ref[name]["requests"], ref[name]["distinct"])
+    # what docs/policies.md says the reference holds: 7 traces, 19 sizes, 7 policies, 133 counts
+    assert len(ref) == 7 and sum(len(e["sizes"]) for e in ref.values()) == 19
+    assert sorted(len(e["sizes"]) for e in ref.values()) == [2, 2, 3, 3, 3, 3, 3]
+    assert len(_ref_cases(False)) + len(_ref_cases(True)) == 133
 
 
 # reference models in plain Python -------------------------------------------------------------
