@@ -344,3 +344,51 @@ def test_exact_simulators_match_the_plain_python_policies(keys, cap):
     for policy, model in (("lru", ref.py_lru), ("fifo", ref.py_fifo), ("lfu", ref.py_lfu),
                           ("belady", ref.py_belady)):
         assert simulate(policy, ids, n, cap) == model(keys, cap), policy
+
+
+# optimizer and initializer configuration ----------------------------------------------------------
+@pytest.mark.parametrize(("cls", "bad"), [
+    (ts.SGD, {"lr": float("nan")}), (ts.SGD, {"lr": -0.1}), (ts.SGD, {"lr": "0.1"}),
+    (ts.SGD, {"weight_decay": float("inf")}), (ts.Adagrad, {"eps": -1e-8}),
+    (ts.Adagrad, {"lr": None}), (ts.RowWiseAdagrad, {"eps": float("-inf")}),
+    (ts.Adam, {"betas": (0.9, float("nan"))}), (ts.Adam, {"betas": (0.9, "x")}),
+    (ts.Adam, {"eps": -1.0}), (ts.Adam, {"lr": -1e-3}),
+])
+def test_bad_optimizer_hyperparameters_are_config_errors(cls, bad):
+    with pytest.raises(ts.ConfigError):
+        cls(**bad)
+
+
+@pytest.mark.parametrize("opt", [ts.SGD(0.0), ts.SGD(1, weight_decay=0), ts.Adagrad(0.0, eps=0.0),
+                                 ts.RowWiseAdagrad(2, eps=0), ts.Adam(0.0, (0.0, 0.0), 0.0, 0.0)],
+                         ids=lambda o: o.kind)
+def test_zero_and_integer_hyperparameters_are_accepted_and_round_trip(opt):
+    from tierstore.optimizers import optimizer_from_config
+
+    cfg = opt.to_config()
+    assert cfg["kind"] == opt.kind
+    back = optimizer_from_config(json_roundtrip(cfg))
+    assert back == opt and type(back) is type(opt)
+
+
+def json_roundtrip(cfg: dict) -> dict:
+    import json
+
+    return json.loads(json.dumps(cfg))
+
+
+def test_unknown_optimizer_kind_is_a_config_error():
+    from tierstore.optimizers import optimizer_from_config
+
+    with pytest.raises(ts.ConfigError, match="unknown optimizer"):
+        optimizer_from_config({"kind": "lamb", "lr": 0.1})
+
+
+@pytest.mark.parametrize("init", [ts.UniformInit(), ts.UniformInit(bound=0.5), ts.NormalInit(0.2, -1.0),
+                                  ts.ConstantInit(), ts.ConstantInit(3.5)], ids=lambda i: i.kind)
+def test_initializers_round_trip_through_their_config(init):
+    from tierstore.initializers import initializer_from_config
+
+    cfg = json_roundtrip(init.to_config())
+    assert cfg["kind"] == init.kind
+    assert initializer_from_config(cfg) == init
