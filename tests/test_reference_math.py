@@ -222,6 +222,25 @@ def test_one_step_on_any_payload_matches_the_definition(opt, data):
         BatchUpdate(opt, dim, n, torch.arange(n), grads, use_kernel=use_kernel).apply(p, torch.arange(n))
         np.testing.assert_allclose(p.double().numpy(), want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(direct.double().numpy(), want, rtol=1e-5, atol=1e-6)
+    # positions -> unique rows, gradient rows shared by bags and scaled per position
+    pos = data.draw(st.integers(1, 9))
+    inverse = torch.randint(0, n, (pos,), generator=gen)
+    bags = data.draw(st.integers(1, 4))
+    bag_of = torch.randint(0, bags, (pos,), generator=gen)
+    grad_out = torch.randn(bags, dim, generator=gen)
+    scale = torch.rand(pos, generator=gen) * 2 - 0.5
+    g = np.zeros((n, dim))
+    for q in range(pos):
+        g[int(inverse[q])] += grad_out[int(bag_of[q])].double().numpy() * float(scale[q])
+    touched = np.isin(np.arange(n), inverse.numpy())
+    want = ref.reference_step(opt.to_config(), p0.double().numpy(), g, dim)
+    want[~touched] = p0.double().numpy()[~touched]  # rows without a position are not updated
+    for use_kernel in (True, False):
+        p = p0.clone()
+        slots = torch.arange(n)
+        upd = BatchUpdate(opt, dim, n, inverse, grad_out, bag_of=bag_of, scale=scale, use_kernel=use_kernel)
+        upd.apply(p, slots)
+        np.testing.assert_allclose(p.double().numpy()[touched], want[touched], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("opt", OPTS, ids=lambda o: o.kind)
@@ -392,3 +411,40 @@ def test_initializers_round_trip_through_their_config(init):
     cfg = json_roundtrip(init.to_config())
     assert cfg["kind"] == init.kind
     assert initializer_from_config(cfg) == init
+
+
+def test_optimizer_defaults_are_torch_optims():
+    """Defaults as documented: torch.optim's for SGD's lr, Adagrad and Adam; row-wise as Adagrad."""
+    p = [torch.nn.Parameter(torch.zeros(1))]
+    ada, adam = torch.optim.Adagrad(p).defaults, torch.optim.Adam(p).defaults
+    assert (ts.Adagrad().lr, ts.Adagrad().eps, ts.Adagrad().weight_decay) == (ada["lr"], ada["eps"], 0.0)
+    assert (ts.RowWiseAdagrad().lr, ts.RowWiseAdagrad().eps, ts.RowWiseAdagrad().weight_decay) == \
+        (ada["lr"], ada["eps"], 0.0)
+    assert (ts.Adam().lr, ts.Adam().betas, ts.Adam().eps, ts.Adam().weight_decay) == \
+        (adam["lr"], adam["betas"], adam["eps"], 0.0)
+    assert (ts.SGD().lr, ts.SGD().weight_decay) == (0.01, 0.0)
+
+
+def test_every_optimizer_has_a_fused_kernel():
+    from tierstore.fused import KERNELS
+    from tierstore.optimizers import OPTIMIZERS
+
+    assert set(KERNELS) == set(OPTIMIZERS)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_pooling_with_one_weighted_position_and_empty_bags(tmp_path, mode):
+    """Bags of 0 and 1 positions, per-sample weights on a single position, against EmbeddingBag."""
+    spec = ts.TableSpec("t", 50, 3)
+    with _open(tmp_path / "s", [spec], dev=8, host=8) as s:
+        table = torch.nn.EmbeddingBag(50, 3, mode=mode)
+        with torch.no_grad():
+            table.weight.copy_(s.read("t", torch.arange(50)))
+        bag = ts.TieredEmbeddingBag(s, "t", mode=mode)
+        for ids, offsets in ((torch.tensor([7]), torch.tensor([0])),
+                             (torch.tensor([4, 9]), torch.tensor([0, 0, 2]))):
+            torch.testing.assert_close(bag(ids, offsets), table(ids, offsets), rtol=0, atol=0)
+        if mode == "sum":
+            w = torch.tensor([2.5])
+            torch.testing.assert_close(bag(torch.tensor([7]), torch.tensor([0]), per_sample_weights=w),
+                                       table(torch.tensor([7]), torch.tensor([0]), per_sample_weights=w))
