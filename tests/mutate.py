@@ -1,7 +1,7 @@
 """Mutation testing driver (a dev tool, not a CI step): mutmut's mutants, one forked pytest each.
 
     python -m tests.mutate tierstore/optimizers.py --tests "tests/test_reference_math.py" \\
-        [--every K] [--no-jit] [--out FILE.json]
+        [--every K] [--no-jit] [--out FILE.json] [--retest EARLIER.json]
 
 Each of mutmut's mutants of the file is written in place, a child forked from a process that has
 already imported torch/numpy/numba runs `pytest -x` on the given tests, and the file is restored
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--no-jit", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--retest", default=None, help="a report of an earlier run: its survivors only")
     a = ap.parse_args(argv)
     if a.no_jit:
         os.environ["NUMBA_DISABLE_JIT"] = "1"
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     stat = path.stat()
     ids = list_mutations(Context(source=src, filename=str(path)))
     chosen = ids[a.offset :: a.every]
+    if a.retest:  # the survivors of an earlier run, by (line, index)
+        again = {(r["line"] - 1, r["index"]) for r in json.loads(Path(a.retest).read_text())["survived"]}
+        chosen = [m for m in ids if (m.line_number, m.index) in again]
     args = shlex.split(a.tests) + ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
     status, base = _run_child(args, 3600)
     if status != "survived":
@@ -108,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         killed = sum(r["status"] != "survived" for r in results)
         report = {"path": str(path), "tests": a.tests, "every": a.every, "offset": a.offset,
+                  "retest": a.retest,
                   "no_jit": a.no_jit, "total_mutants": len(ids), "tested": len(results),
                   "killed": killed, "survived": [r for r in results if r["status"] == "survived"],
                   "results": results}
