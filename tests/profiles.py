@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 EXAMPLES = {"dev": 50, "ci": 100, "fast": 8}
@@ -33,3 +34,8 @@ def load() -> str:
 def examples(weight: float = 1.0) -> int:
     """The loaded profile's example count scaled for a costly test (at least 3)."""
     return max(3, int(settings.default.max_examples * weight))
+
+
+def needs(present: bool, reason: str) -> pytest.MarkDecorator:
+    """Skip a test whose shared data is missing, except under CI, where it runs (and fails)."""
+    return pytest.mark.skipif(not present and not in_ci(), reason=reason)

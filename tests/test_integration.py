@@ -22,12 +22,13 @@ from integration.data import (
     hash_categorical,
     parse_tables,
 )
+from tests.profiles import needs
 from tierstore.backends.lmdb_backend import LmdbBackend
 from tierstore.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CRITEO_CSV = ROOT / "../shared/data/criteo/criteo_sample_deepctr.csv"
-needs_criteo = pytest.mark.skipif(not CRITEO_CSV.is_file(), reason="Criteo sample not present")
+needs_criteo = needs(CRITEO_CSV.is_file(), "Criteo sample not present")
 
 TINY = ["--tables", "uniform:1000000000", "--dim", "8", "--batch", "64", "--hot", "3000",
         "--device-capacity", "2000", "--host-capacity", "6000", "--bottom", "16", "--top", "16",

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.profiles import examples
+from tests.profiles import examples, needs
 from tierstore.errors import ConfigError
 from tierstore.sim.bench import main, parse_capacities, size_for_hit_rate
 from tierstore.sim.exact import EXACT, dense_keys, simulate
@@ -31,7 +31,7 @@ FILES = {
 }
 NAMES = {"LRU": "lru", "FIFO": "fifo", "LFU": "lfu", "Belady": "belady", "Clock": "clock",
          "Sieve": "sieve", "S3FIFO": "s3fifo"}
-needs_data = pytest.mark.skipif(not REF_PATH.exists(), reason="shared trace data not present")
+needs_data = needs(REF_PATH.exists(), "shared trace data not present")
 _cache: dict[str, tuple[np.ndarray, int]] = {}
 
 
