@@ -257,3 +257,51 @@ class DictStore:
         for i, row in enumerate(keys):
             self.rows[(table, row)] = p[i].clone()
         return keys
+
+
+def py_clock(keys: list, cap: int) -> int:
+    """Misses of CLOCK as a FIFO with one reference bit: a hit sets the bit; to evict, the
+    oldest key with its bit set has it cleared and goes to the back, the first one without goes."""
+    queue: OrderedDict = OrderedDict()  # key -> reference bit, oldest first
+    misses = 0
+    for k in keys:
+        if k in queue:
+            queue[k] = True
+            continue
+        misses += 1
+        if cap == 0:
+            continue
+        while len(queue) >= cap:
+            old, bit = queue.popitem(last=False)
+            if bit:
+                queue[old] = False
+        queue[k] = False
+    return misses
+
+
+def py_sieve(keys: list, cap: int) -> int:
+    """Misses of SIEVE (Zhang et al., NSDI '24): new keys enter at the head with no visited bit;
+    a hit sets the bit; the hand walks from the tail toward the head clearing set bits, evicts the
+    first unvisited key and stays at its newer neighbour (wrapping to the tail past the head)."""
+    order: list = []  # index 0 is the tail (oldest)
+    visited: dict = {}
+    hand = None  # the key the hand points at
+    misses = 0
+    for k in keys:
+        if k in visited:
+            visited[k] = True
+            continue
+        misses += 1
+        if cap == 0:
+            continue
+        if len(order) >= cap:
+            i = order.index(hand) if hand is not None else 0
+            while visited[order[i]]:
+                visited[order[i]] = False
+                i = i + 1 if i + 1 < len(order) else 0
+            victim = order.pop(i)
+            del visited[victim]
+            hand = order[i] if i < len(order) else None
+        order.append(k)
+        visited[k] = False
+    return misses

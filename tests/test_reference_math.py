@@ -361,7 +361,7 @@ def test_exact_simulators_match_the_plain_python_policies(keys, cap):
 
     ids, n = dense_keys(np.array(keys, dtype=np.int64))
     for policy, model in (("lru", ref.py_lru), ("fifo", ref.py_fifo), ("lfu", ref.py_lfu),
-                          ("belady", ref.py_belady)):
+                          ("belady", ref.py_belady), ("clock", ref.py_clock), ("sieve", ref.py_sieve)):
         assert simulate(policy, ids, n, cap) == model(keys, cap), policy
 
 
