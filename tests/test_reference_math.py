@@ -448,3 +448,17 @@ def test_pooling_with_one_weighted_position_and_empty_bags(tmp_path, mode):
             w = torch.tensor([2.5])
             torch.testing.assert_close(bag(torch.tensor([7]), torch.tensor([0]), per_sample_weights=w),
                                        table(torch.tensor([7]), torch.tensor([0]), per_sample_weights=w))
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "clock", "lfu", "sieve", "belady"])
+def test_tier_policies_agree_with_the_exact_simulators_one_request_at_a_time(policy):
+    """The tier's policy objects, driven one request per batch, miss exactly as the simulators."""
+    from tierstore.sim.exact import dense_keys, simulate
+    from tierstore.sim.tier import simulate_tier
+    from tierstore.traces import load_trace
+
+    ids, _ = load_trace("zipf:alpha=0.9,keys=300,requests=1500,seed=5").dense()
+    ids = dense_keys(ids)[0]
+    n = int(ids.max()) + 1
+    for cap in (7, 60):
+        assert simulate_tier(ids, n, policy, cap, 1) == simulate(policy, ids, n, cap), cap
