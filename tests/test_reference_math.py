@@ -374,7 +374,12 @@ def test_exact_simulators_match_the_plain_python_policies(keys, cap):
     (ts.Adam, {"eps": -1.0}), (ts.Adam, {"lr": -1e-3}),
 ])
 def test_bad_optimizer_hyperparameters_are_config_errors(cls, bad):
-    with pytest.raises(ts.ConfigError):
+    (name, value), = bad.items()
+    vals = value if isinstance(value, tuple) else (value,)
+    not_finite = any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in vals)
+    msg = (f"^{cls.__name__}.{name} must be a finite number" if not_finite
+           else f"^{cls.__name__}: lr and eps must be >= 0$")
+    with pytest.raises(ts.ConfigError, match=msg):
         cls(**bad)
 
 
