@@ -467,3 +467,14 @@ def test_tier_policies_agree_with_the_exact_simulators_one_request_at_a_time(pol
     n = int(ids.max()) + 1
     for cap in (7, 60):
         assert simulate_tier(ids, n, policy, cap, 1) == simulate(policy, ids, n, cap), cap
+
+
+def test_initializer_defaults_are_the_documented_ones(tmp_path):
+    """NormalInit() is N(0, 0.01), ConstantInit() is zeros, UniformInit() bounds by 1/sqrt(dim)."""
+    assert (ts.NormalInit().std, ts.NormalInit().mean) == (0.01, 0.0)
+    assert ts.ConstantInit().value == 0.0 and ts.UniformInit().bound is None
+    specs = [ts.TableSpec("n", 100, 4, init=ts.NormalInit()), ts.TableSpec("c", 100, 4, init="constant")]
+    with _open(tmp_path / "s", specs) as s:
+        want = np.array([ref.lazy_normal(0, "n", 3, c, 0.01) for c in range(4)], dtype=np.float32)
+        assert np.array_equal(s.read("n", torch.tensor([3]))[0].numpy(), want)
+        assert torch.equal(s.read("c", torch.tensor([3])), torch.zeros(1, 4))
