@@ -469,7 +469,7 @@ def test_tier_policies_agree_with_the_exact_simulators_one_request_at_a_time(pol
         assert simulate_tier(ids, n, policy, cap, 1) == simulate(policy, ids, n, cap), cap
 
 
-def test_initializer_defaults_are_the_documented_ones(tmp_path):
+def test_lazy_rows_of_default_initializers_are_the_documented_ones(tmp_path):
     """NormalInit() is N(0, 0.01), ConstantInit() is zeros, UniformInit() bounds by 1/sqrt(dim)."""
     assert (ts.NormalInit().std, ts.NormalInit().mean) == (0.01, 0.0)
     assert ts.ConstantInit().value == 0.0 and ts.UniformInit().bound is None
