@@ -251,7 +251,7 @@ def test_lookahead_uses_fallback_for_unknown():
 
 
 def test_unknown_policy_is_a_config_error():
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"^unknown policy 'nope'; known: \[.*'lru'"):
         make_policy("nope", 4)
     with pytest.raises(ConfigError):
         make_policy("lru:lfu", 4)
