@@ -259,3 +259,16 @@ def test_unknown_policy_is_a_config_error():
         make_policy("lookahead:nope", 4)
     with pytest.raises(ConfigError):
         make_policy(3, 4)  # type: ignore[arg-type]
+
+
+def test_lfu_long_run_fallback_orders_like_the_packed_key():
+    """Past 2**40 clock ticks LFU sorts (count, recency) without packing: the same order."""
+    p = make_policy("lfu", 32)
+    _drive(p, 4, steps=40)
+    live = p.count > 0
+    for n in (1, 5, int(live.sum())):
+        fast = p.victims(n, live)
+        p.clock, saved = 1 << 40, p.clock
+        slow = p.victims(n, live)
+        p.clock = saved
+        assert torch.equal(fast, slow), n
