@@ -99,6 +99,7 @@ def _sizes(text: str) -> list[int]:
 DEMO = dict(tables="criteo", steps=300, batch=4096, eval_interval=100, eval_batches=8, prefetch=2,
             checkpoint_interval=150, device_capacity="32MiB", host_capacity="128MiB",
             run_dir="runs/demo")
+DEMO_MIN_AUC = 0.70  # the README's bar for the demo's held-out AUC
 
 
 # helpers --------------------------------------------------------------------------------------
@@ -582,6 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=2, default=float))
+    if args.demo and not summary["final_auc"] >= DEMO_MIN_AUC:  # NaN fails too
+        print(f"{ap.prog}: error: held-out AUC {summary['final_auc']:.4f} is below the demo's bar "
+              f"{DEMO_MIN_AUC}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -200,9 +199,16 @@ def test_kill9_during_compaction(tmp_path, trial):
     proc = subprocess.Popen([sys.executable, "-c", COMPACT_WORKER, str(path)], env=env,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "go"
-    time.sleep(random.Random(trial).uniform(0.0, 0.6))
+    deadline = time.monotonic() + 60
+    while not [p for p in os.listdir(path) if p.startswith(".compact")]:  # compaction started
+        assert proc.poll() is None and time.monotonic() < deadline, "compaction never started"
+        time.sleep(0.001)
+    time.sleep((0.0, 0.005, 0.02)[trial])
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    # the kill landed during compaction: its staging directory (removed when compaction ends,
+    # also on an error) is still there
+    assert [p for p in os.listdir(path) if p.startswith(".compact")], "kill landed after compaction"
     assert same_dump(dump(path), want)  # the old file or the new one, never a torn one
     store = ts.TierStore(path, SPECS, seed=3, device="cpu", device_capacity=0, host_capacity=0)
     store.close()

@@ -6,13 +6,14 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
+from tests.profiles import examples
 from tierstore.index import HashIndex
 
 KEYS = st.tuples(st.integers(0, 3), st.one_of(st.integers(0, 50), st.integers(0, 2**63 - 1)))
 OPS = st.lists(st.tuples(st.booleans(), st.lists(KEYS, max_size=12)), max_size=30)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples())
 @given(ops=OPS, capacity=st.integers(1, 40), kernels=st.sampled_from(["numba", "torch", "mixed"]))
 def test_index_matches_dict(ops, capacity, kernels):
     """Both paths, and both interleaved (backward-shift deletion meeting torch tombstones)."""
@@ -87,3 +88,20 @@ def test_strided_keys_and_slots_on_the_kernel_path():
     idx.check()
     found = idx.find(torch.tensor(2), keys[::2])
     assert torch.equal(found[::2], torch.full((50,), -1)) and torch.equal(found[1::2], slots[2::4])
+
+
+def test_full_power_of_two_index_finds_slot_zero_and_misses_on_both_paths():
+    """A full index whose capacity is a power of two still has empty buckets to end a probe, and
+    the entry (table 0, slot 0) is found (an entry word of 0 is a valid key, not a hole)."""
+    for use_kernels in (True, False):
+        idx = HashIndex(16)
+        idx.use_kernels = use_kernels
+        rows = torch.arange(100, 116)
+        idx.add(torch.zeros(16, dtype=torch.int64), rows, torch.arange(16))
+        assert idx.find(torch.zeros(16, dtype=torch.int64), rows).tolist() == list(range(16))
+        absent = idx.find(torch.tensor([0, 1, 0]), torch.tensor([5, 100, 2**62]))
+        assert absent.tolist() == [-1, -1, -1]
+        idx.remove(torch.tensor([0, 7]))
+        back = idx.find(torch.zeros(3, dtype=torch.int64), torch.tensor([100, 107, 108]))
+        assert back.tolist() == [-1, -1, 8]
+        idx.check()

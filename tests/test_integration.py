@@ -22,12 +22,13 @@ from integration.data import (
     hash_categorical,
     parse_tables,
 )
+from tests.profiles import needs
 from tierstore.backends.lmdb_backend import LmdbBackend
 from tierstore.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CRITEO_CSV = ROOT / "../shared/data/criteo/criteo_sample_deepctr.csv"
-needs_criteo = pytest.mark.skipif(not CRITEO_CSV.is_file(), reason="Criteo sample not present")
+needs_criteo = needs(CRITEO_CSV.is_file(), "Criteo sample not present")
 
 TINY = ["--tables", "uniform:1000000000", "--dim", "8", "--batch", "64", "--hot", "3000",
         "--device-capacity", "2000", "--host-capacity", "6000", "--bottom", "16", "--top", "16",
@@ -223,3 +224,15 @@ def test_a_run_directory_in_use_is_refused(tmp_path, capsys):
         t.close()
     assert tr.main(["--tables", "uniform:1000", "--run-dir", cfg.run_dir, "--no-progress",
                     "--steps", "1", "--batch", "8", "--eval-batches", "1", *small]) == 0
+
+
+def test_demo_exits_non_zero_below_the_readme_auc_bar(tmp_path, monkeypatch, capsys):
+    """--demo fails (exit 3) when the held-out AUC misses the README's 0.70; a short run does."""
+    short = ["--demo", "--steps", "2", "--batch", "64", "--eval-batches", "1", "--eval-interval", "2",
+             "--checkpoint-interval", "0", "--prefetch", "0", "--device-capacity", "2000",
+             "--host-capacity", "2000", "--no-progress", "--threads", "1"]
+    assert tr.DEMO_MIN_AUC == 0.70
+    assert tr.main([*short, "--run-dir", str(tmp_path / "a")]) == 3
+    assert "below the demo's bar" in capsys.readouterr().err
+    monkeypatch.setattr(tr, "DEMO_MIN_AUC", 0.0)  # the same run passes a bar it reaches
+    assert tr.main([*short, "--run-dir", str(tmp_path / "b")]) == 0

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 
 import tierstore as ts
+from tests.profiles import examples
 from tierstore import _memory
 from tierstore.fused import bag_positions
 from tierstore.index import SLOT_MASK, HashIndex, dedup, sort_unique
@@ -15,7 +16,7 @@ from tierstore.index import SLOT_MASK, HashIndex, dedup, sort_unique
 IDS = st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**63 - 1)), max_size=300)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples())
 @given(ids=IDS)
 def test_dedup_is_a_unique_with_inverse(ids):
     t = torch.tensor(ids, dtype=torch.int64)
@@ -29,7 +30,7 @@ def test_dedup_is_a_unique_with_inverse(ids):
     assert torch.equal(su, ref_u) and torch.equal(sinv, ref_inv)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples())
 @given(lengths=st.lists(st.integers(0, 6), max_size=40))
 def test_bag_positions_match_repeat_interleave(lengths):
     ln = torch.tensor(lengths, dtype=torch.int64)
@@ -75,8 +76,23 @@ def test_unsorted_resident_rows_survive_eviction_before_backward(tmp_path):
     assert torch.equal(results[0], results[1])
 
 
-def test_threads_split_kernels_without_changing_a_bit(tmp_path):
-    """Pooling, updates and lookups split over threads give the single-thread bits."""
+def test_threads_split_kernels_without_changing_a_bit(tmp_path, monkeypatch):
+    """Pooling, updates and lookups split over threads give the single-thread bits.
+
+    The split is forced (CPUS patched) and counted, so the test means the same on a 1-CPU runner.
+    """
+    from tierstore import _parallel
+
+    monkeypatch.setattr(_parallel, "CPUS", 4)
+    submitted = []
+    real_executor = _parallel._executor
+
+    class Counting:
+        def submit(self, fn, *args):
+            submitted.append(args)
+            return real_executor().submit(fn, *args)
+
+    monkeypatch.setattr(_parallel, "_executor", Counting)
     spec = ts.TableSpec("t", 200_000, 16, optimizer=ts.RowWiseAdagrad(0.1))
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 200_000, (40_000,), generator=gen)
@@ -96,6 +112,9 @@ def test_threads_split_kernels_without_changing_a_bit(tmp_path):
                     (out * grad).sum().backward()
                     outs.append(out.detach())
                 results.append((torch.stack(outs), store.read("t", ids)))
+            if threads == 1:
+                assert not submitted  # one thread: nothing handed to the pool
+        assert len(submitted) >= 3 * 2  # every step split its pool and update over 2 threads
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[0][0], results[1][0])

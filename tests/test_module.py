@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 
 import tierstore as ts
+from tests.profiles import examples
 
 N, DIM = 60, 4
 
@@ -128,7 +129,7 @@ def test_bit_identical_for_every_placement(tmp_path, opt):
             assert torch.equal(got[k], base[k]), (caps, policy, reopen, k)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(0.5))
 @given(n_bags=st.integers(0, 6), max_len=st.integers(0, 6), mode=st.sampled_from(["sum", "mean"]),
        weighted=st.booleans(), two_d=st.booleans(), seed=st.integers(0, 1000),
        caps=st.tuples(st.integers(0, 4), st.integers(0, 4)))

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 
 import tierstore as ts
+from tests.profiles import examples
 from tierstore.precision import CODECS
 
 HALF = ["bfloat16", "float16"]
@@ -25,7 +26,7 @@ def _neighbour_toward(r: torch.Tensor, x: torch.Tensor, dt: torch.dtype) -> torc
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples())
 @given(vals=st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=40),
        olds=st.lists(st.floats(-10, 10, width=32), min_size=40, max_size=40))
 def test_stochastic_rounding_picks_a_bracketing_neighbour(dtype, vals, olds):
@@ -106,7 +107,10 @@ def test_half_lazy_rows_round_to_nearest_and_halve_the_payload(tmp_path, dtype):
         assert torch.equal(b.read("t", ids), want)
         b.apply("t", torch.arange(50), torch.ones(50, 9))
         b.flush()
-        assert b.stats()["ssd"]["bytes_written"] == 50 * (8 + 4 * half.row_dim + 4)  # key + row + check word
+        # each row goes to the write-behind log (8-B key, 16-B header, row, check word), then the
+        # flush merges it into its table (8-B key, row, check word)
+        record = 4 * half.row_dim + 4
+        assert b.stats()["ssd"]["bytes_written"] == 50 * ((8 + 16 + record) + (8 + record))
 
 
 def test_dtype_is_checked_on_open_and_reopen(tmp_path):
@@ -132,7 +136,9 @@ def test_half_training_tracks_float32(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_half_torch_update_path_matches_kernels_within_an_ulp(tmp_path, dtype):
+def test_half_torch_update_path_matches_kernels_to_one_16bit_step(tmp_path, dtype):
+    """The two update paths' float32 results may differ in the last bits, so stochastic rounding
+    may pick the other neighbour: the stored 16-bit patterns are equal or adjacent, never further."""
     spec = ts.TableSpec("t", 100, 6, optimizer=ts.Adagrad(0.2), dtype=dtype)
     ids = torch.arange(20)
     grads = torch.randn(20, 6, generator=torch.Generator().manual_seed(2))
@@ -142,8 +148,11 @@ def test_half_torch_update_path_matches_kernels_within_an_ulp(tmp_path, dtype):
             s.fused = fused
             s.apply("t", ids, grads)
             out.append(s.read("t", ids))
-    ulp = out[0].abs() * (2.0**-7 if dtype == "bfloat16" else 2.0**-10)
-    assert bool(((out[0] - out[1]).abs() <= ulp + 1e-7).all())
+    dt = CODECS[dtype].torch_dtype
+    a, b = (o.to(dt).view(torch.int16).to(torch.int32) for o in out)
+    assert torch.equal(out[0].to(dt).float(), out[0]) and torch.equal(out[1].to(dt).float(), out[1])
+    assert bool(((a - b).abs() <= 1).all())  # same sign everywhere here: adjacent patterns
+    assert bool((torch.sign(out[0]) == torch.sign(out[1])).all())
 
 
 def test_half_rows_survive_checkpoint_and_export(tmp_path):

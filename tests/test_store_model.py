@@ -15,6 +15,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import tierstore as ts
+from tests.profiles import examples
 from tests.reference import DictStore
 
 OPTIMIZERS = [ts.SGD(0.1), ts.SGD(0.05, weight_decay=0.01), ts.Adagrad(0.1),
@@ -114,5 +115,5 @@ class StoreVsDict(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-StoreVsDict.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
+StoreVsDict.TestCase.settings = settings(max_examples=examples(0.6), stateful_step_count=25)
 TestStoreVsDict = StoreVsDict.TestCase

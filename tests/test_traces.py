@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.profiles import needs
 from tierstore.errors import ConfigError, StoreCorruptError
 from tierstore.traces import (
     TraceRecorder,
@@ -20,7 +21,7 @@ from tierstore.traces import (
 )
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-needs_data = pytest.mark.skipif(not SHARED.exists(), reason="shared data not present")
+needs_data = needs(SHARED.exists(), "shared data not present")
 
 
 @needs_data

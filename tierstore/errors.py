@@ -47,7 +47,10 @@ class StoreClosedError(TierstoreError):
 
 
 class CapacityError(TierstoreError):
-    """A request that needs more cache rows than the configured capacity."""
+    """Reserved: nothing raises it (a batch larger than every cache goes through LMDB instead).
+
+    Kept exported so code that catches it still imports; new code need not handle it.
+    """
 
 
 class InvalidGradientError(TierstoreError, ValueError):

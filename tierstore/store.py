@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import os
@@ -190,6 +191,7 @@ class TierStore:
         self.writeback = WriteBehind(wcap, width, self._write_rows, name=f"tierstore-writer:{self.path.name}")
         self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], 4 * wcap,
                             self.writeback._cv)
+        self.backend.quiesce = self._quiesce_writer
         clock = self.backend.get_meta("clock") or {}
         self.clock = int(clock.get("value", 0))  # logical clock (store.advance), stamped on updates
         self._clock_saved = self.clock
@@ -469,7 +471,7 @@ class TierStore:
                 tier.dirty[slots] = False
         self.writeback.drain()
         with self.writeback._cv:  # the writer is idle: fold the whole log into the tables
-            self.log.merge()
+            self.ssd_stats.bytes_written += self.log.merge()
         self._save_clock()
         self.backend.sync()
 
@@ -885,6 +887,14 @@ class TierStore:
             written += log.merge(log.capacity // 2)
         self.ssd_stats.bytes_written += written
         return written
+
+    @contextlib.contextmanager
+    def _quiesce_writer(self):
+        """Drain the write-behind ring, merge the log, and keep the writer idle inside the block."""
+        self.writeback.drain()
+        with self.writeback._cv:
+            self.ssd_stats.bytes_written += self.log.merge()
+            yield
 
     def _read_stored(self, tab: _Table, rows_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Stored rows (log first, then the table): (rows [n, row_dim], found [n]); any thread."""

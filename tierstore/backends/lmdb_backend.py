@@ -15,7 +15,7 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from itertools import islice, repeat
 from pathlib import Path
 
@@ -153,6 +153,11 @@ class LmdbBackend:
     def _open_env(self) -> None:
         """Open the LMDB environment and its metadata database (releases the lock on failure)."""
         self._map_gen += 1
+        self._log_db = None  # the write-behind log's handle belongs to one environment
+        if not hasattr(self, "quiesce"):
+            # set by the store: a context in which no background thread writes (the writer is
+            # drained and held), so a compaction cannot lose a write made to the old file
+            self.quiesce = nullcontext
         wm = self.map_resident is None if WRITEMAP is None else WRITEMAP
         self.writemap = wm and not self.readonly
         try:
@@ -355,6 +360,12 @@ class LmdbBackend:
         return total
 
     # the write-behind log (see wal.py) ------------------------------------------------------
+    def log_db(self, name: bytes) -> object:
+        """The write-behind log's database handle in the current environment (opened on demand)."""
+        if self._log_db is None:
+            self._log_db = self.env.open_db(name, create=not self.readonly)
+        return self._log_db
+
     def append_log(self, db: object, keys: list[bytes], vals: list[bytes]) -> int:
         """Append entries under increasing keys past the log's end in one transaction; returns bytes."""
         total = sum(map(len, vals)) + 8 * len(keys)
@@ -612,7 +623,7 @@ class LmdbBackend:
             raise TierstoreError(f"store {self.path} is open read-only; cannot compact it")
         self.wait_for_copies()
         before = self.disk_bytes()
-        with self._exclusive():
+        with self.quiesce(), self._exclusive():
             self.sync()
             tables = list(self._dbs)
             dbs = self._named_dbs()

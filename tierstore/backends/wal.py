@@ -55,13 +55,17 @@ class WriteLog:
         self.index = HashIndex(self.capacity)
         self.seq_of = np.full(self.capacity, -1, dtype=np.int64)  # index slot -> sequence number
         self.lock = lock  # the write-behind ring's condition: guards the index
-        self.db = backend.env.open_db(LOG_DB, create=not backend.readonly)
         self.next = self._last() + 1  # next sequence number
         self.merged = self.next  # sequence numbers below are merged (or were never appended)
         self.rows_appended = 0
         self.rows_merged = 0
         self.merge_seconds = 0.0
         self.append_seconds = 0.0
+
+    @property
+    def db(self) -> object:
+        """The log database's handle (reopened with the environment, e.g. after a compaction)."""
+        return self.backend.log_db(LOG_DB)
 
     def _last(self) -> int:
         with self.backend.reading(), self.backend.env.begin(db=self.db) as txn:
