@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import pickle
 import socket
 import time
@@ -17,7 +18,10 @@ import tierstore as ts
 from tierstore.distributed import (
     ShardedEmbeddingBagCollection,
     ShardedTierStore,
+    make_plan,
+    row_owner,
 )
+from tierstore.errors import ConfigError, ConfigMismatchError, TierstoreError
 
 OPTIMIZERS = {
     "sgd": lambda: ts.SGD(lr=0.1),
@@ -247,3 +251,125 @@ def test_bit_identical_across_capacities_and_policies(tmp_path):
                 assert torch.equal(res[r][name][0][step], res[r]["big"][0][step]), name
             for t in ("users", "items"):
                 assert torch.equal(res[r][name][1][t], res[r]["big"][1][t]), name
+
+
+def _prefetch_runs(rank, world, root, depths, cap):
+    from tierstore.prefetch import Prefetcher
+
+    out = {}
+    for depth in depths:
+        store = ShardedTierStore(f"{root}/d{depth}", specs("adagrad"), sharding="row",
+                                 device_capacity=cap, host_capacity=cap, seed=3, timeout=20)
+        ebc = ShardedEmbeddingBagCollection(store, FEATURES)
+        batches = [make_batch(100 * s + rank, batch_sizes(world, s)[rank]) for s in range(4)]
+        pre = Prefetcher(ebc, batches, depth)
+        outs = []
+        for step, b in enumerate(pre):
+            sizes = batch_sizes(world, step)
+            lo = sum(sizes[:rank])
+            pooled = ebc(*b)
+            (pooled * coeffs(step, sum(sizes), pooled.shape[1])[lo : lo + sizes[rank]]).sum().backward()
+            outs.append(pooled.detach())
+        staged = store.local.prefetch_stats.rows_staged
+        out[depth] = (outs, {t: store.read(t, torch.arange(n)) for t, n in (("users", 60), ("items", 40))},
+                      type(pre).__name__, staged)
+        store.close()
+    return out
+
+
+def test_prefetch_depth_does_not_change_bits(tmp_path):
+    res = spawn(2, _prefetch_runs, str(tmp_path), [0, 1, 3], 40)
+    for r in range(2):
+        assert res[r][3][2] == "ShardedPrefetcher"
+        assert res[r][3][3] > 0  # owners staged rows ahead
+        for depth in (1, 3):
+            for step in range(4):
+                assert torch.equal(res[r][depth][0][step], res[r][0][0][step])
+            for t in ("users", "items"):
+                assert torch.equal(res[r][depth][1][t], res[r][0][1][t])
+
+
+def _checkpoint_run(rank, world, root):
+    kw = dict(device_capacity=4, host_capacity=4, seed=3, timeout=20)
+    store = ShardedTierStore(f"{root}/a", specs("adam"), sharding={"users": "row", "items": 1}, **kw)
+    ebc = ShardedEmbeddingBagCollection(store, FEATURES)
+    _train(ebc, store.read, rank, world, -1, 2)
+    manifest = store.checkpoint(f"{root}/ckpt", step=2)
+    cont = _train(ebc, store.read, rank, world, -1, 2, first_step=2)
+    store.close()
+    errors = []
+    try:  # another plan for the same store
+        ShardedTierStore(f"{root}/a", specs("adam"), sharding="table", **kw)
+    except ConfigMismatchError as exc:
+        errors.append(str(exc))
+    restored = ShardedTierStore.restore(f"{root}/ckpt", f"{root}/b", device_capacity=1000,
+                                        host_capacity=1000, timeout=20)
+    ebc2 = ShardedEmbeddingBagCollection(restored, FEATURES)
+    again = _train(ebc2, restored.read, rank, world, -1, 2, first_step=2)
+    plan = restored.plan.to_config()
+    restored.close()
+    return cont, again, manifest["step"], errors, plan
+
+
+def test_checkpoint_restore_continues_bit_identically(tmp_path):
+    res = spawn(2, _checkpoint_run, str(tmp_path))
+    for r in range(2):
+        cont, again, step, errors, plan = res[r]
+        assert step == 2 and len(errors) == 1 and "plan" in errors[0]
+        assert plan["tables"]["items"] == {"kind": "table", "owner": 1}
+        for a, b in zip(cont[0], again[0]):
+            assert torch.equal(a, b)
+        for t in ("users", "items"):
+            assert torch.equal(cont[1][t], again[1][t])
+    assert (tmp_path / "ckpt" / "SHARDED_MANIFEST.json").is_file()
+
+
+def _dies_mid_step(rank, world, root):
+    store = ShardedTierStore(root, specs("sgd"), sharding="row", device_capacity=100,
+                             host_capacity=100, timeout=3)
+    ebc = ShardedEmbeddingBagCollection(store, FEATURES)
+    _train(ebc, store.read, rank, world, -1, 1)
+    if rank == 1:
+        os._exit(17)  # dies without a word, mid-run
+    t0 = time.monotonic()
+    try:
+        _train(ebc, store.read, rank, world, -1, 1, first_step=1)
+    except TierstoreError as exc:
+        return type(exc).__name__, time.monotonic() - t0, str(exc)
+    return "no error", time.monotonic() - t0, ""
+
+
+def test_dead_rank_raises_within_timeout(tmp_path):
+    res = spawn(2, _dies_mid_step, str(tmp_path / "s"), allow_dead=(1,), timeout_s=60)
+    name, seconds, msg = res[0]
+    assert name == "RankFailureError", (name, msg)
+    assert seconds < 3 + 5, seconds
+    assert "rank 0" in msg
+
+
+def test_plan_greedy_pinned_and_checked():
+    tabs = [ts.TableSpec("a", 1000, 8), ts.TableSpec("b", 600, 8), ts.TableSpec("c", 500, 8),
+            ts.TableSpec("d", 10, 8)]
+    plan = make_plan(tabs, 2, "table")
+    owners = {t: p.owner for t, p in plan.tables}
+    assert owners["a"] != owners["b"]  # the two biggest tables go to different ranks
+    assert owners["c"] == owners["b"]  # then the least-loaded rank gets the next
+    pinned = make_plan(tabs, 3, {"a": 2, "b": "row", "c": "table"})
+    assert pinned.placement("a").owner == 2 and pinned.placement("b").kind == "row"
+    assert pinned.placement("d").kind == "row"  # unnamed tables default to row-wise
+    assert pinned.placement("c").owner == 0
+    for bad in ({"zz": "row"}, {"a": 3}, "column", {"a": "col"}):
+        with pytest.raises(ConfigError):
+            make_plan(tabs, 2, bad)
+    with pytest.raises(ConfigMismatchError):
+        make_plan(tabs, 3, "table").check_same(plan, "here")
+
+
+def test_row_owner_spreads_consecutive_and_hot_ids():
+    ids = torch.arange(100_000)
+    for world in (2, 3, 8):
+        own = row_owner(ids, world)
+        counts = torch.bincount(own, minlength=world).double()
+        assert counts.min() > 0.97 * counts.mean()
+        assert torch.equal(own, row_owner(ids.clone(), world))  # a fixed function of the id
+    assert len(set(row_owner(torch.arange(8), 4).tolist())) > 1  # hot low ids do not cluster
