@@ -373,3 +373,46 @@ def test_row_owner_spreads_consecutive_and_hot_ids():
         assert counts.min() > 0.97 * counts.mean()
         assert torch.equal(own, row_owner(ids.clone(), world))  # a fixed function of the id
     assert len(set(row_owner(torch.arange(8), 4).tolist())) > 1  # hot low ids do not cluster
+
+
+def _train_and_checkpoint(rank, world, root):
+    store = ShardedTierStore(f"{root}/a", specs("adagrad"), sharding={"users": "row", "items": "table"},
+                             device_capacity=5, host_capacity=5, seed=3, timeout=20)
+    ebc = ShardedEmbeddingBagCollection(store, FEATURES)
+    _, rows = _train(ebc, store.read, rank, world, -1, 2)
+    store.checkpoint(f"{root}/ckpt", step=2)
+    store.close()
+    return rows
+
+
+def _open_imported(rank, world, root):
+    errors = []
+    try:
+        ShardedTierStore.restore(f"{root}/ckpt", f"{root}/c", timeout=20, device_capacity=8,
+                                 host_capacity=8)
+    except ConfigMismatchError as exc:
+        errors.append(str(exc))
+    store = ShardedTierStore(f"{root}/new", specs("adagrad"), sharding=None, seed=3, timeout=20,
+                             device_capacity=8, host_capacity=8)
+    rows = {t: store.read(t, torch.arange(n)) for t, n in (("users", 60), ("items", 40))}
+    stored = store.local.stats()["ssd"]["rows_stored"]
+    plan = store.plan.to_config()
+    store.close()
+    return rows, errors, stored, plan
+
+
+def test_export_import_repartitions_to_another_world_size(tmp_path, capsys):
+    from tierstore.cli import main
+
+    before = spawn(2, _train_and_checkpoint, str(tmp_path))
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exp")]) == 0
+    assert main(["import", str(tmp_path / "exp"), str(tmp_path / "new"), "--world-size", "3"]) == 0
+    after = spawn(3, _open_imported, str(tmp_path))
+    for r in range(3):
+        rows, errors, _, plan = after[r]
+        assert len(errors) == 1 and "3 ranks" in errors[0]
+        assert plan["world_size"] == 3 and plan["tables"]["items"]["kind"] == "table"
+        for t in ("users", "items"):
+            assert torch.equal(rows[t], before[0][t])
+    stored = [after[r][2] for r in range(3)]
+    assert sum(stored) > 0 and min(stored) < sum(stored)  # the rows were spread, not copied

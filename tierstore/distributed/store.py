@@ -55,7 +55,7 @@ class ShardedTierStore:
     """
 
     def __init__(self, path: str | os.PathLike, tables: Sequence[TableSpec] | TableSpec, *,
-                 sharding: str | Mapping[str, str | int] = "row",
+                 sharding: str | Mapping[str, str | int] | None = "row",
                  lookups: Mapping[str, float] | None = None,
                  timeout: float | datetime.timedelta | None = None, backend: str = "gloo",
                  **store_kwargs: Any) -> None:
@@ -68,6 +68,8 @@ class ShardedTierStore:
         self.rank, self.world_size = self.comm.rank, self.comm.world
         self.path = Path(path)
         self.specs = {t.name: t for t in tables}
+        if sharding is None:  # the stored plan (an imported store), else row-wise
+            sharding = stored_sharding(self.path) or "row"
         self.plan = guarded(self.comm, "plan",
                             lambda: make_plan(tables, self.world_size, sharding, lookups))
         self.local: TierStore = guarded(self.comm, "open", lambda: self._open(tables, store_kwargs))
@@ -186,7 +188,6 @@ class ShardedTierStore:
                 f"ranks; re-partition with `tierstore export` / `tierstore import --world-size {world}`")
         tables = [TableSpec.from_config(t) for t in manifest["tables"]]
         plan = ShardingPlan.from_config(manifest["plan"])
-        sharding = {t: p.owner if p.kind == "table" else "row" for t, p in plan.tables}
         seed = open_kwargs.pop("seed", manifest["seed"])
         open_kwargs.pop("tables", None)
         store_keys = {k: open_kwargs.pop(k) for k in ("timeout", "backend", "lookups")
@@ -195,7 +196,7 @@ class ShardedTierStore:
         name = shard_dir(rank, world)
         TierStore.restore(dest / name, path / name, seed=seed, **open_kwargs).close()
         write_json(path / PLAN_FILE, {"plan": plan.to_config(), "seed": seed}, f"r{rank}")
-        return cls(path, tables, sharding=sharding, seed=seed, **store_keys, **open_kwargs)
+        return cls(path, tables, sharding=None, seed=seed, **store_keys, **open_kwargs)
 
     def close(self) -> None:
         """Flush and close this rank's shard (local; call on every rank)."""
@@ -211,6 +212,14 @@ class ShardedTierStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def stored_sharding(path: Path) -> dict[str, str | int] | None:
+    """The `sharding` argument that reproduces the plan stored at `path`, if any."""
+    if not (path / PLAN_FILE).is_file():
+        return None
+    plan = ShardingPlan.from_config(read_json(path / PLAN_FILE, "sharding plan")["plan"])
+    return {t: p.owner if p.kind == "table" else "row" for t, p in plan.tables}
 
 
 def read_sharded_manifest(dest: str | os.PathLike) -> dict:
