@@ -328,20 +328,30 @@ def _dies_mid_step(rank, world, root):
     store = ShardedTierStore(root, specs("sgd"), sharding="row", device_capacity=100,
                              host_capacity=100, timeout=3)
     ebc = ShardedEmbeddingBagCollection(store, FEATURES)
-    _train(ebc, store.read, rank, world, -1, 1)
+    keys, values, lengths = make_batch(7, 3)
+    if rank == 1:
+        values = values.clone()
+        values[0] = 10**6  # out of range on this rank only
+    try:
+        ebc(keys, values, lengths)
+        bad_input = "no error"
+    except TierstoreError as exc:  # the bad rank: InvalidIdsError; the others: DistributedError
+        bad_input = type(exc).__name__
+    _train(ebc, store.read, rank, world, -1, 1)  # the ranks are still in step afterwards
     if rank == 1:
         os._exit(17)  # dies without a word, mid-run
     t0 = time.monotonic()
     try:
         _train(ebc, store.read, rank, world, -1, 1, first_step=1)
     except TierstoreError as exc:
-        return type(exc).__name__, time.monotonic() - t0, str(exc)
-    return "no error", time.monotonic() - t0, ""
+        return type(exc).__name__, time.monotonic() - t0, str(exc), bad_input
+    return "no error", time.monotonic() - t0, "", bad_input
 
 
 def test_dead_rank_raises_within_timeout(tmp_path):
     res = spawn(2, _dies_mid_step, str(tmp_path / "s"), allow_dead=(1,), timeout_s=60)
-    name, seconds, msg = res[0]
+    name, seconds, msg, bad_input = res[0]
+    assert bad_input == "DistributedError"  # rank 1's bad ids raised here too, without a hang
     assert name == "RankFailureError", (name, msg)
     assert seconds < 3 + 5, seconds
     assert "rank 0" in msg

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError, ShapeError
+from ..errors import ConfigError, ShapeError, TierstoreError
 from ..module import MODES, _pool, _unpack_jagged
-from .comm import guarded
+from .errors import DistributedError
 from .store import ShardedTierStore
 
 
@@ -68,8 +68,8 @@ class _ShardedBags(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, ebc: ShardedEmbeddingBagCollection,
-                batch: int, tables: list, train: bool) -> torch.Tensor:
-        out, requests, serves = ebc._forward(batch, tables, train)
+                batch: int, tables: list, train: bool, err: Exception | None) -> torch.Tensor:
+        out, requests, serves = ebc._forward(batch, tables, train, err)
         ctx.ebc, ctx.requests, ctx.serves, ctx.batch = ebc, requests, serves, batch
         return out
 
@@ -77,7 +77,7 @@ class _ShardedBags(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         ctx.ebc._backward(grad.contiguous(), ctx.batch, ctx.requests, ctx.serves)
         ctx.serves = ctx.requests = None
-        return None, None, None, None, None
+        return None, None, None, None, None, None
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -153,29 +153,36 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 weights: torch.Tensor | None = None, as_dict: bool = False
                 ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Pooled embeddings of this rank's batch: [batch, sum of dims] or {feature: [batch, dim]}."""
-        comm = self.store.comm
-        batch, tables = guarded(comm, "forward:validate",
-                                lambda: self._split(keys, values, lengths, offsets, weights))
+        err: TierstoreError | None = None
+        try:
+            batch, tables = self._split(keys, values, lengths, offsets, weights)
+        except TierstoreError as exc:  # told to the other ranks in the sizes exchange, then raised
+            err, batch, tables = exc, 0, []
         train = torch.is_grad_enabled()
         anchor = torch.empty(0, requires_grad=train)
-        out = _ShardedBags.apply(anchor, self, batch, tables, train)
+        out = _ShardedBags.apply(anchor, self, batch, tables, train, err)
         if not as_dict:
             return out
         cols = _excl_cumsum(torch.tensor(self.dims)).tolist()
         return {f: out[:, cols[i] : cols[i + 1]] for i, f in enumerate(self.feature_names)}
 
     # the collective step ------------------------------------------------------------------------
-    def _forward(self, batch: int, tables: list, train: bool
+    def _forward(self, batch: int, tables: list, train: bool, err: Exception | None
                  ) -> tuple[torch.Tensor, list[_Request], list[_Serve | None]]:
         store, comm = self.store, self.store.comm
         world, rank = store.world_size, store.rank
         mean = self.mode == "mean"
-        nt = len(tables)
+        nt = len(self._by_table)
+        if err is not None:  # bad input here: a sizes row with the error flag, then raise
+            sizes = torch.zeros(world, 3 + nt, dtype=torch.int64)
+            sizes[:, 2] = 1
+            comm.exchange_sizes("fwd:sizes", sizes)
+            raise err
         # 1. bucket ids by owner (stable: each owner's ids keep their order)
         requests: list[_Request] = []
         send_ids: list[list[torch.Tensor]] = [[] for _ in range(world)]
         send_w: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        sizes = torch.zeros(world, 2 + nt, dtype=torch.int64)
+        sizes = torch.zeros(world, 3 + nt, dtype=torch.int64)  # batch, weights?, error?, ids
         sizes[:, 0] = batch
         any_w = any(w is not None for _, _, _, w in tables)
         row_mean = mean and any(store.plan.placement(t).kind == "row" for t, *_ in tables)
@@ -199,13 +206,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 req.masks.append(torch.ones(nb, dtype=torch.bool) if req.table_wise
                                  else counts[o] > 0)
                 send_ids[o] += [counts[o], ids_sorted[o]]
-                sizes[o, 2 + j] = per_owner[o]
+                sizes[o, 3 + j] = per_owner[o]
                 send_w[o].append(w_sorted[o] if w_sorted is not None
                                  else torch.ones(int(per_owner[o])))
             requests.append(req)
         # weights travel when any rank has them (or row-wise mean scales); agree on it first
         sizes[:, 1] = int(any_w)
         recv_sizes = comm.exchange_sizes("fwd:sizes", sizes)
+        bad = torch.nonzero(recv_sizes[:, 2]).flatten().tolist()
+        if bad:
+            raise DistributedError(f"rank {rank}: the forward's input was invalid on rank(s) {bad}; "
+                                   "see their errors")
         src_batch = recv_sizes[:, 0].tolist()
         need_w = bool(recv_sizes[:, 1].any()) or row_mean
         nfeat = [len(self._by_table[t]) for t, *_ in tables]
@@ -213,7 +224,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                   for t, *_ in tables]
         # 2. ids (with each owner's per-bag counts) to their owners
         send_splits = [sum(int(x.numel()) for x in send_ids[o]) for o in range(world)]
-        recv_n = [int(recv_sizes[r, 2:].sum()) for r in range(world)]
+        recv_n = [int(recv_sizes[r, 3:].sum()) for r in range(world)]
         recv_splits = [recv_n[r] + sum(nfeat[j] * src_batch[r] for j in range(nt) if served[j])
                        for r in range(world)]
         flat = torch.cat([x for o in range(world) for x in send_ids[o]] or
@@ -223,7 +234,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if need_w:
             wflat = torch.cat([x for o in range(world) for x in send_w[o]] or [torch.empty(0)])
             got_w = comm.exchange("fwd:weights", wflat.to(torch.float32),
-                                  [int(sizes[o, 2:].sum()) for o in range(world)], recv_n)
+                                  [int(sizes[o, 3:].sum()) for o in range(world)], recv_n)
         # 3. owners pool their part of every bag, in global order, with the single-process module
         pieces = got.split(recv_splits)
         wpieces = got_w.split(recv_n) if got_w is not None else None
@@ -239,7 +250,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             cnts, idss, ws = [], [], []
             for r in range(world):
                 nb = nfeat[j] * src_batch[r]
-                n = int(recv_sizes[r, 2 + j])
+                n = int(recv_sizes[r, 3 + j])
                 c = cursor[r]
                 cnts.append(pieces[r][c : c + nb])
                 idss.append(pieces[r][c + nb : c + nb + n])
