@@ -426,3 +426,23 @@ def test_export_import_repartitions_to_another_world_size(tmp_path, capsys):
             assert torch.equal(rows[t], before[0][t])
     stored = [after[r][2] for r in range(3)]
     assert sum(stored) > 0 and min(stored) < sum(stored)  # the rows were spread, not copied
+
+
+def _trainer(rank, world, root):
+    from integration.distributed import run_distributed
+    from integration.train import TrainConfig
+
+    cfg = TrainConfig(run_dir=root, tables="uniform:2000", dim=8, steps=4, batch=64,
+                      eval_batches=2, prefetch=1, progress=False, device_capacity="200",
+                      host_capacity="200", bottom="8", top="8")
+    return run_distributed(cfg, sharding="row", timeout_s=30)
+
+
+@pytest.mark.slow
+def test_distributed_trainer_runs_and_evaluates_over_ranks(tmp_path):
+    res = spawn(2, _trainer, str(tmp_path / "run"), timeout_s=300)
+    assert res[1] is None
+    s = res[0]
+    assert s["steps"] == 4 and s["world_size"] == 2 and 0.0 <= s["final_auc"] <= 1.0
+    assert s["rank0_bytes_sent"] > 0
+    assert (tmp_path / "run" / "ckpt" / "step-000000004" / "SHARDED_MANIFEST.json").is_file()
