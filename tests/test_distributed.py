@@ -446,3 +446,14 @@ def test_distributed_trainer_runs_and_evaluates_over_ranks(tmp_path):
     assert s["steps"] == 4 and s["world_size"] == 2 and 0.0 <= s["final_auc"] <= 1.0
     assert s["rank0_bytes_sent"] > 0
     assert (tmp_path / "run" / "ckpt" / "step-000000004" / "SHARDED_MANIFEST.json").is_file()
+
+
+@pytest.mark.slow
+def test_bench_distributed_smoke(tmp_path, capsys):
+    from bench.distributed import main
+
+    assert main(["--tables", "2", "--rows", "2000", "--batch", "64", "--pool", "2", "--steps", "2",
+                 "--warmup", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "vs min" in out and "nodes" in out
+    assert (tmp_path / "distributed.json").is_file()

@@ -75,7 +75,7 @@ class _ShardedBags(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        ctx.ebc._backward(grad.contiguous(), ctx.batch, ctx.requests, ctx.serves)
+        ctx.ebc._backward(grad.detach().cpu().contiguous(), ctx.batch, ctx.requests, ctx.serves)
         ctx.serves = ctx.requests = None
         return None, None, None, None, None, None
 
@@ -278,8 +278,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
             mask = torch.ones_like(cnt_sm, dtype=torch.bool) if placement.kind == "table" \
                 else cnt_sm > 0
             per_source = [int(m.sum()) for m in mask.split([nfeat[j] * b for b in src_batch])]
-            sm = torch.empty_like(pooled.detach())
-            sm.index_copy_(0, perm, pooled.detach())  # back to source-major order
+            flat_pooled = pooled.detach().cpu()  # the wire and the bookkeeping are on the CPU
+            sm = torch.empty_like(flat_pooled)
+            sm.index_copy_(0, perm, flat_pooled)  # back to source-major order
             rows = sm[mask].split(per_source)
             for r in range(world):
                 back[r].append(rows[r].reshape(-1))
@@ -306,7 +307,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 feats_out[f] = acc[k * batch : (k + 1) * batch]
         pooled_all = torch.cat([feats_out[f] for f in self.feature_names], dim=1) \
             if batch else torch.zeros(0, sum(self.dims))
-        return pooled_all, requests, serves
+        return pooled_all.to(store.local.device), requests, serves
 
     def _exchange_pooled(self, what: str, send: list[list[torch.Tensor]], requests: list[_Request],
                          serves: list[_Serve | None], src_batch: list[int]
@@ -367,5 +368,5 @@ class ShardedEmbeddingBagCollection(nn.Module):
             g_sm = torch.zeros(s.mask.numel(), s.dim)
             g_sm[s.mask] = torch.cat(parts)
             if s.pooled is not None and s.pooled.requires_grad:
-                torch.autograd.backward(s.pooled, g_sm.index_select(0, s.perm))
+                torch.autograd.backward(s.pooled, g_sm.index_select(0, s.perm).to(s.pooled.device))
             s.pooled = None
