@@ -13,6 +13,7 @@ sweep, and a model of 8-128 nodes fitted to it.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         meta.update(sweep=sw, alltoall_latency_s=icpt, alltoall_bytes_per_s=bw,
                     model_check={"predicted_s": predicted, "measured_s": rrow["collective_ms"] / 1e3},
                     model=model)
+    if a.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
     path = save("distributed", records, meta, a.out)
     print(f"\nwrote {path}")
     return 0

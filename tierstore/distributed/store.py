@@ -51,7 +51,12 @@ class ShardedTierStore:
     """Tables sharded over the ranks of torch.distributed; each rank keeps its shard in a TierStore.
 
     Open it on every rank (collective). `sharding` is "row" (rows spread by a hash of the id),
-    "table" (whole tables placed by a greedy planner) or {table: "row" | "table" | rank}.
+    "table" (whole tables placed by a greedy planner) or {table: "row" | "table" | rank};
+    None adopts the plan stored at `path` (e.g. by `tierstore import --world-size N`).
+    `lookups` ({table: expected lookups per step}) weighs the table-wise planner; `timeout`
+    (seconds, default 300) bounds every collective, so a dead rank raises RankFailureError;
+    `backend` is the process-group backend of the store's collectives ("gloo" or "nccl"); the
+    other keyword arguments go to each rank's TierStore (capacities are per rank).
     """
 
     def __init__(self, path: str | os.PathLike, tables: Sequence[TableSpec] | TableSpec, *,
