@@ -240,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         sw = r0["sweep"]
         x = np.array([s["bytes_per_peer"] for s in sw], dtype=np.float64)
         y = np.array([s["seconds"] for s in sw])
-        slope, icpt = np.polyfit(x, y, 1)
-        bw = 1.0 / slope if slope > 0 else float("inf")
+        # latency: the smallest message; bandwidth: the slope from it to the largest (a least
+        # squares line goes negative at the origin on a noisy, shared machine)
+        icpt = float(y[0])
+        bw = (x[-1] - x[0]) / (y[-1] - y[0]) if y[-1] > y[0] else float("inf")
         print(f"\nall-to-all on this machine (2 gloo ranks, loopback): latency {icpt * 1e6:.0f} us, "
               f"{bw / 1e9:.2f} GB/s per peer")
         rrow = next(r for r in records if r["config"] == "row")
