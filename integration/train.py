@@ -544,6 +544,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=d.device)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--json", default=None, help="write the summary to this JSON file")
+    ap.add_argument("--distributed", action="store_true",
+                    help="shard the tables over torchrun's ranks (see integration/distributed.py)")
+    ap.add_argument("--sharding", default="row", choices=("row", "table"),
+                    help="with --distributed: row- or table-wise sharding")
+    ap.add_argument("--timeout", type=float, default=300.0,
+                    help="with --distributed: seconds before a dead rank is reported")
     return ap
 
 
@@ -560,6 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the trainer; returns an exit code."""
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.distributed:
+        from .distributed import main_distributed
+
+        return main_distributed(config_from_args(args), args)
     try:
         cfg = config_from_args(args)
         trainer = Trainer(cfg)

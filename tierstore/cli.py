@@ -87,10 +87,13 @@ def _upgrade(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from .distributed.repartition import export_sharded, sharded_plan_of
     from .export import export_store
 
-    m = export_store(args.src, args.dest, level=args.level, shuffle=not args.no_shuffle,
-                     shard_bytes=args.shard_size, overwrite=args.overwrite)
+    sharded = sharded_plan_of(args.src) is not None  # every shard of a sharded store/checkpoint
+    m = (export_sharded if sharded else export_store)(
+        args.src, args.dest, level=args.level, shuffle=not args.no_shuffle,
+        shard_bytes=args.shard_size, overwrite=args.overwrite)
     rows = sum(t["rows"] for t in m["tables"])
     print(f"exported {rows} rows of {len(m['tables'])} tables to {args.dest}: "
           f"{m['raw_bytes'] / 2**20:.1f} MiB raw -> {m['bytes'] / 2**20:.1f} MiB "
@@ -101,7 +104,13 @@ def _export(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from .export import import_store
 
-    m = import_store(args.src, args.path, map_limit=args.map_limit)
+    if args.world_size is not None:  # re-partitioned into one shard store per rank
+        from .distributed.repartition import import_sharded
+
+        m = import_sharded(args.src, args.path, args.world_size, sharding=args.sharding,
+                           map_limit=args.map_limit)
+    else:
+        m = import_store(args.src, args.path, map_limit=args.map_limit)
     rows = sum(t["rows"] for t in m["tables"])
     print(f"imported {rows} rows of {len(m['tables'])} tables into {args.path} "
           f"in {m['import_seconds']:.1f} s")
@@ -152,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("path", help="a new (or empty) directory for the store")
     p.add_argument("--map-limit", default=None, help="cap on the store's size, e.g. 100GiB")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="build a sharded store for N ranks (re-partitioned by the new plan)")
+    p.add_argument("--sharding", choices=("row", "table"), default=None,
+                   help="with --world-size: the plan (default: the export's, else row)")
     p.set_defaults(func=_import)
     p = sub.add_parser("checkpoint-verify", help="check a checkpoint's manifest and checksums",
                        formatter_class=fmt)

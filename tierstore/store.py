@@ -249,10 +249,9 @@ class TierStore:
              device: torch.device | str | None = None, map_limit: int | str | None = None,
              readonly: bool = False, write_buffer: int | str = "64MiB") -> TierStore:
         """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none)."""
-        if readonly:
-            from .serving import ReadOnlyStore
-
-            return ReadOnlyStore(path, host_capacity=host_capacity, device=device)
+        if readonly:  # read-only serving handles (issue 16) are not merged yet
+            raise ConfigError("read-only handles are not available in this version of tierstore; "
+                              "open the store for writing (one writer at a time)")
         specs, seed = stored_config(path)
         return cls(path, specs, device_capacity=device_capacity, host_capacity=host_capacity,
                    policy=policy, seed=seed, device=device, map_limit=map_limit,

@@ -63,6 +63,12 @@ class Prefetcher:
     garbage-collected or when its store closes (docs/reliability.md).
     """
 
+    def __new__(cls, store: Any = None, *args: Any, **kwargs: Any) -> Any:
+        make = getattr(store, "_sharded_prefetcher", None)  # a sharded collection's own pipeline
+        if cls is Prefetcher and callable(make):
+            return make(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, store: TierStore | Any, batches: Iterable[Any], depth: int = 2, *,
                  features: Mapping[str, str] | None = None,
                  extract: Callable[[Any], Any] | None = None, readers: int = 4,

@@ -1,0 +1,242 @@
+"""ShardedTierStore: one local TierStore per rank holding its shard, collective read/checkpoint."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import TableSpec
+from ..errors import ConfigError, ConfigMismatchError, StoreCorruptError
+from ..store import TierStore
+from .comm import Comm, guarded, timeout_seconds
+from .plan import ShardingPlan, make_plan
+
+PLAN_FILE = "sharding.json"
+MANIFEST = "SHARDED_MANIFEST.json"
+SHARDED_FORMAT = "tierstore-sharded-checkpoint"
+SHARDED_VERSION = 1
+
+
+def shard_dir(rank: int, world: int) -> str:
+    """Directory name of one rank's shard: rank-00001-of-00004."""
+    return f"rank-{rank:05d}-of-{world:05d}"
+
+
+def write_json(path: Path, obj: Any, tag: str) -> None:
+    """Write JSON atomically (a per-writer temporary name, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.{tag}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, what: str) -> dict:
+    """Read a JSON file; a damaged one is a StoreCorruptError."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise StoreCorruptError(f"{what} {path} is unreadable: {exc}") from exc
+
+
+class ShardedTierStore:
+    """Tables sharded over the ranks of torch.distributed; each rank keeps its shard in a TierStore.
+
+    Open it on every rank (collective). `sharding` is "row" (rows spread by a hash of the id),
+    "table" (whole tables placed by a greedy planner) or {table: "row" | "table" | rank};
+    None adopts the plan stored at `path` (e.g. by `tierstore import --world-size N`).
+    `lookups` ({table: expected lookups per step}) weighs the table-wise planner; `timeout`
+    (seconds, default 300) bounds every collective, so a dead rank raises RankFailureError;
+    `backend` is the process-group backend of the store's collectives ("gloo" or "nccl"); the
+    other keyword arguments go to each rank's TierStore (capacities are per rank).
+    """
+
+    def __init__(self, path: str | os.PathLike, tables: Sequence[TableSpec] | TableSpec, *,
+                 sharding: str | Mapping[str, str | int] | None = "row",
+                 lookups: Mapping[str, float] | None = None,
+                 timeout: float | datetime.timedelta | None = None, backend: str = "gloo",
+                 **store_kwargs: Any) -> None:
+        tables = [tables] if isinstance(tables, TableSpec) else list(tables)
+        if not tables or not all(isinstance(t, TableSpec) for t in tables):
+            raise ConfigError("tables must be a non-empty sequence of TableSpec")
+        self.timeout_s = timeout_seconds(timeout)
+        self.comm = Comm(self.timeout_s, backend, "step")
+        self.prefetch_comm = Comm(self.timeout_s, backend, "prefetch")
+        self.rank, self.world_size = self.comm.rank, self.comm.world
+        self.path = Path(path)
+        self.specs = {t.name: t for t in tables}
+        if sharding is None:  # the stored plan (an imported store), else row-wise
+            sharding = stored_sharding(self.path) or "row"
+        self.plan = guarded(self.comm, "plan",
+                            lambda: make_plan(tables, self.world_size, sharding, lookups))
+        self.local: TierStore = guarded(self.comm, "open", lambda: self._open(tables, store_kwargs))
+        self.step_seconds = 0.0
+        self._closed = False
+
+    def _open(self, tables: list[TableSpec], store_kwargs: dict) -> TierStore:
+        """Check or record the plan, then open this rank's shard store."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        plan_path = self.path / PLAN_FILE
+        want = {"plan": self.plan.to_config(), "seed": store_kwargs.get("seed", 0)}
+        if plan_path.exists():
+            stored = read_json(plan_path, "sharding plan")
+            try:
+                stored_plan = ShardingPlan.from_config(stored["plan"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise StoreCorruptError(f"sharding plan {plan_path} is malformed: {exc!r}") from exc
+            self.plan.check_same(stored_plan, f"sharded store {self.path}")
+        else:
+            write_json(plan_path, want, f"r{self.rank}")
+        return TierStore(self.path / shard_dir(self.rank, self.world_size), tables, **store_kwargs)
+
+    # public API -----------------------------------------------------------------------------
+    @property
+    def table_specs(self) -> dict[str, TableSpec]:
+        """The specs of every table."""
+        return dict(self.specs)
+
+    def owners(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Owner rank of each id of `table`."""
+        return self.plan.owners(table, ids)
+
+    def read(self, table: str, ids: Any) -> torch.Tensor:
+        """Collective: every rank calls; each gets the current rows [n, dim] of its own ids."""
+        def prepare():
+            tab = self.local._table(table)
+            return self.local._ids(tab, ids)
+
+        ids = guarded(self.comm, "read:validate", prepare)
+        uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        own = self.owners(table, uniq)
+        order = torch.argsort(own, stable=True)
+        send_ids = uniq.index_select(0, order)
+        counts = torch.bincount(own, minlength=self.world_size)
+        recv_counts = self.comm.exchange_sizes("read:counts", counts.view(-1, 1))[:, 0]
+        asked = self.comm.exchange("read:ids", send_ids, counts.tolist(), recv_counts.tolist())
+        dim = self.specs[table].dim
+        rows = self.local.read(table, asked).cpu() if asked.numel() else torch.empty(0, dim)
+        back = self.comm.exchange("read:rows", rows.reshape(-1).contiguous(),
+                                  (recv_counts * dim).tolist(), (counts * dim).tolist())
+        got = torch.empty(uniq.numel(), dim)
+        got.index_copy_(0, order, back.view(-1, dim))
+        return got.index_select(0, inv)
+
+    def flush(self) -> None:
+        """Collective: flush every rank's shard to disk."""
+        guarded(self.comm, "flush", self.local.flush)
+
+    def stats(self) -> dict:
+        """This rank's shard stats plus the bytes and seconds of its collectives."""
+        out = self.local.stats()
+        out["comm"] = {k: v.as_dict() for k, v in self.comm.stats.items()}
+        out["prefetch_comm"] = {k: v.as_dict() for k, v in self.prefetch_comm.stats.items()}
+        return out
+
+    def checkpoint(self, dest: str | os.PathLike, *, step: int | None = None,
+                   extra: dict | None = None, overwrite: bool = False) -> dict:
+        """Collective: every rank checkpoints its shard, then rank 0 writes the global manifest.
+
+        The checkpoint is complete only once the global manifest exists, which is written
+        after every shard has reported success.
+        """
+        dest = Path(dest)
+
+        def shard() -> dict:
+            if (dest / MANIFEST).exists() and not overwrite:
+                raise ConfigError(f"checkpoint {dest} exists; pass overwrite=True to replace it")
+            dest.mkdir(parents=True, exist_ok=True)
+            if overwrite:
+                (dest / MANIFEST).unlink(missing_ok=True)
+            return self.local.checkpoint(dest / shard_dir(self.rank, self.world_size), step=step,
+                                         extra=extra, overwrite=overwrite)
+
+        guarded(self.comm, "checkpoint:shards", shard)
+        manifest = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "step": step,
+                    "extra": extra, "world_size": self.world_size, "plan": self.plan.to_config(),
+                    "seed": self.local.seed, "created_unix": time.time(),
+                    "tables": [s.to_config() for s in self.specs.values()],
+                    "shards": [shard_dir(r, self.world_size) for r in range(self.world_size)]}
+
+        def publish() -> None:
+            if self.rank == 0:
+                write_json(dest / MANIFEST, manifest, "r0")
+
+        guarded(self.comm, "checkpoint:manifest", publish)
+        return manifest
+
+    @classmethod
+    def restore(cls, dest: str | os.PathLike, path: str | os.PathLike,
+                **open_kwargs: Any) -> ShardedTierStore:
+        """Collective: replace every rank's shard at `path` with checkpoint `dest` and open it.
+
+        The world size must match the checkpoint's; to change it, go through
+        `tierstore export` and `tierstore import --world-size N`.
+        """
+        import torch.distributed as dist
+
+        dest, path = Path(dest), Path(path)
+        manifest = read_sharded_manifest(dest)
+        if not dist.is_initialized():
+            raise ConfigError("ShardedTierStore.restore needs torch.distributed initialized")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if manifest["world_size"] != world:
+            raise ConfigMismatchError(
+                f"checkpoint {dest} holds {manifest['world_size']} shards, this job has {world} "
+                f"ranks; re-partition with `tierstore export` / `tierstore import --world-size {world}`")
+        tables = [TableSpec.from_config(t) for t in manifest["tables"]]
+        plan = ShardingPlan.from_config(manifest["plan"])
+        seed = open_kwargs.pop("seed", manifest["seed"])
+        open_kwargs.pop("tables", None)
+        store_keys = {k: open_kwargs.pop(k) for k in ("timeout", "backend", "lookups")
+                      if k in open_kwargs}
+        path.mkdir(parents=True, exist_ok=True)
+        name = shard_dir(rank, world)
+        TierStore.restore(dest / name, path / name, seed=seed, **open_kwargs).close()
+        write_json(path / PLAN_FILE, {"plan": plan.to_config(), "seed": seed}, f"r{rank}")
+        return cls(path, tables, sharding=None, seed=seed, **store_keys, **open_kwargs)
+
+    def close(self) -> None:
+        """Flush and close this rank's shard (local; call on every rank)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.local.close()
+        self.comm.destroy()
+        self.prefetch_comm.destroy()
+
+    def __enter__(self) -> ShardedTierStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def stored_sharding(path: Path) -> dict[str, str | int] | None:
+    """The `sharding` argument that reproduces the plan stored at `path`, if any."""
+    if not (path / PLAN_FILE).is_file():
+        return None
+    plan = ShardingPlan.from_config(read_json(path / PLAN_FILE, "sharding plan")["plan"])
+    return {t: p.owner if p.kind == "table" else "row" for t, p in plan.tables}
+
+
+def read_sharded_manifest(dest: str | os.PathLike) -> dict:
+    """The global manifest of a sharded checkpoint; a checkpoint without one is incomplete."""
+    dest = Path(dest)
+    if not (dest / MANIFEST).is_file():
+        raise StoreCorruptError(f"{dest} is not a complete sharded checkpoint (no {MANIFEST}); "
+                                "a checkpoint is complete only once every shard is")
+    m = read_json(dest / MANIFEST, "sharded checkpoint manifest")
+    if m.get("format") != SHARDED_FORMAT or m.get("version") != SHARDED_VERSION:
+        raise ConfigMismatchError(f"{dest / MANIFEST} is not a {SHARDED_FORMAT} v{SHARDED_VERSION}")
+    for name in m.get("shards", []):
+        if not (dest / name).is_dir():
+            raise StoreCorruptError(f"sharded checkpoint {dest} is missing shard {name}")
+    return m
