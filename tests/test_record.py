@@ -113,7 +113,7 @@ def test_updates_stamp_rows_with_the_store_clock_in_every_tier(tmp_path):
         s.apply("t", torch.tensor([1, 4]), torch.ones(2, 4))
         with pytest.raises(ts.ConfigError):
             s.advance(-1)
-    with ts.TierStore(tmp_path / "s", spec, device="cpu") as s:
+    with ts.TierStore(tmp_path / "s", spec, device="cpu", device_capacity=64, host_capacity=64) as s:
         assert s.clock == 5  # saved by close
     for row, want in [(0, 0), (1, 5), (2, 0), (3, 0), (4, 5), (5, 0)]:
         words = np.frombuffer(_stored(tmp_path / "s", "t", row), dtype=np.int32)
@@ -139,13 +139,13 @@ def test_version_1_stores_are_refused_then_upgraded_in_place(tmp_path, capsys):
     payload = np.random.default_rng(1).standard_normal((3, spec.payload_dim)).astype(np.float32)
     _write_v1_store(tmp_path / "old", spec, ids, payload)
     with pytest.raises(ts.ConfigMismatchError, match="tierstore upgrade"):
-        ts.TierStore(tmp_path / "old", spec, device="cpu")
+        ts.TierStore(tmp_path / "old", spec, device="cpu", device_capacity=64, host_capacity=64)
     assert cli_main(["upgrade", str(tmp_path / "old")]) == 0
     assert "converted 3 rows" in capsys.readouterr().out
     assert upgrade_store(tmp_path / "old")["upgraded"] is False  # idempotent
-    with ts.TierStore(tmp_path / "old", spec, device="cpu") as s:
+    with ts.TierStore(tmp_path / "old", spec, device="cpu", device_capacity=64, host_capacity=64) as s:
         got = s.read("t", torch.from_numpy(ids))
         assert torch.equal(got, torch.from_numpy(payload[:, :6]))
         s.apply("t", torch.tensor([2]), torch.ones(1, 6))
-    with ts.TierStore(tmp_path / "old", spec, device="cpu") as s:
+    with ts.TierStore(tmp_path / "old", spec, device="cpu", device_capacity=64, host_capacity=64) as s:
         assert not torch.equal(s.read("t", torch.tensor([2])), torch.from_numpy(payload[:1, :6]))

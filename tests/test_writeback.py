@@ -60,7 +60,7 @@ def test_a_full_ring_makes_the_caller_wait_and_drops_nothing(tmp_path):
         assert s.writeback.stats()["rows_in"] > 2 * 40
         every = torch.arange(37)
         assert torch.equal(s.read("t", every), model.read("t", every))
-    with ts.TierStore(tmp_path / "s", SPEC, device="cpu") as s:
+    with ts.TierStore(tmp_path / "s", SPEC, device="cpu", device_capacity=64, host_capacity=64) as s:
         assert torch.equal(s.read("t", torch.arange(37)), model.read("t", torch.arange(37)))
 
 
@@ -158,7 +158,7 @@ def test_kill_with_a_full_ring_loses_nothing_acknowledged(tmp_path, kill_after):
         model.apply("t", ids, torch.randn(12, 4, generator=torch.Generator().manual_seed(10**6 + step)))
         if step >= acked:
             states[step] = model.read("t", torch.arange(50))
-    with ts.TierStore(path, SPEC, device="cpu") as s:
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=64, host_capacity=64) as s:
         got = s.read("t", torch.arange(50))
         s.check()
     for row in range(50):

@@ -44,6 +44,9 @@ from .stats import PrefetchStats, SsdStats
 
 FORMAT_VERSION = 2  # 2: rows carry a last-update stamp column and a checksum word
 CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
+# bytes per write-behind ring row besides its payload: the ring's index and bookkeeping, and the
+# log index (4 log entries per ring row)
+WB_SLOT_OVERHEAD = 160
 FLUSH_CHUNK = 65536  # rows per LMDB transaction when flushing
 LAST_OPEN = "last_open"  # metadata record: the table specs of the latest open, per table
 _OPEN_STORES: weakref.WeakSet = weakref.WeakSet()
@@ -135,7 +138,7 @@ class TierStore:
                  seed: int = 0, device: torch.device | str | None = None,
                  map_limit: int | str | None = None,
                  record: str | os.PathLike | None = None, add_tables: bool = False,
-                 write_buffer: int | str = "64MiB") -> None:
+                 write_buffer: int | str | None = None) -> None:
         tables = [tables] if isinstance(tables, TableSpec) else list(tables)
         if not tables or not all(isinstance(t, TableSpec) for t in tables):
             raise ConfigError("tables must be a non-empty sequence of TableSpec")
@@ -150,7 +153,10 @@ class TierStore:
         width = max(t.row_dim for t in tables)
         dcap = parse_capacity(device_capacity, width * 4)
         hcap = parse_capacity(host_capacity, width * 4)
-        wcap = max(1, parse_capacity(write_buffer, width * 4))
+        if write_buffer is None:  # as many rows as the caches, within 64 MiB with its indexes
+            wcap = min(max(dcap + hcap, 4096), (64 << 20) // (width * 4 + WB_SLOT_OVERHEAD))
+        else:
+            wcap = max(1, parse_capacity(write_buffer, width * 4 + WB_SLOT_OVERHEAD))
         limit = None if map_limit is None else parse_size(map_limit)
         self._closed = True
         self._lock = threading.RLock()
@@ -247,7 +253,7 @@ class TierStore:
     def open(cls, path: str | os.PathLike, *, device_capacity: int | str = "64MiB",
              host_capacity: int | str = "512MiB", policy: str = "lru",
              device: torch.device | str | None = None, map_limit: int | str | None = None,
-             readonly: bool = False, write_buffer: int | str = "64MiB") -> TierStore:
+             readonly: bool = False, write_buffer: int | str | None = None) -> TierStore:
         """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none)."""
         if readonly:  # read-only serving handles (issue 16) are not merged yet
             raise ConfigError("read-only handles are not available in this version of tierstore; "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -43,7 +44,9 @@ class WriteBehind:
                  delay: Callable[[], float] | None = None) -> None:
         self.capacity = max(1, int(capacity))
         self.width = width
-        self._write = write  # (tabs, rows, payload) -> bytes written; raises TierstoreError
+        # (tabs, rows, payload) -> bytes written; raises TierstoreError. A bound method is held
+        # weakly: the writer thread must not keep an abandoned store (and its slabs) alive
+        self._write = weakref.WeakMethod(write) if hasattr(write, "__self__") else (lambda: write)
         self.chunk = max(1, int(chunk))
         self.delay = delay  # test hook: seconds the writer sleeps before each batch
         self.payload = torch.zeros((self.capacity, width), dtype=torch.float32)
@@ -215,7 +218,10 @@ class WriteBehind:
             try:
                 # slots in [head, tail) are never refilled before head passes them: copy unlocked
                 payload = self.payload.index_select(0, torch.from_numpy(live)).numpy()
-                written = self._write(tabs, rows, payload) if len(live) else 0
+                sink = self._write()
+                if sink is None:  # the store is gone (garbage-collected without close)
+                    return
+                written = sink(tabs, rows, payload) if len(live) else 0
             except BaseException as exc:  # kept; callers see it; the batch is retried
                 with self._cv:
                     self.error = exc
