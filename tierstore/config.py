@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .admission import Admission, admission_from_config
 from .errors import ConfigError
 from .initializers import INITIALIZERS, Initializer, UniformInit, initializer_from_config
 from .optimizers import SGD, Optimizer, optimizer_from_config
@@ -32,6 +33,7 @@ class TableSpec:
     optimizer: Optimizer = field(default_factory=SGD)
     init: Initializer = field(default_factory=UniformInit)
     dtype: str = "float32"
+    admission: Admission | None = None  # e.g. CountAdmission(min_count=2): see docs/admission.md
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -52,6 +54,8 @@ class TableSpec:
             raise ConfigError(f"init must be a tierstore initializer or its name, got {self.init!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.admission is not None and not isinstance(self.admission, Admission):
+            raise ConfigError(f"admission must be a tierstore admission config, got {self.admission!r}")
 
     @property
     def state_dim(self) -> int:
@@ -75,16 +79,20 @@ class TableSpec:
 
     def to_config(self) -> dict:
         """Serialize to a JSON-able dict (stored in the store's metadata)."""
-        return {"name": self.name, "num_rows": self.num_rows, "dim": self.dim,
-                "optimizer": self.optimizer.to_config(), "init": self.init.to_config(),
-                "dtype": self.dtype}
+        cfg = {"name": self.name, "num_rows": self.num_rows, "dim": self.dim,
+               "optimizer": self.optimizer.to_config(), "init": self.init.to_config(),
+               "dtype": self.dtype}
+        if self.admission is not None:  # absent in stores written before admission existed
+            cfg["admission"] = self.admission.to_config()
+        return cfg
 
     @classmethod
     def from_config(cls, cfg: dict) -> TableSpec:
         """Rebuild a spec from `to_config()` output."""
         return cls(name=cfg["name"], num_rows=int(cfg["num_rows"]), dim=int(cfg["dim"]),
                    optimizer=optimizer_from_config(cfg["optimizer"]),
-                   init=initializer_from_config(cfg["init"]), dtype=cfg.get("dtype", "float32"))
+                   init=initializer_from_config(cfg["init"]), dtype=cfg.get("dtype", "float32"),
+                   admission=admission_from_config(cfg.get("admission")))
 
 
 def parse_size(value: int | str) -> int:

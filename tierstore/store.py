@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import admission as _adm
 from ._kernels import HAVE_NUMBA
 from .backends.lmdb_backend import LmdbBackend
 from .backends.slab import Rows, SlabTier
@@ -106,6 +107,8 @@ def _mismatch(stored: TableSpec, given: TableSpec) -> list[str]:
         out.append(f"optimizer: stored {stored.optimizer.kind!r}, given {given.optimizer.kind!r}")
     if stored.init != given.init:
         out.append(f"init: stored {stored.init!r}, given {given.init!r}")
+    if stored.admission != given.admission:
+        out.append(f"admission: stored {stored.admission!r}, given {given.admission!r}")
     return out
 
 
@@ -161,6 +164,11 @@ class TierStore:
         self.width = width
         self.tables = {t.name: _Table(t, i, name_key(seed, t.name)) for i, t in enumerate(tables)}
         self._by_index = [self.tables[n] for n in names]
+        try:  # table name -> admission state, for tables with an admission config
+            self._admission = _adm.open_admission(self)
+        except BaseException:
+            self.backend.close()
+            raise
         self.ssd_stats = TierStats()
         self._recorder = None
         if record is not None:
@@ -252,6 +260,12 @@ class TierStore:
         tab = self._table(table)
         ids = self._ids(tab, ids)
         self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:
+            return _adm.read_masked(self, tab, ids, mask)
+        return self._read(tab, ids)
+
+    def _read(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor:
         dev = self.device_tier
         # probe one id first: a batch that misses the device tier skips the full lookup
         probe = ids[:1].to(dev.device)
@@ -268,6 +282,9 @@ class TierStore:
         tab = self._table(table)
         ids = self._ids(tab, ids)
         self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:
+            return _adm.gather_masked(self, tab, ids, mask)
         return self._gather(tab, ids)
 
     @_locked
@@ -279,6 +296,12 @@ class TierStore:
         if ids.numel() == 0:
             return
         self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:  # updates of ids not admitted yet are discarded
+            keep = torch.from_numpy(mask)
+            ids, grads = ids[keep], grads[keep]
+            if ids.numel() == 0:
+                return
         grads = grads.cpu()
         dev = self.device_tier
         n = ids.numel()
@@ -308,6 +331,10 @@ class TierStore:
         grads = self._grads(tab, grads, unique.numel())
         if unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
             raise InvalidIdsError("apply_unique needs sorted unique ids; use apply() otherwise")
+        mask = self._admitted(tab, unique)  # gather's second half: counted by the gather
+        if mask is not None:
+            keep = torch.from_numpy(mask)
+            unique, grads = unique[keep], grads[keep]
         if unique.numel():
             n = unique.numel()
             self._access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, torch.arange(n),
@@ -390,6 +417,15 @@ class TierStore:
         if per_sample_weights is not None:
             psw = per_sample_weights.detach().to("cpu", torch.float32).reshape(-1)
             scale = psw if scale is None else scale * psw
+        mask = self._admitted(tab, unique)  # counted by the forward / gather
+        if mask is not None:  # drop the positions of rows not admitted (updates discarded)
+            unique, inverse, (bag_of, scale) = _adm.filter_positions(mask, unique, inverse,
+                                                                     bag_of, scale)
+            if unique.numel() == 0:
+                return
+            if in_place:  # (unreachable: counts only grow) the cascade works in key order
+                unique, inverse = sort_unique(unique, inverse)
+                in_place = False
         update = BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(), inverse, grad_out,
                              bag_of, scale, self.fused, tab.spec.dtype)
         if in_place:
@@ -410,6 +446,8 @@ class TierStore:
             for slots, rows in tier.dirty_chunks(FLUSH_CHUNK):
                 self._write_down(rows.to(torch.device("cpu")))
                 tier.dirty[slots] = False
+        for adm in self._admission.values():  # the sketches go down with the rows they gate
+            adm.save(self.backend)
         self.backend.sync()
 
     @_locked
@@ -421,6 +459,8 @@ class TierStore:
         out["device"].update(capacity=self.device_tier.capacity, resident=self.device_tier.size)
         out["host"].update(capacity=self.host_tier.capacity, resident=self.host_tier.size)
         out["prefetch"] = self.prefetch_stats.as_dict()
+        if self._admission:
+            out["admission"] = {n: a.stats() for n, a in self._admission.items()}
         out["ssd"].update(rows_stored=sum(self.backend.count(n) for n in self.tables),
                           disk_bytes=self.backend.disk_bytes())
         return out
@@ -483,6 +523,16 @@ class TierStore:
         return restore(dest, path, **open_kwargs)
 
     # internals --------------------------------------------------------------------------
+    def _admit(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
+        """Count `ids` for admission; the admitted mask over them, or None when all are."""
+        adm = self._admission.get(tab.spec.name)
+        return None if adm is None else adm.count(ids)
+
+    def _admitted(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
+        """The admitted mask over `ids` without counting them, or None when all are."""
+        adm = self._admission.get(tab.spec.name)
+        return None if adm is None else adm.admitted_mask(ids)
+
     def _record(self, table: str, ids: torch.Tensor) -> None:
         """Append the requested ids to the access trace, when recording."""
         if self._recorder is not None:
