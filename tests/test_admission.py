@@ -281,3 +281,27 @@ def test_corrupt_sketch_page_is_detected(tmp_path):
     b.close()
     with pytest.raises(ts.StoreCorruptError, match="sketch"):
         open_store(tmp_path / "s", spec(2))
+
+
+# the policy benchmark ----------------------------------------------------------------------------
+def test_policy_bench_admission_matches_exact_counts():
+    from tierstore.sim.admission import admit_trace, parse_admission
+
+    assert parse_admission("count:3:1MiB") == ts.CountAdmission(min_count=3, sketch="1MiB")
+    for bad in ("lru:2", "count", "count:x"):
+        with pytest.raises(ts.ConfigError):
+            parse_admission(bad)
+    rng = np.random.default_rng(1)
+    ids = (rng.zipf(1.2, 20_000) % 3000).astype(np.int64)
+    got = admit_trace("count:2", ids, 100)
+    # an exact counter: a request is admitted once its id's count, batch included, reaches 2
+    seen: dict[int, int] = {}
+    want = np.zeros(ids.size, dtype=bool)
+    for lo in range(0, ids.size, 100):
+        part = ids[lo: lo + 100]
+        for x in part.tolist():
+            seen[x] = seen.get(x, 0) + 1
+        want[lo: lo + 100] = [seen[x] >= 2 for x in part.tolist()]
+    assert np.array_equal(got.ids, ids[want])  # 64 MiB for 3000 keys: no false admission
+    assert got.rows_stored == sum(1 for c in seen.values() if c >= 2)
+    assert got.distinct == len(seen) and got.requests == ids.size
