@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
+from tierstore.admission import fit_sketch, parse_admission
 from tierstore.errors import ConfigError, StoreCorruptError, StoreLockedError, TierstoreError
 from tierstore.persistence import fsync_dir
 from tierstore.prefetch import Prefetcher
@@ -33,7 +34,8 @@ from .model import DLRM
 RUN_MARKER = "run.json"
 EVAL_STREAM = 1
 # options that must match when resuming (the rest -- capacities, policy, prefetch -- may change)
-_FIXED = ("data", "tables", "dim", "seed", "batch", "alpha", "hot", "lr", "dense_lr", "bottom", "top")
+_FIXED = ("data", "tables", "dim", "seed", "batch", "alpha", "hot", "lr", "dense_lr", "bottom", "top",
+          "admission")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class TrainConfig:
     threads: int = 1
     progress: bool = True
     device: str = "cpu"
+    admission: str | None = None  # e.g. "count:2": feature admission of every table
 
     def validate(self) -> None:
         """Raise ConfigError on inconsistent options."""
@@ -77,6 +80,8 @@ class TrainConfig:
         if not (self.lr >= 0 and self.dense_lr >= 0):
             raise ConfigError("learning rates must be >= 0")
         parse_tables(self.tables)
+        if self.admission:
+            parse_admission(self.admission)
         _sizes(self.bottom), _sizes(self.top)
 
 
@@ -180,7 +185,9 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "ckpt"
         self.cards = parse_tables(cfg.tables)
-        self.specs = [TableSpec(name, rows, cfg.dim, optimizer=RowWiseAdagrad(lr=cfg.lr))
+        adm = parse_admission(cfg.admission) if cfg.admission else None
+        self.specs = [TableSpec(name, rows, cfg.dim, optimizer=RowWiseAdagrad(lr=cfg.lr),
+                                admission=fit_sketch(adm, rows))
                       for name, rows in zip(SPARSE_NAMES, self.cards, strict=True)]
         if cfg.data == "synthetic":
             self.synth: SyntheticCriteo | None = SyntheticCriteo(self.cards, seed=cfg.seed,
@@ -436,6 +443,7 @@ class Trainer:
             "stall_s": self.times["data"] + self.times["lookup"],
             "tiers": {k: st[k] for k in ("device", "host", "ssd")},
             "prefetch": st.get("prefetch", {}),
+            "admission": st.get("admission", {}),
             "rows_stored": rows_stored,
             "disk_bytes": st["ssd"]["disk_bytes"],
             "peak_disk_bytes": max(self.peak_disk, st["ssd"]["disk_bytes"]),
@@ -546,6 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=d.device)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--json", default=None, help="write the summary to this JSON file")
+    ap.add_argument("--admission", default=None,
+                    help="feature admission of every table, e.g. 'count:2' (docs/admission.md)")
     return ap
 
 

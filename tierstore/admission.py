@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -85,6 +85,26 @@ def admission_from_config(cfg: dict | None) -> Admission | None:
     if kind not in ADMISSIONS:
         raise ConfigError(f"unknown admission kind {kind!r}; known: {sorted(ADMISSIONS)}")
     return ADMISSIONS[kind](**cfg)
+
+
+def parse_admission(text: str) -> CountAdmission:
+    """'count:K' or 'count:K:SIZE' (e.g. 'count:2', 'count:2:64MiB') -> a CountAdmission."""
+    kind, _, rest = text.strip().partition(":")
+    if kind != "count" or not rest:
+        raise ConfigError(f"admission must look like 'count:2' or 'count:2:64MiB', got {text!r}")
+    k, _, size = rest.partition(":")
+    try:
+        return CountAdmission(min_count=int(k), sketch=size or "64MiB")
+    except ValueError as exc:
+        raise ConfigError(f"bad admission {text!r}: {exc}") from exc
+
+
+def fit_sketch(config: CountAdmission | None, num_rows: int) -> CountAdmission | None:
+    """`config` with its sketch shrunk to at most 16 bytes per row of a small table (>= 64 KiB)."""
+    if config is None:
+        return None
+    size = min(int(config.sketch), max(1 << PAGE_SHIFT, 16 * num_rows))
+    return replace(config, sketch=size)
 
 
 # sketch kernels -------------------------------------------------------------------------------

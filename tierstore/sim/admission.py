@@ -6,20 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..admission import CountAdmission, CountMinSketch
-from ..errors import ConfigError
-
-
-def parse_admission(text: str) -> CountAdmission:
-    """'count:K' or 'count:K:SIZE' (e.g. 'count:2', 'count:2:64MiB') -> a CountAdmission."""
-    kind, _, rest = text.strip().partition(":")
-    if kind != "count" or not rest:
-        raise ConfigError(f"admission must look like 'count:2' or 'count:2:64MiB', got {text!r}")
-    k, _, size = rest.partition(":")
-    try:
-        return CountAdmission(min_count=int(k), sketch=size or "64MiB")
-    except ValueError as exc:
-        raise ConfigError(f"bad admission {text!r}: {exc}") from exc
+from ..admission import CountMinSketch, parse_admission
 
 
 @dataclass
