@@ -305,3 +305,89 @@ def test_policy_bench_admission_matches_exact_counts():
     assert np.array_equal(got.ids, ids[want])  # 64 MiB for 3000 keys: no false admission
     assert got.rows_stored == sum(1 for c in seen.values() if c >= 2)
     assert got.distinct == len(seen) and got.requests == ids.size
+
+
+# crash safety --------------------------------------------------------------------------------------
+def _sketch_digest(backend) -> str:
+    h = hashlib.sha256()
+    for name in (b"s:a", b"s:b"):
+        with backend.env.begin() as txn:
+            if txn.get(name) is None:
+                continue
+        db = backend.env.open_db(name, create=False)
+        with backend.env.begin(db=db) as txn:
+            for k, v in txn.cursor():
+                h.update(name + k + bytes(v))
+    return h.hexdigest()
+
+
+def _rows_digest(backend) -> str:
+    from tests import crash_worker as w
+
+    h = hashlib.sha256()
+    for name, (ids, pay) in sorted(w.dump_backend(backend).items()):
+        h.update(name.encode() + ids.tobytes() + pay.tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("acks", [3, pytest.param(8, marks=pytest.mark.slow)])
+def test_kill9_with_admission_keeps_rows_and_sketch_at_a_flush_point(tmp_path, acks):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests import admission_crash_worker as aw
+    from tests import crash_worker as w
+    from tierstore import persistence
+
+    saved = list(w.SPECS)
+    aw.use_admission()
+    try:
+        repo = Path(__file__).resolve().parents[1]
+        big = 8192  # every hot row stays cached: LMDB changes only at flushes
+        proc = subprocess.Popen(
+            [sys.executable, str(repo / "tests" / "admission_crash_worker.py"), str(tmp_path / "s"),
+             str(tmp_path / "ck"), "1000000", "2", "5", str(big), str(big)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo,
+            env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+        try:
+            assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+            seen = [proc.stdout.readline().split() for _ in range(acks)]
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+        acked = int(seen[-1][1])
+        # the uninterrupted run: digests at every flush point up to the one after `acked`
+        ref = w.open_store(tmp_path / "ref", big, big)
+        want: dict[int, tuple[str, str]] = {}
+        for step in range(1, acked + 6):
+            w.train_step(ref, step)
+            if step % 2 == 0 or step % 5 == 0:
+                ref.flush()
+                want[step] = (_rows_digest(ref.backend), _sketch_digest(ref.backend))
+        nxt = min(s for s in want if s > acked)
+        live = w.open_store(tmp_path / "s", big, big)
+        rows, sketch = _rows_digest(live.backend), _sketch_digest(live.backend)
+        assert rows in (want[acked][0], want[nxt][0])
+        assert sketch in (want[acked][1], want[nxt][1])
+        live.close()
+        # the last checkpoint restores rows and sketch exactly, and training resumes bit-identically
+        done = sorted(p for p in (tmp_path / "ck").glob("step-*")
+                      if (p / persistence.MANIFEST).exists())
+        assert done
+        step = persistence.read_manifest(done[-1])["step"]
+        back = persistence.restore(done[-1], tmp_path / "r", device_capacity=32, host_capacity=32,
+                                   device="cpu")
+        for s in range(step + 1, acked + 6):
+            w.train_step(back, s)
+            if s in want:
+                back.flush()
+                assert (_rows_digest(back.backend), _sketch_digest(back.backend)) == want[s]
+        assert back.stats()["admission"]["a"]["rejected"] > 0
+        back.close()
+        ref.close()
+    finally:
+        w.SPECS[:] = saved
