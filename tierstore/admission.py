@@ -2,7 +2,8 @@
 
 Counting uses a blocked count-min sketch with conservative update in a fixed number of bytes
 (one 64-byte cache line per id; `depth` 8-bit saturating counters inside it). The sketch is
-persisted in the store's LMDB file (named database ``s:<table>``, 64 KiB pages with a CRC each),
+persisted in the store's LMDB file (named database ``s:<table>``, 64 KiB pages, zlib-compressed,
+with a CRC each),
 written at every `flush()`, so checkpoints, restores and compaction carry it with the rows.
 """
 
@@ -323,7 +324,10 @@ class TableAdmission:
                     continue
                 idx = int.from_bytes(key, "big")
                 lo = idx * page
-                body = bytes(val)[_CRC.size:]
+                try:
+                    body = zlib.decompress(bytes(val)[_CRC.size:])
+                except zlib.error:
+                    body = b""
                 n = min(page, table.size - lo) if lo < table.size else -1
                 if len(val) < _CRC.size or len(body) != n or \
                         _CRC.unpack_from(val)[0] != zlib.crc32(body):
@@ -347,7 +351,8 @@ class TableAdmission:
         with env.begin(write=True, db=db) as txn:
             for idx in dirty.tolist():
                 body = table[idx * page: (idx + 1) * page].tobytes()
-                txn.put(int(idx).to_bytes(4, "big"), _CRC.pack(zlib.crc32(body)) + body)
+                packed = zlib.compress(body, 1)  # mostly zero pages early in a stream: tiny
+                txn.put(int(idx).to_bytes(4, "big"), _CRC.pack(zlib.crc32(body)) + packed)
             txn.put(_STATS_KEY, json.dumps(st).encode())
         self.sketch.dirty[dirty] = 0
         self._stats_dirty = False
