@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from tierstore import RowWiseAdagrad, TableSpec, TierStore
+from tierstore.backends.record import seal
 
 from .common import OUT_DIR, bar_plot, num_threads, save, table, thread_settings
 
@@ -65,25 +66,31 @@ def _grads(n: int, dim: int, seed: int) -> torch.Tensor:
 
 
 class RawLmdb:
-    """The py-lmdb ceiling: sorted-key `txn.get` loop reads and `putmulti` writes, no tierstore."""
+    """The py-lmdb ceiling: sorted-key `txn.get` loop reads and `putmulti` writes, no tierstore.
+
+    `width` is the stored row's float32 columns (`TableSpec.row_dim`); records carry one more
+    word, the checksum, which `write` computes (any store of record must) and `read` returns.
+    """
 
     def __init__(self, env: lmdb.Environment, db: object, width: int) -> None:
         self.env, self.db, self.width = env, db, width
 
     def read(self, ids: np.ndarray) -> np.ndarray:
-        """Payloads of existing rows [n, width], in sorted id order."""
+        """Records of existing rows [n, width + 1] (row, then the check word), in sorted id order."""
         keys = np.sort(ids).astype(">u8").tobytes()
         with self.env.begin(db=self.db) as txn:
             get = txn.get
             vals = [get(keys[i : i + 8]) for i in range(0, len(keys), 8)]
-        return np.frombuffer(b"".join(vals), dtype=np.float32).reshape(-1, self.width)
+        return np.frombuffer(b"".join(vals), dtype=np.float32).reshape(-1, self.width + 1)
 
     def write(self, ids: np.ndarray, payload: np.ndarray) -> None:
-        """Write rows (sorted by id) in one transaction."""
+        """Write rows (sorted by id) in one transaction, sealed with their checksums."""
         order = np.argsort(ids)
-        keys = ids[order].astype(">u8").tobytes()
-        raw = np.ascontiguousarray(payload[order], dtype=np.float32).tobytes()
-        w = self.width * 4
+        srt = ids[order]
+        keys = srt.astype(">u8").tobytes()
+        raw = seal(srt, np.ascontiguousarray(payload[order][:, : self.width], dtype=np.float32))
+        w = raw.shape[1]
+        raw = raw.tobytes()
         items = [(keys[8 * i : 8 * i + 8], raw[w * i : w * (i + 1)]) for i in range(len(order))]
         with self.env.begin(write=True, db=self.db) as txn:
             txn.cursor().putmulti(items)
@@ -96,12 +103,13 @@ class RawLmdb:
 
 def _populate(store: TierStore, ids: np.ndarray, dim: int, chunk: int = 65536) -> None:
     """Write rows straight to the LMDB tier (random weights, positive accumulators)."""
-    width = store.table_specs[TABLE].payload_dim
+    width = store.table_specs[TABLE].row_dim
     rng = np.random.default_rng(7)
     for lo in range(0, len(ids), chunk):
         part = ids[lo : lo + chunk]
         pay = rng.standard_normal((len(part), width), dtype=np.float32) * 0.05
         pay[:, dim:] = np.abs(pay[:, dim:])
+        pay[:, -1] = 0.0  # the last-update stamp column
         store.backend.put({TABLE: (part, pay)})
     store.backend.sync()
 
@@ -222,7 +230,7 @@ class LmdbCase:
     def __init__(self, work: Path, batch: int, dim: int, cold_blocks: int) -> None:
         self.path = work / f"lmdb{batch}"
         self.batch, self.dim, self.spec = batch, dim, _spec(dim)
-        self.width = self.spec.payload_dim
+        self.width = self.spec.row_dim
         n = (self.ROT + 2 + cold_blocks) * batch
         rng = np.random.default_rng(batch + 1)
         ids = rng.choice(NUM_ROWS, size=n, replace=False).astype(np.int64)

@@ -112,14 +112,14 @@ class TierstoreRunner(Runner):
             for n, t in zip(wl.names, range(wl.tables)):
                 self.store.read(n, wl.touched(t))
         elif init == "populated":
-            width = specs[0].payload_dim
+            width = specs[0].row_dim
             rng = np.random.default_rng(3)
             chunk = 1 << 18
             for n in wl.names:
                 for lo in range(0, wl.rows, chunk):
                     ids = np.arange(lo, min(lo + chunk, wl.rows), dtype=np.int64)
                     pay = rng.standard_normal((len(ids), width), dtype=np.float32) * 0.05
-                    pay[:, wl.dim :] = 0.0
+                    pay[:, wl.dim :] = 0.0  # accumulators and the last-update stamp
                     self.store.backend.put({n: (ids, pay)})
             self.store.backend.sync()
         self.setup_s = time.perf_counter() - t0

@@ -50,10 +50,10 @@ def dump_backend(backend: LmdbBackend) -> dict[str, tuple[np.ndarray, np.ndarray
     try:
         out = {}
         for spec in SPECS:
-            parts = list(backend.iter_rows(spec.name, spec.payload_dim, txn))
+            parts = list(backend.iter_rows(spec.name, spec.row_dim, txn))
             ids = np.concatenate([p[0] for p in parts]) if parts else np.empty(0, np.int64)
             pay = (np.concatenate([p[1] for p in parts]) if parts
-                   else np.empty((0, spec.payload_dim), np.float32))
+                   else np.empty((0, spec.row_dim), np.float32))
             out[spec.name] = (ids, pay)
         return out
     finally:

@@ -42,7 +42,7 @@ def stored(store: ts.TierStore, table: str = "t") -> set[int]:
     store.flush()
     txn = store.backend.snapshot()
     try:
-        w = store.table_specs[table].payload_dim
+        w = store.table_specs[table].row_dim
         return {int(i) for ids, _ in store.backend.iter_rows(table, w, txn) for i in ids}
     finally:
         txn.abort()

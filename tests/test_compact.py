@@ -24,7 +24,7 @@ from tierstore.errors import StoreCorruptError, StoreLockedError
 REPO = Path(__file__).resolve().parents[1]
 SPECS = [ts.TableSpec("big", 10**11, 16, optimizer=ts.RowWiseAdagrad(0.1)),
          ts.TableSpec("small", 5000, 4, optimizer=ts.Adam(0.01))]
-W_BIG, W_SMALL = SPECS[0].payload_dim, SPECS[1].payload_dim  # 17 and 13 floats
+W_BIG, W_SMALL = SPECS[0].row_dim, SPECS[1].row_dim  # 18 and 14 floats (payload + stamp)
 
 
 def random_writes(backend: LmdbBackend, n: int, chunk: int, seed: int = 0) -> None:
@@ -55,7 +55,7 @@ def dump_of(backend: LmdbBackend) -> dict:
     try:
         out = {}
         for spec in SPECS:
-            parts = list(backend.iter_rows(spec.name, spec.payload_dim, txn))
+            parts = list(backend.iter_rows(spec.name, spec.row_dim, txn))
             out[spec.name] = (np.concatenate([p[0] for p in parts]),
                               np.concatenate([p[1] for p in parts]))
         out["meta"] = backend.snapshot_meta(txn)
@@ -87,13 +87,13 @@ def test_compact_keeps_every_row_and_config_and_shrinks(tmp_path):
     path = tmp_path / "s"
     bloated_store(path)
     before, size0 = dump(path), data_bytes(path)
-    raw = sum(before[k][1].nbytes for k in ("big", "small"))
+    raw = sum(before[k][1].nbytes + 4 * len(before[k][1]) for k in ("big", "small"))  # + check words
     assert size0 > 2.0 * raw  # random inserts + rewrites: half-full pages and freed pages
     report = persistence.compact(path)
     assert report["bytes_before"] == size0 and report["bytes_after"] == data_bytes(path)
     after = dump(path)
     assert same_dump(before, after)  # every row bit for bit, and every metadata record
-    assert data_bytes(path) < 1.35 * raw  # 8-B key + 8-B node header per 68-B row, full pages
+    assert data_bytes(path) < 1.35 * raw  # 8-B key + 8-B node header per 72-B record, full pages
     assert not [p for p in os.listdir(path) if p.startswith(".compact")]
     # the store opens with its config, serves its rows, and rejects another config
     store = ts.TierStore(path, SPECS, device_capacity=0, host_capacity=0, seed=3, device="cpu")
@@ -217,7 +217,7 @@ def test_checkpoint_is_compact(tmp_path):
     store.checkpoint(tmp_path / "ck", step=1)
     live = dump_of(store.backend)
     store.close()
-    raw = sum(live[k][1].nbytes for k in ("big", "small"))
+    raw = sum(live[k][1].nbytes + 4 * len(live[k][1]) for k in ("big", "small"))  # + check words
     assert same_dump(dump(tmp_path / "ck"), live)
     assert data_bytes(tmp_path / "ck") < 1.35 * raw
 
@@ -252,7 +252,10 @@ def test_put_appends_beyond_last_key(tmp_path):
         backend.put({"big": (rows, np.full((len(rows), W_BIG), start, np.float32))})
     st = leaf_stats(backend, "big")
     assert st["entries"] == 100_000
-    assert st["entries"] / st["leaf_pages"] > 46  # full pages (47 rows of 68 B fit a 4 KiB page)
+    # full pages: a leaf node is an 8-B header, the 8-B key and the record (row + check word),
+    # plus a 2-B pointer, in a 4 KiB page with a 16-B header (43 records of 76 B)
+    per_page = (4096 - 16) // (8 + 8 + 4 * W_BIG + 4 + 2)
+    assert st["entries"] / st["leaf_pages"] > per_page - 1
     got, found = backend.get("big", np.array([0, 7 * 20_000, 7 * 99_999]), W_BIG)
     assert found.all() and got[:, 0].tolist() == [0, 20_000, 80_000]
     # a later put with duplicates and keys before the end still overwrites correctly

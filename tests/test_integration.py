@@ -157,7 +157,7 @@ def _dump(store_dir: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     try:
         out = {}
         for name in [f"C{i}" for i in range(1, 27)]:
-            parts = list(backend.iter_rows(name, 9, txn))
+            parts = list(backend.iter_rows(name, 10, txn))  # 8 + 1 state + 1 stamp
             out[name] = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
         return out
     finally:

@@ -348,7 +348,7 @@ def test_import_corrupt_or_truncated_shard(exported, tmp_path):
 
 
 def test_import_foreign_manifest(exported, tmp_path):
-    for field, value, err in [("version", 2, ts.ConfigMismatchError),
+    for field, value, err in [("version", 1, ts.ConfigMismatchError),
                               ("format", "x", ts.StoreCorruptError),
                               ("codec", {"name": "lz4"}, ts.ConfigMismatchError)]:
         bad = tmp_path / f"bad-{field}"

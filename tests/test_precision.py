@@ -106,7 +106,7 @@ def test_half_lazy_rows_round_to_nearest_and_halve_the_payload(tmp_path, dtype):
         assert torch.equal(b.read("t", ids), want)
         b.apply("t", torch.arange(50), torch.ones(50, 9))
         b.flush()
-        assert b.stats()["ssd"]["bytes_written"] == 50 * (8 + 4 * half.payload_dim)  # key + value
+        assert b.stats()["ssd"]["bytes_written"] == 50 * (8 + 4 * half.row_dim + 4)  # key + row + check word
 
 
 def test_dtype_is_checked_on_open_and_reopen(tmp_path):

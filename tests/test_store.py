@@ -175,16 +175,17 @@ def test_optimizer_hyperparameters_may_change_on_reopen(tmp_path):
 
 
 def test_capacities_as_sizes_and_stats(tmp_path):
-    spec = ts.TableSpec("t", 10**6, 16, optimizer=ts.Adagrad())  # payload 32 floats = 128 B
+    # payload 32 floats + the last-update stamp column = 33 floats = 132 B per cached row
+    spec = ts.TableSpec("t", 10**6, 16, optimizer=ts.Adagrad())
     with ts.TierStore(tmp_path / "s", [spec], device_capacity="4KiB", host_capacity="1MiB",
                       device="cpu") as s:
         st = s.stats()
-        assert st["device"]["capacity"] == 32 and st["host"]["capacity"] == 8192
+        assert st["device"]["capacity"] == 4096 // 132 == 31 and st["host"]["capacity"] == 2**20 // 132
         s.read("t", torch.arange(100))
         s.read("t", torch.arange(100))
         st = s.stats()
-        assert st["device"]["lookups"] == 200 and st["device"]["hits"] == 32
-        assert st["host"]["hits"] == 68 and st["ssd"]["lookups"] == 100
+        assert st["device"]["lookups"] == 200 and st["device"]["hits"] == 31
+        assert st["host"]["hits"] == 69 and st["ssd"]["lookups"] == 100
         assert st["ssd"]["hits"] == 0 and st["ssd"]["bytes_written"] == 0  # clean rows not written
         s.apply("t", torch.arange(100), torch.ones(100, 16))
         s.flush()
@@ -326,7 +327,7 @@ def test_apply_fast_path_matches_the_reference_and_handles_repeats(tmp_path):
             s.apply("t", ids, torch.ones(5, 7))
         with pytest.raises(ts.InvalidIdsError):
             s.apply("t", torch.tensor([4, -2]), torch.ones(2, 6))
-        assert torch.equal(s._access(s.tables["t"], ids.sort().values, None), got)
+        assert torch.equal(s._access(s.tables["t"], ids.sort().values, None)[:, : spec.payload_dim], got)
         s.check()
 
 

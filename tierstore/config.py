@@ -77,6 +77,16 @@ class TableSpec:
         """Float32 columns per row payload: embedding (packed if 16-bit) plus optimizer state."""
         return self.weight_cols + self.state_dim
 
+    @property
+    def stamp_col(self) -> int:
+        """Payload column holding the row's last-update stamp (int32 bits of the store clock)."""
+        return self.payload_dim
+
+    @property
+    def row_dim(self) -> int:
+        """Float32 columns of a stored row: the payload, then the last-update stamp."""
+        return self.payload_dim + 1
+
     def to_config(self) -> dict:
         """Serialize to a JSON-able dict (stored in the store's metadata)."""
         cfg = {"name": self.name, "num_rows": self.num_rows, "dim": self.dim,

@@ -2,8 +2,9 @@
 
 Layout: `manifest.json` (written last) and `<table>/<k>.zst`. A shard decompresses to the row ids
 of a contiguous id range (sorted, delta-encoded little-endian int64) followed by their payloads
-(little-endian float32 [n, payload_dim], weights then optimizer state; a float16/bfloat16
-table's weights are packed two per column, see tierstore/precision.py), optionally byte-shuffled
+(little-endian float32 [n, row_dim]: weights, optimizer state, then the last-update stamp as
+int32 bits; a float16/bfloat16 table's weights are packed two per column, see
+tierstore/precision.py), optionally byte-shuffled
 (all first bytes of the floats, then all second bytes, ...). Export and import stream one shard
 at a time, so memory is bounded by the shard size, not by the table.
 """
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from .store import TierStore
 
 EXPORT_FORMAT = "tierstore-export"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2  # 2: shards hold row_dim columns (payload + last-update stamp)
 MANIFEST = "manifest.json"
 DEFAULT_SHARD_BYTES = 32 << 20
 
@@ -135,9 +136,9 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
             tables, raw_total, out_total = [], 0, 0
             for spec in specs:
                 (staging / spec.name).mkdir()
-                chunk = max(1, shard_bytes // (8 + 4 * spec.payload_dim))
+                chunk = max(1, shard_bytes // (8 + 4 * spec.row_dim))
                 shards = []
-                for ids, payload in backend.iter_rows(spec.name, spec.payload_dim, txn, chunk):
+                for ids, payload in backend.iter_rows(spec.name, spec.row_dim, txn, chunk):
                     raw = encode_shard(ids, payload, shuffle)
                     blob = cctx.compress(raw)
                     rel = f"{spec.name}/{len(shards):05d}.zst"
@@ -207,7 +208,7 @@ def _read_shard(src: Path, shard: dict, spec: TableSpec, shuffle: bool,
         raw = dctx.decompress(blob, max_output_size=int(shard["raw_bytes"]))
     except zstandard.ZstdError as exc:
         raise StoreCorruptError(f"export shard {path} does not decompress: {exc}") from exc
-    ids, payload = decode_shard(raw, int(shard["rows"]), spec.payload_dim, shuffle)
+    ids, payload = decode_shard(raw, int(shard["rows"]), spec.row_dim, shuffle)
     if len(ids) and (ids[0] < 0 or ids[-1] >= spec.num_rows or
                      (len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()))):
         raise StoreCorruptError(f"export shard {path} holds row ids that are out of order or range")

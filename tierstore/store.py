@@ -36,7 +36,8 @@ from .index import dedup, sort_unique
 from .initializers import name_key
 from .stats import PrefetchStats, TierStats
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: rows carry a last-update stamp column and a checksum word
+CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
 FLUSH_CHUNK = 65536  # rows per LMDB transaction when flushing
 _OPEN_STORES: weakref.WeakSet = weakref.WeakSet()
 
@@ -137,7 +138,7 @@ class TierStore:
         self.path = Path(path)
         self.seed = seed
         self.device = _resolve_device(device)
-        width = max(t.payload_dim for t in tables)
+        width = max(t.row_dim for t in tables)
         dcap = parse_capacity(device_capacity, width * 4)
         hcap = parse_capacity(host_capacity, width * 4)
         limit = None if map_limit is None else parse_size(map_limit)
@@ -170,6 +171,9 @@ class TierStore:
             self.backend.close()
             raise
         self.ssd_stats = TierStats()
+        clock = self.backend.get_meta("clock") or {}
+        self.clock = int(clock.get("value", 0))  # logical clock (store.advance), stamped on updates
+        self._clock_saved = self.clock
         self._recorder = None
         if record is not None:
             from .traces import TraceRecorder
@@ -187,9 +191,7 @@ class TierStore:
         store = self.backend.get_meta("store")
         if store is not None:
             if store.get("format_version") != FORMAT_VERSION:
-                raise ConfigMismatchError(
-                    f"store {self.path} has format version {store.get('format_version')}, "
-                    f"this tierstore reads version {FORMAT_VERSION}")
+                raise ConfigMismatchError(old_format_message(self.path, store.get("format_version")))
             if store.get("seed") != self.seed:
                 raise ConfigMismatchError(
                     f"store {self.path} was created with seed {store.get('seed')}, given {self.seed}")
@@ -314,6 +316,7 @@ class TierStore:
             dev.touch(slots)
             BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, iota, grads,
                         use_kernel=self.fused, dtype=tab.spec.dtype).apply(dev.slab, slots)
+            self._stamp(tab, dev.slab, slots)
             dev.mark_dirty(slots)
             return
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
@@ -430,6 +433,7 @@ class TierStore:
                              bag_of, scale, self.fused, tab.spec.dtype)
         if in_place:
             update.apply(dev.slab, g.slots)  # rows still where gather found them: update in place
+            self._stamp(tab, dev.slab, g.slots)
             dev.dirty[g.slots] = True
             return
         self._access(tab, unique, update)
@@ -448,7 +452,37 @@ class TierStore:
                 tier.dirty[slots] = False
         for adm in self._admission.values():  # the sketches go down with the rows they gate
             adm.save(self.backend)
+        self._save_clock()
         self.backend.sync()
+
+    @_locked
+    def advance(self, steps: int = 1) -> int:
+        """Move the store's logical clock forward (the trainer calls this once per step); returns it.
+
+        Every row update records the clock as the row's last-update stamp (kept with the row in
+        every tier and on disk); the clock is saved by `flush()`, `checkpoint()` and `close()`.
+        """
+        self._live()
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"steps must be an int >= 0, got {steps!r}")
+        if self.clock + steps > CLOCK_MAX:
+            raise ConfigError(f"the store clock cannot pass {CLOCK_MAX} (at {self.clock})")
+        self.clock += steps
+        return self.clock
+
+    def _clock_value(self) -> torch.Tensor:
+        """The clock as a 0-d float32 tensor holding its int32 bits (the stamp column's value)."""
+        return torch.tensor(self.clock, dtype=torch.int32).view(torch.float32)
+
+    def _stamp(self, tab: _Table, target: torch.Tensor, slots: torch.Tensor) -> None:
+        """Record the clock as the last-update stamp of updated rows `target[slots]`."""
+        target[:, tab.spec.stamp_col].index_fill_(0, slots, self._clock_value().to(target.device))
+
+    def _save_clock(self) -> None:
+        """Persist the logical clock (with the next sync) when it moved since the last save."""
+        if self.clock != self._clock_saved:
+            self.backend.put_meta({"clock": {"value": self.clock}})
+            self._clock_saved = self.clock
 
     @_locked
     def stats(self) -> dict[str, dict]:
@@ -582,6 +616,7 @@ class TierStore:
             if update is None:
                 return dev.read(dslots)
             update.apply(dev.slab, dslots)  # in place in the device slab
+            self._stamp(tab, dev.slab, dslots)
             dev.mark_dirty(dslots)
             return None
         self._last_dslots = None
@@ -606,6 +641,7 @@ class TierStore:
             payload = mpay
         if update is not None:
             update.apply(payload, torch.arange(n))
+            payload[:, tab.spec.stamp_col] = self._clock_value()
             if nd:
                 dev.write(hit_slots, payload.index_select(0, hit_idx))
                 mpay = payload.index_select(0, miss)
@@ -688,13 +724,13 @@ class TierStore:
         spec = tab.spec
         rows_np = rows.numpy()
         n = len(rows_np)
-        data, found = self.backend.get(spec.name, rows_np, spec.payload_dim)
+        data, found = self.backend.get(spec.name, rows_np, spec.row_dim)
         nfound = int(np.count_nonzero(found))
         st = self.ssd_stats
         st.lookups += n
         st.hits += nfound
         st.misses += n - nfound
-        st.bytes_read += nfound * spec.payload_dim * 4
+        st.bytes_read += nfound * spec.row_dim * 4
         if not data.flags.writeable:  # the rows are updated in place and moved up: own them
             data = data.copy()
         if nfound < n:
@@ -703,8 +739,8 @@ class TierStore:
             data[lazy, : spec.weight_cols] = spec.codec.encode(torch.from_numpy(init)).numpy() \
                 if spec.codec.packed else init
         out = torch.from_numpy(data)
-        if spec.payload_dim < self.width:  # narrower table: zero tail columns
-            out = torch.nn.functional.pad(out, (0, self.width - spec.payload_dim))
+        if spec.row_dim < self.width:  # narrower table: zero tail columns
+            out = torch.nn.functional.pad(out, (0, self.width - spec.row_dim))
         return out
 
     def _place(self, moving: Rows, protect: torch.Tensor) -> None:
@@ -741,10 +777,20 @@ class TierStore:
             tab = self._by_index[t]
             part = rows if len(tables) == 1 else rows.take(rows.tabs == t)  # one table: no copy
             batches[tab.spec.name] = (part.rows.numpy(),
-                                      part.payload[:, : tab.spec.payload_dim].numpy())
+                                      part.payload[:, : tab.spec.row_dim].numpy())
         written = self.backend.put(batches)
         self.ssd_stats.writebacks += len(rows)
         self.ssd_stats.bytes_written += written
+
+
+def old_format_message(path: str | os.PathLike, version: object) -> str:
+    """The error text for a store written in another on-disk format version."""
+    if version == 1:
+        return (f"store {path} has on-disk format version 1 (rows without checksums and stamps); "
+                f"this tierstore reads version {FORMAT_VERSION}. Convert it in place with "
+                f"`tierstore upgrade {path}` (the store must be closed)")
+    return (f"store {path} has on-disk format version {version!r}; this tierstore reads version "
+            f"{FORMAT_VERSION}")
 
 
 def open_tables(path: str | os.PathLike) -> Iterable[TableSpec]:

@@ -22,6 +22,7 @@ import lmdb
 import numpy as np
 
 from ..errors import OutOfSpaceError, StoreCorruptError, StoreLockedError, TierstoreError
+from .record import CHECK_BYTES, open_records, seal
 
 META_DB = b"__tierstore_meta__"
 LOCK_NAME = "tierstore.lock"
@@ -204,7 +205,10 @@ class LmdbBackend:
         return self._dbs.get(table)
 
     def get(self, table: str, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Read rows: (payload float32 [n, width], found bool [n]); missing rows are zeros."""
+        """Read rows: (row float32 [n, width], found bool [n]); missing rows are zeros.
+
+        Every stored record's checksum is verified (`StoreCorruptError` on damage).
+        """
         n = len(rows)
         out = np.zeros((n, width), dtype=np.float32)
         found = np.zeros(n, dtype=bool)
@@ -222,12 +226,9 @@ class LmdbBackend:
         nhit = int(np.count_nonzero(hit))
         if nhit:
             # filter(None) drops the misses (and an empty stored value, caught by the size check)
-            data = np.frombuffer(b"".join(filter(None, vals)), dtype=np.float32)
-            if data.size != nhit * width:
-                raise StoreCorruptError(
-                    f"table {table!r}: stored rows have the wrong size (expected {width} floats)")
             dest = order if nhit == n else order[hit]
-            out[dest] = data.reshape(nhit, width)
+            blob = np.frombuffer(b"".join(filter(None, vals)), dtype=np.uint8)
+            out[dest] = open_records(table, rows[dest], blob, width)
             found[dest] = True
         return out, found
 
@@ -240,7 +241,7 @@ class LmdbBackend:
         rows is one transaction; larger ones are not atomic (flush() syncs after all of them).
         Rows beyond a table's last key are appended (`MDB_APPEND`: full pages).
         """
-        total = sum(len(r) * (8 + p.shape[1] * 4) for r, p in batches.values())
+        total = sum(len(r) * (8 + p.shape[1] * 4 + CHECK_BYTES) for r, p in batches.values())
         if total == 0:
             return 0
         self._ensure_room(total)
@@ -252,10 +253,9 @@ class LmdbBackend:
             order = np.argsort(rows, kind="stable")
             srt = rows[order]
             keys = encode_keys(srt)
-            blob = np.ascontiguousarray(payload[order], dtype=np.float32)
-            w = blob.shape[1] * 4
+            blob = seal(srt, np.ascontiguousarray(payload[order], dtype=np.float32))
             # one `bytes` per row from a void view (a C loop, no per-row Python)
-            vals = blob.view(f"V{w}").ravel().tolist() if w else [b""] * len(keys)
+            vals = blob.view(f"V{blob.shape[1]}").ravel().tolist()
             unique = len(srt) < 2 or bool((srt[1:] > srt[:-1]).all())
             segs.append((self._db(table), keys, vals, unique))
         part: list = []
@@ -658,11 +658,8 @@ class LmdbBackend:
             vals = list(islice(vit, len(keys)))
             if not keys:
                 return
-            data = np.frombuffer(b"".join(vals), dtype=np.float32)
-            if data.size != len(vals) * width:
-                raise StoreCorruptError(
-                    f"table {table!r}: stored rows have the wrong size ({width} floats)")
-            yield decode_keys(keys), data.reshape(-1, width)
+            ids = decode_keys(keys)
+            yield ids, open_records(table, ids, np.frombuffer(b"".join(vals), dtype=np.uint8), width)
 
 
 def fsync_path(path: Path) -> None:
