@@ -52,6 +52,15 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+def _upgrade(args: argparse.Namespace) -> int:
+    from .backends.upgrade import upgrade_store
+
+    report = upgrade_store(args.path)
+    state = f"converted {report['rows']} rows" if report["upgraded"] else "already at format 2"
+    print(f"{report['path']}: {state}")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from .export import export_store
 
@@ -123,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("checkpoint-verify", help="check a checkpoint's manifest and checksums")
     p.add_argument("dest")
     p.set_defaults(func=_checkpoint_verify)
+    p = sub.add_parser("upgrade", help="convert a closed store of on-disk format 1 to format 2")
+    p.add_argument("path")
+    p.set_defaults(func=_upgrade)
     p = sub.add_parser("compact", help="rewrite a closed store's file in key order (smaller)")
     p.add_argument("path")
     p.set_defaults(func=_compact)

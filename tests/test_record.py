@@ -1,0 +1,151 @@
+"""The on-disk row record (format v2): checksums, last-update stamps, and old-format stores."""
+
+from __future__ import annotations
+
+import json
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tierstore as ts
+from tierstore.backends import record
+from tierstore.backends.lmdb_backend import META_DB
+from tierstore.backends.upgrade import upgrade_store
+from tierstore.cli import main as cli_main
+
+
+def _reference_check(key: int, words: list[int]) -> int:
+    """The checksum of one row in plain Python integers (the definition in record.py's docstring)."""
+    m = (1 << 64) - 1
+    p1, p2, p3, p4 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                      0x85EBCA77C2B2AE63)
+    seed = 0x7469657273746F72
+
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (64 - r))) & m
+
+    acc = [(seed + key * p1 + j * p4) & m for j in range(4)]
+    for j, w in enumerate(words):
+        acc[j & 3] = (rotl((acc[j & 3] + w * p2) & m, 31) * p1) & m
+    h = (rotl(acc[0], 1) + rotl(acc[1], 7) + rotl(acc[2], 12) + rotl(acc[3], 18)) & m
+    h ^= len(words)
+    h ^= h >> 33
+    h = (h * p2) & m
+    h ^= h >> 29
+    h = (h * p3) & m
+    h ^= h >> 32
+    return h & 0xFFFFFFFF
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 40), st.integers(1, 70), st.integers(0, 2**31))
+def test_checks_match_a_plain_python_definition(n, w, seed):
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, 2**63 - 1, size=n, dtype=np.int64)
+    words = rng.integers(0, 2**32, size=(n, w), dtype=np.uint64).astype(np.uint32)
+    got = record.row_checks(keys, words)
+    want = [_reference_check(int(k), [int(x) for x in row]) for k, row in zip(keys, words)]
+    assert got.tolist() == want
+    assert record._checks_numpy(keys, words).tolist() == want
+
+
+def test_every_single_bit_flip_of_a_row_changes_its_check():
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((1, 17)).astype(np.float32)
+    sealed = record.seal(np.array([12345]), rows).copy()
+    for bit in range(sealed.shape[1] * 8):
+        bad = sealed.copy()
+        bad[0, bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(ts.StoreCorruptError, match="row 12345"):
+            record.open_records("t", np.array([12345]), bad, 17)
+    # the same bytes under another row id fail too (a row stored under the wrong key)
+    with pytest.raises(ts.StoreCorruptError):
+        record.open_records("t", np.array([12346]), sealed, 17)
+    assert np.array_equal(record.open_records("t", np.array([12345]), sealed, 17), rows)
+
+
+def _stored(path, table, row):
+    env = lmdb.open(str(path), max_dbs=64, readonly=True, lock=False)
+    try:
+        db = env.open_db(f"t:{table}".encode(), create=False)
+        with env.begin(db=db) as txn:
+            return bytes(txn.get(int(row).to_bytes(8, "big")))
+    finally:
+        env.close()
+
+
+def _put_raw(path, table, row, value):
+    env = lmdb.open(str(path), max_dbs=64)
+    try:
+        db = env.open_db(f"t:{table}".encode(), create=False)
+        with env.begin(write=True, db=db) as txn:
+            txn.put(int(row).to_bytes(8, "big"), value)
+    finally:
+        env.close()
+
+
+def test_a_flipped_stored_bit_is_a_store_corrupt_error_naming_the_row(tmp_path):
+    spec = ts.TableSpec("emb", 10**9, 8, optimizer=ts.Adagrad(lr=0.1))
+    ids = torch.tensor([3, 77, 10**8])
+    with ts.TierStore(tmp_path / "s", spec, device_capacity=0, host_capacity=0, device="cpu") as s:
+        s.apply("emb", ids, torch.ones(3, 8))
+        before = s.read("emb", ids)
+    raw = bytearray(_stored(tmp_path / "s", "emb", 77))
+    assert len(raw) == 4 * spec.row_dim + 4
+    raw[5] ^= 0x10
+    _put_raw(tmp_path / "s", "emb", 77, bytes(raw))
+    with ts.TierStore(tmp_path / "s", spec, device_capacity=0, host_capacity=0, device="cpu") as s:
+        assert torch.equal(s.read("emb", ids[:1]), before[:1])  # undamaged rows still read
+        with pytest.raises(ts.StoreCorruptError, match="'emb'.*row 77"):
+            s.read("emb", ids)
+
+
+def test_updates_stamp_rows_with_the_store_clock_in_every_tier(tmp_path):
+    spec = ts.TableSpec("t", 1000, 4)
+    with ts.TierStore(tmp_path / "s", spec, device_capacity=2, host_capacity=2, device="cpu") as s:
+        assert s.clock == 0
+        s.apply("t", torch.arange(6), torch.ones(6, 4))  # 6 rows over 2 + 2 cache slots + LMDB
+        assert s.advance() == 1 and s.advance(4) == 5
+        s.apply("t", torch.tensor([1, 4]), torch.ones(2, 4))
+        with pytest.raises(ts.ConfigError):
+            s.advance(-1)
+    with ts.TierStore(tmp_path / "s", spec, device="cpu") as s:
+        assert s.clock == 5  # saved by close
+    for row, want in [(0, 0), (1, 5), (2, 0), (3, 0), (4, 5), (5, 0)]:
+        words = np.frombuffer(_stored(tmp_path / "s", "t", row), dtype=np.int32)
+        assert words[spec.stamp_col] == want
+
+
+def _write_v1_store(path, spec, ids, payload):
+    path.mkdir()
+    env = lmdb.open(str(path), max_dbs=8, map_size=1 << 26)
+    meta = env.open_db(META_DB)
+    db = env.open_db(f"t:{spec.name}".encode())
+    with env.begin(write=True) as txn:
+        txn.put(b"store", json.dumps({"format_version": 1, "seed": 0}).encode(), db=meta)
+        txn.put(f"table:{spec.name}".encode(), json.dumps(spec.to_config()).encode(), db=meta)
+        for i, p in zip(ids, payload):
+            txn.put(int(i).to_bytes(8, "big"), p.tobytes(), db=db)
+    env.close()
+
+
+def test_version_1_stores_are_refused_then_upgraded_in_place(tmp_path, capsys):
+    spec = ts.TableSpec("t", 10**6, 6, optimizer=ts.RowWiseAdagrad())
+    ids = np.array([2, 9, 500_000])
+    payload = np.random.default_rng(1).standard_normal((3, spec.payload_dim)).astype(np.float32)
+    _write_v1_store(tmp_path / "old", spec, ids, payload)
+    with pytest.raises(ts.ConfigMismatchError, match="tierstore upgrade"):
+        ts.TierStore(tmp_path / "old", spec, device="cpu")
+    assert cli_main(["upgrade", str(tmp_path / "old")]) == 0
+    assert "converted 3 rows" in capsys.readouterr().out
+    assert upgrade_store(tmp_path / "old")["upgraded"] is False  # idempotent
+    with ts.TierStore(tmp_path / "old", spec, device="cpu") as s:
+        got = s.read("t", torch.from_numpy(ids))
+        assert torch.equal(got, torch.from_numpy(payload[:, :6]))
+        s.apply("t", torch.tensor([2]), torch.ones(1, 6))
+    with ts.TierStore(tmp_path / "old", spec, device="cpu") as s:
+        assert not torch.equal(s.read("t", torch.tensor([2])), torch.from_numpy(payload[:1, :6]))
