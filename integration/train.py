@@ -35,7 +35,7 @@ RUN_MARKER = "run.json"
 EVAL_STREAM = 1
 # options that must match when resuming (the rest -- capacities, policy, prefetch -- may change)
 _FIXED = ("data", "tables", "dim", "seed", "batch", "alpha", "hot", "lr", "dense_lr", "bottom", "top",
-          "admission")
+          "admission", "ttl")
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class TrainConfig:
     progress: bool = True
     device: str = "cpu"
     admission: str | None = None  # e.g. "count:2": feature admission of every table
+    ttl: int | None = None  # expire rows not updated for this many steps (every table)
 
     def validate(self) -> None:
         """Raise ConfigError on inconsistent options."""
@@ -187,7 +188,7 @@ class Trainer:
         self.cards = parse_tables(cfg.tables)
         adm = parse_admission(cfg.admission) if cfg.admission else None
         self.specs = [TableSpec(name, rows, cfg.dim, optimizer=RowWiseAdagrad(lr=cfg.lr),
-                                admission=fit_sketch(adm, rows))
+                                admission=fit_sketch(adm, rows), ttl=cfg.ttl)
                       for name, rows in zip(SPARSE_NAMES, self.cards, strict=True)]
         if cfg.data == "synthetic":
             self.synth: SyntheticCriteo | None = SyntheticCriteo(self.cards, seed=cfg.seed,
@@ -402,6 +403,7 @@ class Trainer:
             loss = self.train_step(b)
             loss_ema = loss if math.isnan(loss_ema) else 0.98 * loss_ema + 0.02 * loss
             self.step += 1
+            self.store.advance()  # the store's clock: row stamps, expiry
             bar.update(1)
             if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
                 e = self.evaluate(held_out)
@@ -444,6 +446,7 @@ class Trainer:
             "tiers": {k: st[k] for k in ("device", "host", "ssd")},
             "prefetch": st.get("prefetch", {}),
             "admission": st.get("admission", {}),
+            "expiry": st.get("expiry", {}),
             "rows_stored": rows_stored,
             "disk_bytes": st["ssd"]["disk_bytes"],
             "peak_disk_bytes": max(self.peak_disk, st["ssd"]["disk_bytes"]),
@@ -556,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, help="write the summary to this JSON file")
     ap.add_argument("--admission", default=None,
                     help="feature admission of every table, e.g. 'count:2' (docs/admission.md)")
+    ap.add_argument("--ttl", type=int, default=None,
+                    help="expire rows not updated for this many steps (docs/admission.md)")
     return ap
 
 

@@ -34,6 +34,7 @@ class TableSpec:
     init: Initializer = field(default_factory=UniformInit)
     dtype: str = "float32"
     admission: Admission | None = None  # e.g. CountAdmission(min_count=2): see docs/admission.md
+    ttl: int | None = None  # expire rows not updated for this many store clock steps
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -54,6 +55,9 @@ class TableSpec:
             raise ConfigError(f"init must be a tierstore initializer or its name, got {self.init!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.ttl is not None and (isinstance(self.ttl, bool) or not isinstance(self.ttl, int)
+                                     or not 1 <= self.ttl < 2**31):
+            raise ConfigError(f"ttl must be None or an int in [1, 2**31), got {self.ttl!r}")
         if self.admission is not None and not isinstance(self.admission, Admission):
             raise ConfigError(f"admission must be a tierstore admission config, got {self.admission!r}")
 
@@ -94,6 +98,8 @@ class TableSpec:
                "dtype": self.dtype}
         if self.admission is not None:  # absent in stores written before admission existed
             cfg["admission"] = self.admission.to_config()
+        if self.ttl is not None:
+            cfg["ttl"] = self.ttl
         return cfg
 
     @classmethod
@@ -102,7 +108,7 @@ class TableSpec:
         return cls(name=cfg["name"], num_rows=int(cfg["num_rows"]), dim=int(cfg["dim"]),
                    optimizer=optimizer_from_config(cfg["optimizer"]),
                    init=initializer_from_config(cfg["init"]), dtype=cfg.get("dtype", "float32"),
-                   admission=admission_from_config(cfg.get("admission")))
+                   admission=admission_from_config(cfg.get("admission")), ttl=cfg.get("ttl"))
 
 
 def parse_size(value: int | str) -> int:

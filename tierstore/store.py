@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import admission as _adm
+from . import expiry as _exp
 from ._kernels import HAVE_NUMBA
 from .backends.lmdb_backend import LmdbBackend
 from .backends.slab import Rows, SlabTier
@@ -170,6 +171,8 @@ class TierStore:
         except BaseException:
             self.backend.close()
             raise
+        self.expiry_stats = {"expired_rows": 0, "expired_cached": 0}
+        self._ttl = _exp.TtlExpiry(self) if any(t.ttl for t in tables) else None
         self.ssd_stats = TierStats()
         clock = self.backend.get_meta("clock") or {}
         self.clock = int(clock.get("value", 0))  # logical clock (store.advance), stamped on updates
@@ -468,7 +471,19 @@ class TierStore:
         if self.clock + steps > CLOCK_MAX:
             raise ConfigError(f"the store clock cannot pass {CLOCK_MAX} (at {self.clock})")
         self.clock += steps
+        if self._ttl is not None:  # tables with a ttl: expire at fixed clock points
+            self._ttl.on_advance()
         return self.clock
+
+    @_locked
+    def expire(self, table: str | None = None, older_than: int = 0) -> dict[str, int]:
+        """Delete rows (of `table`, or all) last updated more than `older_than` clock steps ago.
+
+        They leave the caches and LMDB and read as freshly initialized; durable on return.
+        Returns rows deleted from LMDB per table. `tierstore compact` reclaims the disk.
+        """
+        self._live()
+        return _exp.expire(self, table, older_than)
 
     def _clock_value(self) -> torch.Tensor:
         """The clock as a 0-d float32 tensor holding its int32 bits (the stamp column's value)."""
@@ -495,6 +510,7 @@ class TierStore:
         out["prefetch"] = self.prefetch_stats.as_dict()
         if self._admission:
             out["admission"] = {n: a.stats() for n, a in self._admission.items()}
+        out["expiry"] = dict(self.expiry_stats)
         out["ssd"].update(rows_stored=sum(self.backend.count(n) for n in self.tables),
                           disk_bytes=self.backend.disk_bytes())
         return out
@@ -515,6 +531,8 @@ class TierStore:
         """Flush dirty rows and release the store (idempotent)."""
         if self._closed:
             return
+        if self._ttl is not None:
+            self._ttl.close()
         try:
             self.flush()
         finally:
@@ -725,6 +743,8 @@ class TierStore:
         rows_np = rows.numpy()
         n = len(rows_np)
         data, found = self.backend.get(spec.name, rows_np, spec.row_dim)
+        if self._ttl is not None:  # rows past their table's ttl cutoff read as missing
+            data, found = self._ttl.stale_mask(tab.index, data, found, spec.stamp_col)
         nfound = int(np.count_nonzero(found))
         st = self.ssd_stats
         st.lookups += n
