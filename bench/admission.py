@@ -90,10 +90,15 @@ def stream_bench(args: argparse.Namespace) -> dict:
     work = Path(args.work)
     out = {}
     for setting in args.settings.split(","):
-        adm = None if setting == "none" else parse_admission(setting)
+        adm, ttl = None, None
+        for part in setting.split("+"):  # e.g. "count:2:64MiB+ttl:1000"
+            if part.startswith("ttl:"):
+                ttl = int(part[4:])
+            elif part != "none":
+                adm = parse_admission(part)
         spec = ts.TableSpec("t", args.keys, args.dim, optimizer=ts.RowWiseAdagrad(0.05),
-                            admission=adm)
-        path = work / f"stream_{setting.replace(':', '_')}"
+                            admission=adm, ttl=ttl)
+        path = work / f"stream_{setting.replace(':', '_').replace('+', '_')}"
         shutil.rmtree(path, ignore_errors=True)
         store = ts.TierStore(path, spec, device_capacity=args.cache, host_capacity=args.cache,
                              device="cpu")
@@ -103,12 +108,15 @@ def stream_bench(args: argparse.Namespace) -> dict:
         for step in range(args.steps):
             ids = synth.batch(step, args.batch).ids[: args.features].reshape(-1)
             store.apply("t", ids, torch.randn(ids.numel(), args.dim, generator=gen))
+            store.advance()
             if (step + 1) % args.every == 0 or step + 1 == args.steps:
                 store.flush()
                 st = store.stats()
                 curve.append({"step": step + 1, "rows_stored": st["ssd"]["rows_stored"],
                               "disk_bytes": st["ssd"]["disk_bytes"]})
         secs = time.perf_counter() - t0
+        if store._ttl is not None:
+            store._ttl.wait()
         st = store.stats()
         store.close()
         closed = (path / "data.mdb").stat().st_blocks * 512
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     sk.add_argument("--batch", type=int, default=65536)
     sk.add_argument("--seed", type=int, default=0)
     st = sub.add_parser("stream", help="rows stored over a long stream, with and without admission")
-    st.add_argument("--settings", default="none,count:2:64MiB")
+    st.add_argument("--settings", default="none,count:2:64MiB,ttl:1000,count:2:64MiB+ttl:1000")
     st.add_argument("--steps", type=int, default=5000)
     st.add_argument("--batch", type=int, default=1024)
     st.add_argument("--features", type=int, default=1, help="sparse features feeding the table")
