@@ -1,4 +1,5 @@
-"""The crash tests' training with feature admission on both tables (run as a script like crash_worker)."""
+"""The crash tests' training with feature admission on both tables and a ttl on one (run as a script
+like crash_worker); the store clock advances once per step."""
 
 from __future__ import annotations
 
@@ -13,14 +14,30 @@ import tierstore as ts  # noqa: E402
 from tests import crash_worker as w  # noqa: E402
 
 SPECS = [ts.TableSpec("a", 10**11, 8, optimizer=ts.Adagrad(0.1),
-                      admission=ts.CountAdmission(min_count=3, sketch="1MiB")),
+                      admission=ts.CountAdmission(min_count=3, sketch="1MiB"), ttl=6),
          ts.TableSpec("b", 5000, 4, optimizer=ts.Adam(0.01), init=ts.NormalInit(0.5),
                       admission=ts.CountAdmission(min_count=2, sketch="256KiB"))]
 
 
+_PLAIN_STEP = w.train_step
+
+
+def train_step(store: ts.TierStore, step: int) -> None:
+    """crash_worker's step, then one tick of the store clock (row stamps, ttl expiry)."""
+    _PLAIN_STEP(store, step)
+    store.advance()
+
+
 def use_admission() -> None:
-    """Make crash_worker train (and dump) the tables with admission."""
+    """Make crash_worker train (and dump) the tables with admission and a ttl."""
     w.SPECS[:] = SPECS
+    w.train_step = train_step
+
+
+def restore_plain(specs: list) -> None:
+    """Undo `use_admission` (in-process tests)."""
+    w.SPECS[:] = specs
+    w.train_step = _PLAIN_STEP
 
 
 if __name__ == "__main__":
