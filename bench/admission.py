@@ -137,6 +137,47 @@ def stream_bench(args: argparse.Namespace) -> dict:
     return {"settings": out}
 
 
+def rows_bench(args: argparse.Namespace) -> dict:
+    """Rows a store would hold after a stream of updates, from the ids alone (no store).
+
+    Every update creates or refreshes its row, so rows stored = distinct admitted ids (admission
+    by the store's own sketch code, batch by batch), and with a ttl only those whose last admitted
+    update is at most `ttl` steps before the end. Fast enough for the issue's 5,000 steps here.
+    """
+    from integration.data import SyntheticCriteo
+
+    synth = SyntheticCriteo((args.keys,) * 26, seed=0, alpha=args.alpha, hot=args.hot)
+    cfg = parse_admission(args.admission)
+    sk = CountMinSketch(int(cfg.sketch), cfg.depth, cfg.min_count, salt=7)
+    all_ids, all_ok, all_step = [], [], []
+    for step in range(args.steps):
+        ids = synth.batch(step, args.batch).ids[: args.features].reshape(-1).numpy()
+        uniq, inv, cnt = np.unique(ids, return_inverse=True, return_counts=True)
+        final, _ = sk.add(uniq, cnt)
+        all_ids.append(uniq)
+        all_ok.append(final >= cfg.min_count)
+        all_step.append(np.full(uniq.size, step, np.int32))
+    ids, ok, step = np.concatenate(all_ids), np.concatenate(all_ok), np.concatenate(all_step)
+    end = args.steps  # the clock after the last step
+
+    def rows(mask: np.ndarray, ttl: int | None) -> int:
+        u, last = ids[mask], step[mask]
+        if ttl is None:
+            return int(np.unique(u).size)
+        order = np.lexsort((last, u))  # per id, its last update comes last
+        u, last = u[order], last[order]
+        tail = np.r_[u[1:] != u[:-1], True]
+        return int(np.count_nonzero(end - last[tail] <= ttl))
+
+    every = np.ones(ids.size, dtype=bool)
+    out = {"none": rows(every, None), args.admission: rows(ok, None),
+           f"ttl:{args.ttl}": rows(every, args.ttl),
+           f"{args.admission}+ttl:{args.ttl}": rows(ok, args.ttl)}
+    for k, v in out.items():
+        print(f"{k:>26}: {v:>10,} rows after {args.steps} steps ({out['none'] / max(v, 1):.2f}x fewer)")
+    return {"rows": out, "steps": args.steps, "ids": int(args.steps * args.batch * args.features)}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one of the admission benchmarks; prints a summary and writes bench/out JSON."""
     ap = argparse.ArgumentParser(prog="python -m bench.admission", description=__doc__)
@@ -160,8 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--cache", default="16MiB")
     st.add_argument("--every", type=int, default=500, help="flush and sample every N steps")
     st.add_argument("--work", default="runs/bench_admission")
+    rw = sub.add_parser("rows", help="rows stored after a long stream, from the ids alone")
+    rw.add_argument("--admission", default="count:2:64MiB")
+    rw.add_argument("--ttl", type=int, default=1000)
+    rw.add_argument("--steps", type=int, default=5000)
+    rw.add_argument("--batch", type=int, default=1024)
+    rw.add_argument("--features", type=int, default=1)
+    rw.add_argument("--keys", type=int, default=10**11)
+    rw.add_argument("--hot", type=int, default=2**24)
+    rw.add_argument("--alpha", type=float, default=1.05)
     args = ap.parse_args(argv)
-    rec = sketch_bench(args) if args.what == "sketch" else stream_bench(args)
+    runs = {"sketch": sketch_bench, "stream": stream_bench, "rows": rows_bench}
+    rec = runs[args.what](args)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path = OUT_DIR / f"admission_{args.what}.json"
     path.write_text(json.dumps({"bench": f"admission {args.what}", "machine": platform.platform(),
