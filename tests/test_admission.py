@@ -400,3 +400,22 @@ def test_kill9_with_admission_keeps_rows_and_sketch_at_a_flush_point(tmp_path, a
         ref.close()
     finally:
         aw.restore_plain(saved)
+
+
+def test_export_import_keeps_stored_rows_visible(tmp_path):
+    from tierstore.export import export_store, import_store
+
+    s = spec(3)
+    ids = torch.tensor([4, 5]) * STRIDE
+    with open_store(tmp_path / "s", s) as store:
+        for _ in range(3):
+            store.apply("t", ids, torch.ones(2, 4))
+        store.apply("t", torch.tensor([6 * STRIDE]), torch.ones(1, 4))  # seen once: no row
+        want = store._read(store.tables["t"], ids)
+    export_store(tmp_path / "s", tmp_path / "x")
+    import_store(tmp_path / "x", tmp_path / "i")  # no sketch in an export: stored ids admitted
+    with open_store(tmp_path / "i", s) as store:
+        assert store.stats()["admission"]["t"]["admitted"] == 2
+        assert torch.equal(store.read("t", ids), want)
+        assert torch.equal(store.read("t", torch.tensor([6 * STRIDE])),
+                           init_rows(tmp_path, s, torch.tensor([6 * STRIDE])))

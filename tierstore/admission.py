@@ -300,11 +300,17 @@ class TableAdmission:
                 "accepted": self.accepted, "sketch_bytes": self.sketch.nbytes}
 
     # persistence ----------------------------------------------------------------------------
-    def load(self, backend: Any) -> None:
-        """Read the persisted sketch pages and counters, checking each page's CRC."""
+    def load(self, backend: Any, spec: Any = None) -> None:
+        """Read the persisted sketch pages and counters, checking each page's CRC.
+
+        A table with stored rows but no sketch (e.g. built by `tierstore import`) gets every
+        stored id counted `min_count` times, so no stored row is hidden.
+        """
         env = backend.env
         with env.begin() as txn:
             if txn.get(self.dbname) is None:
+                if spec is not None and backend.count(self.name):
+                    self._seed(backend, spec)
                 return
         db = env.open_db(self.dbname, create=False)
         table = self.sketch.table
@@ -334,6 +340,17 @@ class TableAdmission:
                     raise StoreCorruptError(
                         f"admission sketch page {idx} of table {self.name!r} is corrupt")
                 table[lo: lo + n] = np.frombuffer(body, dtype=np.uint8)
+
+    def _seed(self, backend: Any, spec: Any) -> None:
+        """Admit every row already stored (one scan, in key-order chunks)."""
+        txn = backend.snapshot()
+        try:
+            for ids, _ in backend.iter_rows(self.name, spec.row_dim, txn):
+                _, new = self.sketch.add(ids, np.full(ids.size, self.k, dtype=np.int64))
+                self.admitted += new
+        finally:
+            txn.abort()
+        self._stats_dirty = True
 
     def save(self, backend: Any) -> int:
         """Write the pages changed since the last save (and the counters) in one transaction."""
@@ -367,7 +384,7 @@ def open_admission(store: TierStore) -> dict[str, TableAdmission]:
         cfg = tab.spec.admission
         if cfg is not None:
             adm = TableAdmission(name, cfg, tab.key)
-            adm.load(store.backend)
+            adm.load(store.backend, tab.spec)
             out[name] = adm
     return out
 
