@@ -7,6 +7,7 @@ from .errors import (
     ConfigMismatchError,
     InvalidIdsError,
     OutOfSpaceError,
+    ReadOnlyError,
     ShapeError,
     StoreClosedError,
     StoreCorruptError,
@@ -27,9 +28,13 @@ __all__ = [
     "UniformInit", "NormalInit", "ConstantInit",
     "TierstoreError", "UnknownTableError", "InvalidIdsError", "ShapeError", "ConfigError",
     "ConfigMismatchError", "StoreLockedError", "StoreCorruptError", "OutOfSpaceError",
-    "StoreClosedError", "CapacityError",
+    "StoreClosedError", "CapacityError", "ReadOnlyError",
 ]
 
 from .module import TieredEmbeddingBag, TieredEmbeddingBagCollection  # noqa: E402
 
 __all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection"]
+
+from .sequence import JaggedEmbeddings, TieredEmbedding, TieredEmbeddingCollection  # noqa: E402
+
+__all__ += ["TieredEmbedding", "TieredEmbeddingCollection", "JaggedEmbeddings"]

@@ -48,3 +48,7 @@ class StoreClosedError(TierstoreError):
 
 class CapacityError(TierstoreError):
     """A request that needs more cache rows than the configured capacity."""
+
+
+class ReadOnlyError(TierstoreError):
+    """A write (apply, flush, checkpoint...) through a read-only handle."""
