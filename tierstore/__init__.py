@@ -9,6 +9,7 @@ from .errors import (
     OutOfSpaceError,
     ReadOnlyError,
     ShapeError,
+    SnapshotUnavailableError,
     StoreClosedError,
     StoreCorruptError,
     StoreLockedError,
@@ -29,6 +30,7 @@ __all__ = [
     "TierstoreError", "UnknownTableError", "InvalidIdsError", "ShapeError", "ConfigError",
     "ConfigMismatchError", "StoreLockedError", "StoreCorruptError", "OutOfSpaceError",
     "StoreClosedError", "CapacityError", "ReadOnlyError",
+    "SnapshotUnavailableError",
 ]
 
 from .module import TieredEmbeddingBag, TieredEmbeddingBagCollection  # noqa: E402
@@ -38,3 +40,7 @@ __all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection"]
 from .sequence import JaggedEmbeddings, TieredEmbedding, TieredEmbeddingCollection  # noqa: E402
 
 __all__ += ["TieredEmbedding", "TieredEmbeddingCollection", "JaggedEmbeddings"]
+
+from .serving import ReadOnlyStore  # noqa: E402
+
+__all__ += ["ReadOnlyStore"]

@@ -52,3 +52,7 @@ class CapacityError(TierstoreError):
 
 class ReadOnlyError(TierstoreError):
     """A write (apply, flush, checkpoint...) through a read-only handle."""
+
+
+class SnapshotUnavailableError(TierstoreError):
+    """A read-only handle found no flushed state to read within its timeout."""

@@ -410,6 +410,7 @@ class TierStore:
             for slots, rows in tier.dirty_chunks(FLUSH_CHUNK):
                 self._write_down(rows.to(torch.device("cpu")))
                 tier.dirty[slots] = False
+        self.backend.publish()  # readers (tierstore.serving) now see this flush
         self.backend.sync()
 
     @_locked

@@ -22,6 +22,7 @@ import lmdb
 import numpy as np
 
 from ..errors import OutOfSpaceError, StoreCorruptError, StoreLockedError, TierstoreError
+from .publish import Publisher
 
 META_DB = b"__tierstore_meta__"
 LOCK_NAME = "tierstore.lock"
@@ -109,6 +110,7 @@ class LmdbBackend:
         self._dbs: dict[str, object] = {}
         self._copy_thread: threading.Thread | None = None
         self.env = None
+        self.publisher: Publisher | None = None  # keeps flushed states readable (serving)
         self._open_env()
 
     def _open_env(self) -> None:
@@ -139,6 +141,10 @@ class LmdbBackend:
         try:
             self.check_file()
             self._meta = self.env.open_db(META_DB, create=not self.readonly)
+            if not self.readonly:
+                if self.publisher is not None:
+                    self.publisher.close()
+                self.publisher = Publisher(self.path, self.env)
         except StoreCorruptError:
             self.close()
             raise
@@ -192,6 +198,8 @@ class LmdbBackend:
                 try:
                     self._dbs[table] = self.env.open_db(f"t:{table}".encode(),
                                                         create=not self.readonly)
+                    if self.publisher is not None:
+                        self.publisher.attach(table, self._dbs[table])
                 except lmdb.NotFoundError:
                     continue
                 except lmdb.Error as exc:
@@ -281,6 +289,8 @@ class LmdbBackend:
         while True:
             try:
                 with self.env.begin(write=True) as txn:
+                    if self.publisher is not None:
+                        self.publisher.before_commit(txn, parts)
                     for db, keys, vals, unique in parts:
                         cur = txn.cursor(db=db)
                         # zip feeds putmulti lazily: no list of (key, value) tuples is built
@@ -292,6 +302,23 @@ class LmdbBackend:
                 return
             except lmdb.MapFullError:
                 self._grow(total)
+            except lmdb.Error as exc:
+                self._raise_io(exc)
+
+    def publish(self) -> int | None:
+        """Mark the rows written so far as the published (flushed) state for readers; the epoch."""
+        if self.publisher is None or not self.publisher.changed:
+            return None
+        self._ensure_room(4096)
+        self._wrote = True
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    epoch = self.publisher.publish(txn)
+                self.publisher.committed()
+                return epoch
+            except lmdb.MapFullError:
+                self._grow(4096)
             except lmdb.Error as exc:
                 self._raise_io(exc)
 
@@ -442,6 +469,9 @@ class LmdbBackend:
                     except OSError:
                         pass
             self.env = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
         self._release_lock()
 
     # compaction and resident map pages ---------------------------------------------------
