@@ -116,6 +116,10 @@ class LmdbBackend:
     def _open_env(self) -> None:
         """Open the LMDB environment and its metadata database (releases the lock on failure)."""
         self._map_gen += 1
+        if not self.readonly:  # py-lmdb allows one environment per file in a process
+            from .snapshot import release_readers
+
+            release_readers(self.path)
         wm = self.map_resident is None if WRITEMAP is None else WRITEMAP
         self.writemap = wm and not self.readonly
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import weakref
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
@@ -31,6 +32,7 @@ from .publish import PUBLISH_DB, PUBLISHED, UNDO_PREFIX
 
 LOCK_FILE = "lock.mdb"
 _RETRIES = 50
+_READERS: weakref.WeakSet = weakref.WeakSet()
 
 
 class SnapshotLostError(TierstoreError):
@@ -52,6 +54,24 @@ def _ino(path: Path) -> int:
         return path.stat().st_ino
     except OSError:
         return -1
+
+
+def release_readers(path: Path) -> None:
+    """Close the environments readers in this process opened on `path` (a writer opens it).
+
+    py-lmdb allows one environment per file in a process; those readers borrow the writer's
+    environment from their next call on (their snapshot is lost: SnapshotLostError).
+    """
+    for reader in list(_READERS):
+        if reader.env is None or reader._backend is not None:
+            continue
+        try:
+            same = os.path.samefile(reader.path, path)
+        except OSError:
+            continue
+        if same:
+            reader._detach()
+            reader.reopens += 1
 
 
 def _live_writer(path: Path):
@@ -78,13 +98,14 @@ class SnapshotReader:
         if not (self.path / DATA_NAME).exists():
             raise StoreCorruptError(f"{self.path} holds no tierstore data (no {DATA_NAME})")
         self.env = None
-        self.reopens = 0  # environments reopened after a compaction / remap / writer close
+        self.reopens = 0  # snapshots lost to a compaction / remap / writer open or close
         self._backend = None  # the in-process writer whose environment is borrowed
         self._inos = (-1, -1)
         self._txn = None
         self._dbs: dict[str, object] = {}
         self._undo: dict[str, object] = {}
         self._attach()
+        _READERS.add(self)
 
     # environment -------------------------------------------------------------------------
     def _attach(self) -> None:
@@ -199,8 +220,11 @@ class SnapshotReader:
                 if (_ino(self.path / LOCK_FILE)) != self._inos[1]:
                     # compaction swapped the reader table while we were reading: these pages
                     # may no longer have been protected
+                    self._abort()
                     raise SnapshotLostError(f"{self.path}: the store was compacted")
         except lmdb.Error as exc:
+            self.reopens += 1
+            self._abort()
             raise SnapshotLostError(f"{self.path}: snapshot lost ({exc})") from exc
         hit = np.fromiter(map(operator.truth, vals), dtype=bool, count=n)  # None and b"": absent
         nhit = int(np.count_nonzero(hit))

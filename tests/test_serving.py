@@ -1,0 +1,209 @@
+"""Read-only handles on a live store: flushed states only, refresh, remaps, compaction, no writes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tierstore as ts
+from tierstore.backends import lmdb_backend
+from tierstore.serving import ReadOnlyStore
+
+REPO = Path(__file__).resolve().parents[1]
+N, DIM = 400, 4
+SPEC = ts.TableSpec("t", N, DIM, optimizer=ts.Adagrad(0.1))
+ALL = torch.arange(N)
+
+
+def _writer(path, **kw) -> ts.TierStore:
+    # caches far below the rows touched: evictions write LMDB between flushes
+    return ts.TierStore(path, [SPEC, ts.TableSpec("h", 50, 3, dtype="float16")],
+                        device_capacity=16, host_capacity=32, device="cpu", **kw)
+
+
+def _train(store: ts.TierStore, gen: torch.Generator, steps: int = 3) -> None:
+    for _ in range(steps):
+        ids = torch.randint(0, N, (200,), generator=gen)
+        store.apply("t", ids, torch.randn(200, DIM, generator=gen))
+
+
+def test_reads_the_last_flush_and_refresh_moves_on(store_path):
+    gen = torch.Generator().manual_seed(0)
+    with _writer(store_path) as store:
+        _train(store, gen)
+        store.flush()
+        flushed = store.read("t", ALL)
+        with ReadOnlyStore(store_path, host_capacity=64, device="cpu") as reader:
+            assert torch.equal(reader.read("t", ALL), flushed)
+            _train(store, gen)  # rows evicted to LMDB after the flush stay invisible
+            assert store.stats()["ssd"]["writebacks"] > 0
+            assert not torch.equal(store.read("t", ALL), flushed)
+            assert torch.equal(reader.read("t", ALL), flushed)
+            assert reader.refresh() is False  # no new flush: same state
+            assert torch.equal(reader.read("t", ALL), flushed)
+            store.flush()
+            assert reader.refresh() is True
+            assert torch.equal(reader.read("t", ALL), store.read("t", ALL))
+            # a float16 table and never-written rows read as the writer reads them
+            assert torch.equal(reader.read("h", torch.arange(50)), store.read("h", torch.arange(50)))
+
+
+def test_writes_raise_read_only_error(store_path):
+    with _writer(store_path) as store:
+        store.flush()
+    with ReadOnlyStore(store_path, device="cpu") as reader:
+        before = reader.read("t", ALL)
+        for call in (lambda: reader.apply("t", torch.tensor([1]), torch.ones(1, DIM)),
+                     lambda: reader.apply_unique("t", torch.tensor([1]), torch.ones(1, DIM)),
+                     lambda: reader.gather("t", torch.tensor([1])), reader.flush,
+                     lambda: reader.checkpoint(store_path.parent / "ck")):
+            with pytest.raises(ts.ReadOnlyError):
+                call()
+        with pytest.raises(ts.InvalidIdsError):
+            reader.read("t", torch.tensor([N]))
+        with pytest.raises(ts.UnknownTableError):
+            reader.read("nope", torch.tensor([0]))
+        assert torch.equal(reader.read("t", ALL), before)
+    with pytest.raises(ts.StoreClosedError):
+        reader.read("t", ALL)
+
+
+def test_host_cache_serves_hot_rows_and_is_dropped_on_a_new_state(store_path):
+    gen = torch.Generator().manual_seed(1)
+    with _writer(store_path) as store:
+        _train(store, gen)
+        store.flush()
+        with ReadOnlyStore(store_path, host_capacity=100, device="cpu") as reader:
+            hot = torch.tensor([5, 7, 7, 9])
+            first = reader.read("t", hot)
+            again = reader.read("t", hot)
+            assert torch.equal(first, again)
+            st = reader.stats()["host"]
+            assert st["hits"] == 3 and st["resident"] == 3
+            _train(store, gen)
+            store.flush()
+            assert reader.refresh()
+            assert reader.stats()["host"]["resident"] == 0
+            assert torch.equal(reader.read("t", hot), store.read("t", hot))
+
+
+def test_reader_does_not_block_a_writer_opening_and_sees_its_flushes(store_path):
+    with _writer(store_path) as store:
+        store.flush()
+        first = store.read("t", ALL)
+    reader = ReadOnlyStore(store_path, device="cpu")  # no writer: the closed store's state
+    assert reader.stats()["borrowed_env"] is False
+    assert torch.equal(reader.read("t", ALL), first)
+    with _writer(store_path) as store:  # the writer lock is free: opening never waits
+        _train(store, torch.Generator().manual_seed(2))
+        store.flush()
+        assert reader.refresh()
+        assert torch.equal(reader.read("t", ALL), store.read("t", ALL))
+    reader.close()
+
+
+def test_unseen_writes_before_a_reader_registers_wait_for_the_next_flush(store_path):
+    gen = torch.Generator().manual_seed(3)
+    with _writer(store_path) as store:
+        store.flush()
+        _train(store, gen)  # evictions with no reader registered: not undoable
+        assert store.stats()["ssd"]["writebacks"] > 0
+        with pytest.raises(ts.SnapshotUnavailableError):
+            ReadOnlyStore(store_path, device="cpu", timeout=0.05)
+        store.flush()
+        with ReadOnlyStore(store_path, device="cpu", timeout=0.05) as reader:
+            assert torch.equal(reader.read("t", ALL), store.read("t", ALL))
+
+
+def test_in_process_map_growth_and_compaction_reopen_transparently(store_path, monkeypatch):
+    monkeypatch.setattr(lmdb_backend, "_INITIAL_MAP", 1 << 20)
+    big = ts.TableSpec("big", 10**9, 32)
+    gen = torch.Generator().manual_seed(4)
+    with ts.TierStore(store_path, [big], device_capacity=64, host_capacity=64,
+                      device="cpu") as store:
+        ids = torch.arange(0, 10**9, 10**9 // 5000)
+        store.apply("big", ids[:100], torch.randn(100, 32, generator=gen))
+        store.flush()
+        reader = ReadOnlyStore(store_path, device="cpu", host_capacity=0)
+        flushed = reader.read("big", ids)
+        map0 = store.backend.env.info()["map_size"]
+        store.apply("big", ids, torch.randn(ids.numel(), 32, generator=gen))  # grows the map
+        store.flush()
+        assert store.backend.env.info()["map_size"] > map0
+        # the in-process snapshot was invalidated by the remap: the reader reopened on the
+        # newest flushed state (documented), never a torn one
+        got = reader.read("big", ids)
+        assert reader.stats()["reopens"] >= 1
+        assert torch.equal(got, store.read("big", ids)) and not torch.equal(got, flushed)
+        store.backend.compact()
+        assert torch.equal(reader.read("big", ids), store.read("big", ids))
+        reader.close()
+
+
+def test_tierstore_open_readonly(store_path):
+    if not hasattr(ts.TierStore, "open"):
+        pytest.skip("TierStore.open is added by another change")
+    with _writer(store_path) as store:
+        store.flush()
+        want = store.read("t", ALL)
+        with ts.TierStore.open(store_path, readonly=True, host_capacity=100) as reader:
+            assert torch.equal(reader.read("t", ALL).cpu(), want)
+            with pytest.raises(ts.ReadOnlyError):
+                reader.apply("t", torch.tensor([0]), torch.ones(1, DIM))
+
+
+def _run_reader_against_writer(tmp_path: Path, steps: int, compact_at: int) -> None:
+    store, states = tmp_path / "store", tmp_path / "states"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "serve_worker.py"), str(store),
+                             str(states), str(steps), "4", str(compact_at)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "F 1"  # the store exists and has a flush
+        reader = ReadOnlyStore(store, host_capacity=500, device="cpu", timeout=60)
+        seen: list[tuple[int, np.ndarray]] = []
+        rows = torch.arange(3000)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            # one snapshot read in pieces, with the writer running in between
+            parts = []
+            for chunk in torch.split(rows[torch.randperm(3000)], 700):
+                parts.append((chunk, reader.read("t", chunk)))
+                time.sleep(0.002)
+            table = torch.empty(3000, 8)
+            for chunk, vals in parts:
+                table[chunk] = vals
+            seen.append((reader.epoch, table.numpy()))
+            reader.refresh()
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert out.strip().endswith("DONE")
+        stats = reader.stats()
+        reader.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    epochs = [e for e, _ in seen]
+    assert len(set(epochs)) >= 3, epochs  # the reader followed the writer across flushes
+    assert epochs == sorted(epochs)
+    for epoch, table in seen:  # each snapshot is exactly the state at one flush: no mix
+        assert np.array_equal(table, np.load(states / f"{epoch}.npy")), epoch
+    if compact_at > 0:
+        assert stats["reopens"] >= 1
+
+
+def test_reader_process_sees_only_whole_flushes_of_a_writer_process(tmp_path):
+    """The writer grows its map (from 1 MiB) and compacts the live store midway."""
+    _run_reader_against_writer(tmp_path, steps=48, compact_at=4)
+
+
+@pytest.mark.slow
+def test_reader_process_against_a_long_writer_run(tmp_path):
+    _run_reader_against_writer(tmp_path, steps=400, compact_at=20)
