@@ -133,7 +133,7 @@ def export_quantized(src: TierStore | str | os.PathLike, dest: str | os.PathLike
                     db = env.open_db(f"t:{spec.name}".encode(), create=True)
                     rows = 0
                     for ids, payload in backend.iter_rows(spec.name, spec.payload_dim, txn, _CHUNK):
-                        cols = torch.from_numpy(np.ascontiguousarray(payload[:, : spec.weight_cols]))
+                        cols = torch.from_numpy(np.array(payload[:, : spec.weight_cols]))  # own, writable
                         weights = spec.codec.decode(cols, spec.dim).numpy()
                         blob = quantize(weights, dtype)
                         vals = blob.view(f"V{blob.shape[1] * 4}").ravel().tolist()
