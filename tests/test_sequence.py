@@ -182,3 +182,22 @@ def test_negative_padding_idx_and_empty_input(tmp_path):
         assert torch.equal(out[0, 0], torch.zeros(2))
         assert torch.equal(out[0, 1], store.read("a", torch.tensor([2]))[0])
         assert emb(torch.empty(0, 3, dtype=torch.int64)).shape == (0, 3, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("opt_name", list(OPTS))
+def test_cuda_store_matches_cpu_store(tmp_path, opt_name):
+    """The torch (non-numba) update path on a CUDA store gives the CPU store's rows."""
+    out = {}
+    for dev in ("cpu", "cuda"):
+        spec = ts.TableSpec("t", N, DIM, optimizer=OPTS[opt_name]())
+        gen = torch.Generator().manual_seed(9)
+        with ts.TierStore(tmp_path / dev, [spec], device_capacity=8, host_capacity=16,
+                          device=dev) as store:
+            emb = ts.TieredEmbedding(store, "t", padding_idx=0)
+            for _ in range(10):
+                ids = torch.randint(0, N, (4, 6), generator=gen)
+                target = torch.randn(4, 6, DIM, generator=gen).to(dev)
+                ((emb(ids.to(dev)) - target) ** 2).sum().backward()
+            out[dev] = store.read("t", torch.arange(N)).cpu()
+    torch.testing.assert_close(out["cuda"], out["cpu"], rtol=1e-5, atol=1e-6)

@@ -207,3 +207,13 @@ def test_reader_process_sees_only_whole_flushes_of_a_writer_process(tmp_path):
 @pytest.mark.slow
 def test_reader_process_against_a_long_writer_run(tmp_path):
     _run_reader_against_writer(tmp_path, steps=400, compact_at=20)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reads_onto_cuda(store_path):
+    with _writer(store_path) as store:
+        store.flush()
+        want = store.read("t", ALL)
+    with ReadOnlyStore(store_path, device="cuda") as reader:
+        got = reader.read("t", ALL)
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
