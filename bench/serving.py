@@ -5,7 +5,8 @@ evicted to LMDB between flushes, a flush every `--flush-every` steps). Meanwhile
 serves requests of 1, 64 and 512 Zipf ids through a `ReadOnlyStore` with a host cache of 1% and
 10% of the rows, refreshing to the newest flush every `--refresh-every` requests. Per request:
 p50/p99 latency of the first read (cache hits and misses as they come) and of the same ids read
-again right away (every id a cache hit).
+again right away (every id a cache hit). Then the same with the trainer stopped ("idle"), to
+separate the reader's own cost from contention for the CPU with the trainer.
 
 Part 2 (quantized AUC): trains the integration DLRM on synthetic data, exports its tables as
 float32 / int8 / int4 and evaluates held-out AUC with the embeddings read from each export
@@ -85,7 +86,10 @@ def latency(args: argparse.Namespace, work: Path) -> list[dict]:
             raise RuntimeError("the trainer did not populate its store in time")
         perm = np.random.default_rng(0).permutation(args.rows)
         rng = np.random.default_rng(2)
-        for frac in (0.01, 0.10):
+        for phase, frac in (("writing", 0.01), ("writing", 0.10), ("idle", 0.01), ("idle", 0.10)):
+            if phase == "idle" and proc.is_alive():  # the same store, its trainer stopped
+                stop.set()
+                proc.join(300)
             cap = int(args.rows * frac)
             with ReadOnlyStore(path, host_capacity=cap, device="cpu") as reader:
                 for size in (1, 64, 512):
@@ -110,12 +114,13 @@ def latency(args: argparse.Namespace, work: Path) -> list[dict]:
                     hit_first = hits / max(looks, 1)  # of the first reads (unique ids)
                     p50, p99 = _pcts(first)
                     h50, h99 = _pcts(again)
-                    rec = {"cache": f"{frac:.0%}", "ids": size, "p50_ms": p50, "p99_ms": p99,
+                    rec = {"trainer": phase, "cache": f"{frac:.0%}", "ids": size,
+                           "p50_ms": p50, "p99_ms": p99,
                            "hit_rate": hit_first, "hit_p50_ms": h50, "hit_p99_ms": h99,
                            "trainer_steps": counts[1] - steps0,
                            "flushes": counts[0] - flushes0, "requests": args.requests}
                     records.append(rec)
-                    print(f"  cache {rec['cache']:>3} ids {size:>3}: p50 {p50:.3f} ms, p99 "
+                    print(f"  trainer {phase}, cache {rec['cache']:>3} ids {size:>3}: p50 {p50:.3f} ms, p99 "
                           f"{p99:.3f} ms (hit rate {hit_first:.2f}); all-hit p50 {h50:.3f} ms, "
                           f"p99 {h99:.3f} ms; trainer {rec['trainer_steps']} steps, "
                           f"{rec['flushes']} flushes", flush=True)
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"requests", flush=True)
                 lat = latency(args, work)
                 records += [{"part": "latency", **r} for r in lat]
-                print(table(lat, [("cache", "cache", "s"), ("ids", "ids", "d"),
+                print(table(lat, [("trainer", "trainer", "s"), ("cache", "cache", "s"), ("ids", "ids", "d"),
                                   ("p50_ms", "p50 ms", ".3f"), ("p99_ms", "p99 ms", ".3f"),
                                   ("hit_rate", "hit rate", ".2f"),
                                   ("hit_p50_ms", "all-hit p50", ".3f"),

@@ -217,3 +217,21 @@ def test_reads_onto_cuda(store_path):
     with ReadOnlyStore(store_path, device="cuda") as reader:
         got = reader.read("t", ALL)
         assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+
+
+@pytest.mark.slow
+def test_bench_serving_smoke(tmp_path):
+    import json
+
+    from bench import serving as bench_serving
+
+    assert bench_serving.main(["--quick", "--out", str(tmp_path)]) == 0
+    recs = json.loads((tmp_path / "serving.json").read_text())["records"]
+    lat = [r for r in recs if r["part"] == "latency"]
+    assert {(r["trainer"], r["cache"], r["ids"]) for r in lat} == {
+        (t, c, n) for t in ("writing", "idle") for c in ("1%", "10%") for n in (1, 64, 512)}
+    assert all(0 < r["p50_ms"] <= r["p99_ms"] and 0 <= r["hit_rate"] <= 1 for r in lat)
+    auc = {r["dtype"]: r for r in recs if r["part"] == "auc"}
+    assert set(auc) == {"float32", "int8", "int4"}
+    assert abs(auc["float32"]["auc_delta"]) < 1e-4  # the read-only path reads the trained rows
+    assert auc["int4"]["bytes_per_row"] < auc["int8"]["bytes_per_row"] < auc["float32"]["bytes_per_row"]
