@@ -8,9 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
 
 import tierstore as ts
 from tierstore.backends import lmdb_backend
@@ -235,3 +237,50 @@ def test_bench_serving_smoke(tmp_path):
     assert set(auc) == {"float32", "int8", "int4"}
     assert abs(auc["float32"]["auc_delta"]) < 1e-4  # the read-only path reads the trained rows
     assert auc["int4"]["bytes_per_row"] < auc["int8"]["bytes_per_row"] < auc["float32"]["bytes_per_row"]
+
+
+@settings(deadline=None, max_examples=15)
+@given(ops=st.lists(st.sampled_from(["train", "flush", "read", "refresh", "reopen", "compact"]),
+                    min_size=1, max_size=25),
+       seed=st.integers(0, 2**16))
+def test_any_interleaving_reads_exactly_the_readers_published_flush(tmp_path_factory, ops, seed):
+    """Whatever the writer does between a reader's calls, a read equals the state at its epoch."""
+    path = tmp_path_factory.mktemp("interleave") / "s"
+    gen = torch.Generator().manual_seed(seed)
+    states: dict[int, torch.Tensor] = {}
+    with _writer(path) as store:
+        store.flush()
+        states[_epoch(store)] = store.read("t", ALL)
+        reader = ReadOnlyStore(path, host_capacity=50, device="cpu", timeout=0.05)
+        for op in ops:
+            if op == "train":
+                _train(store, gen, 1)
+            elif op == "flush":
+                store.flush()
+                states[_epoch(store)] = store.read("t", ALL)
+            elif op == "refresh":
+                reader.refresh()
+            elif op == "reopen":
+                reader.close()
+                try:
+                    reader = ReadOnlyStore(path, host_capacity=50, device="cpu", timeout=0.05)
+                except ts.SnapshotUnavailableError:  # trained since a flush no reader saw
+                    store.flush()
+                    states[_epoch(store)] = store.read("t", ALL)
+                    reader = ReadOnlyStore(path, host_capacity=50, device="cpu", timeout=0.05)
+            elif op == "compact":
+                store.backend.compact()
+            ids = torch.randint(0, N, (60,), generator=gen)
+            got = reader.read("t", ids)
+            assert torch.equal(got, states[reader.epoch][ids]), op
+        reader.close()
+
+
+def _epoch(store: ts.TierStore) -> int:
+    """The writer's published epoch, read from its own environment."""
+    import json
+
+    from tierstore.backends.publish import PUBLISHED
+
+    with store.backend.env.begin() as txn:
+        return json.loads(txn.get(PUBLISHED, db=store.backend.publisher.meta))["epoch"]

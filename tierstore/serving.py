@@ -132,6 +132,8 @@ class ReadOnlyStore:
             raise
         self.width = width
         self.refreshes = 0
+        self._generation = 0  # bumped when the cache is dropped for a new state
+        self._reopens_seen = self._reader.reopens
         self._closed = False
 
     # registration: the writer keeps flushed values while this shared lock is held --------
@@ -176,12 +178,13 @@ class ReadOnlyStore:
     def _renew(self) -> bool:
         """Move to a new snapshot; clear the cache when the published state changed."""
         old = self._snap
-        reopens = self._reader.reopens
         snap = self._snapshot()
-        changed = (snap.epoch != old.epoch or self._reader.reopens != reopens
+        changed = (snap.epoch != old.epoch or self._reader.reopens != self._reopens_seen
                    or (snap.epoch is None and snap.txn_id != old.txn_id))
+        self._reopens_seen = self._reader.reopens
         self._snap = snap
         if changed:
+            self._generation += 1
             self.host_tier = SlabTier("host", self.host_tier.capacity, self.width,
                                       self._policy, "cpu")
         return changed
@@ -203,6 +206,7 @@ class ReadOnlyStore:
             if ids.numel() == 0:
                 return torch.empty(0, dim, device=self.device)
             uniq, inv = dedup(ids)
+            gen = self._generation
             cache = self.host_tier
             slots = cache.lookup(tab.tix, uniq) if cache.capacity else torch.full_like(uniq, -1)
             hit = slots >= 0
@@ -215,6 +219,10 @@ class ReadOnlyStore:
                 miss = torch.nonzero(~hit).flatten()
                 rows = uniq.index_select(0, miss)
                 fetched = self._fetch(tab, rows.numpy())
+                if self._generation != gen:
+                    # the snapshot was lost and renewed (in-process remap / compaction): the
+                    # cached hits belong to the old state; read everything from the new one
+                    return self.read(table, ids)
                 weights.index_copy_(0, miss, fetched)
                 hit_slots = slots[hit]
                 if nhit:
