@@ -201,3 +201,26 @@ def test_cuda_store_matches_cpu_store(tmp_path, opt_name):
                 ((emb(ids.to(dev)) - target) ** 2).sum().backward()
             out[dev] = store.read("t", torch.arange(N)).cpu()
     torch.testing.assert_close(out["cuda"], out["cpu"], rtol=1e-5, atol=1e-6)
+
+
+def test_adam_matches_torch_sparse_adam_when_every_row_is_used(tmp_path):
+    """With every row touched each step, per-row step counts equal SparseAdam's global one."""
+    spec = ts.TableSpec("t", 12, 3, optimizer=ts.Adam(0.01))
+    gen = torch.Generator().manual_seed(5)
+    with ts.TierStore(tmp_path / "s", [spec], device_capacity=4, host_capacity=4,
+                      device="cpu") as store:
+        emb = ts.TieredEmbedding(store, "t")
+        ref = torch.nn.Embedding(12, 3, sparse=True)
+        with torch.no_grad():
+            ref.weight.copy_(store.read("t", torch.arange(12)))
+        opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
+        for _ in range(15):
+            ids = torch.cat([torch.randperm(12, generator=gen),
+                             torch.randint(0, 12, (6,), generator=gen)]).view(3, 6)
+            target = torch.randn(3, 6, 3, generator=gen)
+            ((emb(ids) - target) ** 2).sum().backward()
+            opt.zero_grad()
+            ((ref(ids) - target) ** 2).sum().backward()
+            opt.step()
+        torch.testing.assert_close(store.read("t", torch.arange(12)), ref.weight.detach(),
+                                   rtol=1e-5, atol=1e-6)
