@@ -132,6 +132,51 @@ def latency(args: argparse.Namespace, work: Path) -> list[dict]:
     return records
 
 
+# part 3: the writer's cost of keeping flushed states readable ------------------------------------
+def writer_cost(args: argparse.Namespace, work: Path) -> list[dict]:
+    """Trainer ms/step with and without a registered reader (undo values kept), same workload."""
+    import fcntl
+    import os
+
+    import tierstore as ts
+
+    out = []
+    for rep in range(2):
+        for reader in (False, True):
+            path = work / f"writer-{rep}-{int(reader)}"
+            spec = ts.TableSpec("t", args.rows, args.dim, optimizer=ts.RowWiseAdagrad(0.05))
+            store = ts.TierStore(path, [spec], device_capacity=args.rows // 100,
+                                 host_capacity=args.rows // 100, device="cpu")
+            for lo in range(0, args.rows, 65536):
+                ids = torch.arange(lo, min(args.rows, lo + 65536))
+                store.apply("t", ids, torch.zeros(ids.numel(), args.dim))
+            store.flush()
+            fd = None
+            if reader:  # what a ReadOnlyStore holds while open
+                fd = os.open(path / "readers.lock", os.O_RDWR | os.O_CREAT)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            rng = np.random.default_rng(1)
+            perm = np.random.default_rng(0).permutation(args.rows)
+            wb0 = store.stats()["ssd"]["writebacks"]
+            t0 = time.perf_counter()
+            for i in range(args.writer_steps):
+                ids = torch.from_numpy(_zipf_ids(rng, args.train_batch, args.rows, perm))
+                store.apply("t", ids, torch.randn(args.train_batch, args.dim))
+                if (i + 1) % args.flush_every == 0:
+                    store.flush()
+            ms = (time.perf_counter() - t0) / args.writer_steps * 1e3
+            written = store.stats()["ssd"]["writebacks"] - wb0
+            store.close()
+            if fd is not None:
+                os.close(fd)
+            shutil.rmtree(path, ignore_errors=True)
+            out.append({"rep": rep, "reader": reader, "ms_per_step": ms,
+                        "rows_written_per_step": written / args.writer_steps})
+            print(f"  rep {rep}, reader registered {reader}: {ms:.1f} ms/step, "
+                  f"{written / args.writer_steps:.0f} rows written/step", flush=True)
+    return out
+
+
 # part 2: quantized AUC ----------------------------------------------------------------------------
 class _ServedBags(torch.nn.Module):
     """Sum-pooled bags read from a read-only store, in the DLRM's embedding-collection shape."""
@@ -211,13 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dlrm-steps", type=int, default=400)
     p.add_argument("--dlrm-batch", type=int, default=1024)
     p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--parts", default="latency,auc")
+    p.add_argument("--writer-steps", type=int, default=30, help="trainer steps per writer run")
+    p.add_argument("--parts", default="latency,auc,writer")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--out", default=None, help="directory for the JSON results")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.requests, args.warmup, args.train_batch = 20_000, 40, 20, 512
+        args.writer_steps = 10
         args.dlrm_tables, args.dlrm_steps, args.dlrm_batch, args.eval_batches = \
             "uniform:2000", 20, 256, 2
     parts = set(args.parts.split(","))
@@ -244,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                 records += [{"part": "auc", **r} for r in q]
                 print(table(q, [("dtype", "dtype", "s"), ("bytes_per_row", "bytes/row", "d"),
                                 ("auc", "held-out AUC", ".5f"), ("auc_delta", "vs float32", "+.5f")]))
+            if "writer" in parts:
+                print("writer cost of a registered reader (undo values):", flush=True)
+                records += [{"part": "writer", **r} for r in writer_cost(args, work)]
         out = save("serving", records, {"args": vars(args)}, args.out)
         print(f"wrote {out}")
     finally:
