@@ -40,7 +40,11 @@ class Publisher:
     def __init__(self, path: Path, env) -> None:
         self.env = env
         self.meta = env.open_db(PUBLISH_DB, create=True)
-        self._changed = True  # rows may have been written since the last published flush
+        with env.begin(db=self.meta) as txn:
+            raw = txn.get(PUBLISHED)
+        # rows may have been written since the last published flush (none: a new store, or
+        # one a crashed writer left uncovered); a covered marker needs no publish until a write
+        self._changed = not raw or not json.loads(raw).get("covered", False)
         self._undo: dict[object, object] = {}  # table db handle -> undo db handle
         try:
             self._fd: int | None = os.open(path / READERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
