@@ -75,6 +75,11 @@ def test_writes_raise_read_only_error(store_path):
         assert torch.equal(reader.read("t", ALL), before)
     with pytest.raises(ts.StoreClosedError):
         reader.read("t", ALL)
+    empty = store_path.parent / "empty"
+    empty.mkdir()
+    with pytest.raises(ts.StoreCorruptError):
+        ReadOnlyStore(empty)
+    assert list(empty.iterdir()) == []  # nothing created there
 
 
 def test_host_cache_serves_hot_rows_and_is_dropped_on_a_new_state(store_path):

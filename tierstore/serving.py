@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from .backends.lmdb_backend import LOCK_NAME
+from .backends.lmdb_backend import DATA_NAME, LOCK_NAME
 from .backends.publish import READERS_LOCK
 from .backends.slab import Rows, SlabTier
 from .backends.snapshot import Snapshot, SnapshotLostError, SnapshotReader
@@ -31,6 +31,7 @@ from .errors import (
     ShapeError,
     SnapshotUnavailableError,
     StoreClosedError,
+    StoreCorruptError,
     UnknownTableError,
 )
 from .index import dedup
@@ -113,6 +114,8 @@ class ReadOnlyStore:
         self._closed = True
         self._lock = threading.RLock()
         self._reg_fd: int | None = None
+        if not (self.path / DATA_NAME).is_file():
+            raise StoreCorruptError(f"{self.path} holds no tierstore store or export (no {DATA_NAME})")
         self._register()
         try:
             self._reader = SnapshotReader(self.path)
