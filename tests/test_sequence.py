@@ -224,3 +224,22 @@ def test_adam_matches_torch_sparse_adam_when_every_row_is_used(tmp_path):
             opt.step()
         torch.testing.assert_close(store.read("t", torch.arange(12)), ref.weight.detach(),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_prefetcher_stages_a_tiered_embedding(tmp_path):
+    """Prefetcher(module, batches) takes a TieredEmbedding (its .store and .features) like bags."""
+    gen = torch.Generator().manual_seed(2)
+    batches = [{"t": torch.randint(0, N, (4, 5), generator=gen)} for _ in range(8)]
+    out = {}
+    for depth in (0, 2):
+        spec = ts.TableSpec("t", N, DIM, optimizer=ts.Adagrad(0.1))
+        with ts.TierStore(tmp_path / f"d{depth}", [spec], device_capacity=30, host_capacity=30,
+                          device="cpu") as store:
+            emb = ts.TieredEmbedding(store, "t")
+            with Prefetcher(emb, batches, depth=depth) as pf:
+                for b in pf:
+                    emb(b["t"]).pow(2).sum().backward()
+            if depth:
+                assert store.prefetch_stats.rows_used > 0
+            out[depth] = store.read("t", torch.arange(N))
+    assert torch.equal(out[0], out[2])
