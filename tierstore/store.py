@@ -153,8 +153,8 @@ class TierStore:
         width = max(t.row_dim for t in tables)
         dcap = parse_capacity(device_capacity, width * 4)
         hcap = parse_capacity(host_capacity, width * 4)
-        if write_buffer is None:  # as many rows as the caches, within 64 MiB with its indexes
-            wcap = min(max(dcap + hcap, 4096), (64 << 20) // (width * 4 + WB_SLOT_OVERHEAD))
+        if write_buffer is None:  # 64 MiB with its indexes
+            wcap = (64 << 20) // (width * 4 + WB_SLOT_OVERHEAD)
         else:
             wcap = max(1, parse_capacity(write_buffer, width * 4 + WB_SLOT_OVERHEAD))
         limit = None if map_limit is None else parse_size(map_limit)
