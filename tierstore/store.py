@@ -474,9 +474,8 @@ class TierStore:
             for slots, rows in tier.dirty_chunks(FLUSH_CHUNK):
                 self._write_down(rows.to(torch.device("cpu")))
                 tier.dirty[slots] = False
-        self.writeback.drain()
-        with self.writeback._cv:  # the writer is idle: fold the whole log into the tables
-            self.ssd_stats.bytes_written += self.log.merge()
+        with self._quiesce_writer():  # drain the ring, fold the whole log into the tables
+            pass
         self._save_clock()
         self.backend.sync()
 

@@ -486,17 +486,6 @@ class LmdbBackend:
                 self._readers -= 1
                 self._io.notify_all()
 
-    def warm(self, table: str, rows: np.ndarray) -> int:
-        """Read rows and discard them, pulling their pages into the page cache; returns hits."""
-        with self.reading():
-            db = self._dbs.get(table)
-            if db is None or len(rows) == 0 or self.env is None:
-                return 0
-            keys = encode_keys(np.sort(rows))
-            with self.env.begin(db=db, buffers=True) as txn:
-                get = txn.get
-                return sum(1 for k in keys if get(k) is not None)
-
     def _grow(self, incoming: int) -> None:
         self.wait_for_copies()  # remapping would invalidate a snapshot being copied
         with self._exclusive():

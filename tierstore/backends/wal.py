@@ -190,6 +190,7 @@ def parse_entries(vals: list, ids: np.ndarray, row_dims: list[int], path: object
     arr = np.empty(len(vals), dtype=object)
     arr[:] = vals
     order = np.argsort(ids)
+    widths = np.array([HEADER + 4 * w + 4 for w in row_dims])
     for size in np.unique(lens).tolist():
         sel = np.flatnonzero(lens == size)
         blob = np.frombuffer(b"".join(arr[sel].tolist()), dtype=np.uint8).reshape(len(sel), size)
@@ -197,7 +198,6 @@ def parse_entries(vals: list, ids: np.ndarray, row_dims: list[int], path: object
         pos = np.searchsorted(ids[order], tid)
         pos[pos >= len(ids)] = 0
         tabs = order[pos]
-        widths = np.array([HEADER + 4 * w + 4 for w in row_dims])
         if len(ids) == 0 or (ids[tabs] != tid).any() or (widths[tabs] != size).any():
             raise StoreCorruptError(f"write-behind log of {path}: an entry of an unknown table or "
                                     "with the wrong size")
@@ -230,11 +230,12 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
     order = np.lexsort((seq, rows, tabs))
     last = np.ones(len(order), dtype=bool)
     last[:-1] = (tabs[order][1:] != tabs[order][:-1]) | (rows[order][1:] != rows[order][:-1])
-    keep = set(seq[order][last].tolist())
+    keep = np.zeros(len(vals), dtype=bool)  # by log position
+    keep[seq[order][last]] = True
     batches = {}
     total = 0
     for sel, t_, r_, recs in keyed:
-        mask = np.isin(sel, list(keep))
+        mask = keep[sel]
         for t in np.unique(t_[mask]).tolist():
             pick = mask & (t_ == t)
             data = open_records(names[t], r_[pick], recs[pick], row_dims[t], f"store {backend.path}, ")

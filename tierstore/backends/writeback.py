@@ -90,18 +90,24 @@ class WriteBehind:
             off += k
 
     def _wait_room(self, want: int) -> int:
+        """Wait (lock held) until at least one slot is free; returns how many of `want` fit."""
+        self._wait_for(1, patience=2 * _RETRY_S)
+        return min(want, self.capacity - (self.tail - self.head))
+
+    def _wait_for(self, room: int, patience: float) -> None:
+        """Wait (lock held) for `room` free slots; raise the writer's error once it has failed for
+        `patience` seconds of this wait (0: at once), or StoreClosedError when it stopped."""
         t0 = None
-        while self.tail - self.head >= self.capacity:
+        while self.capacity - (self.tail - self.head) < room:
             if self._stop:
                 raise StoreClosedError("the write-behind writer has stopped")
-            if self.error is not None and t0 is not None and time.perf_counter() - t0 > 2 * _RETRY_S:
+            now = time.perf_counter()
+            if self.error is not None and now - (t0 or now) >= patience:
                 raise self._failure()
-            if t0 is None:
-                t0 = time.perf_counter()
+            t0 = t0 or now
             self._cv.wait(0.05)
         if t0 is not None:
             self.wait_seconds += time.perf_counter() - t0
-        return min(want, self.capacity - (self.tail - self.head))
 
     def _append(self, part: Rows) -> None:
         k = len(part)
@@ -134,19 +140,8 @@ class WriteBehind:
         Raises the writer's error instead when it cannot write, so a call that could not hand its
         evicted rows to the ring fails before it moves any row.
         """
-        want = min(int(n), self.capacity)
         with self._cv:
-            t0 = None
-            while self.capacity - (self.tail - self.head) < want:
-                if self._stop:
-                    raise StoreClosedError("the write-behind writer has stopped")
-                if self.error is not None:
-                    raise self._failure()
-                if t0 is None:
-                    t0 = time.perf_counter()
-                self._cv.wait(0.05)
-            if t0 is not None:
-                self.wait_seconds += time.perf_counter() - t0
+            self._wait_for(min(int(n), self.capacity), patience=0.0)
 
     def lookup(self, tab: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hit mask [n], payloads [hits, width]) of the rows' newest ring versions."""
