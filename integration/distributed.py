@@ -24,12 +24,10 @@ from tierstore import RowWiseAdagrad, TableSpec
 from tierstore.distributed import ShardedEmbeddingBagCollection, ShardedTierStore
 from tierstore.prefetch import Prefetcher
 
+from .config import parse_capacity
 from .data import SPARSE_NAMES, Batch, SyntheticCriteo, parse_tables
+from .metrics import auc
 from .model import DLRM
-
-
-def _capacity(text: str) -> int | str:
-    return int(text) if text.strip().isdigit() else text
 
 
 def _slice(b: Batch, rank: int, world: int) -> Batch:
@@ -56,8 +54,6 @@ class _ShardedDLRM(torch.nn.Module):
 
 def run_distributed(cfg, sharding: str = "row", timeout_s: float = 300.0) -> dict | None:
     """Train with sharded tables; every rank returns, rank 0 with the summary."""
-    from .train import auc
-
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -70,8 +66,8 @@ def run_distributed(cfg, sharding: str = "row", timeout_s: float = 300.0) -> dic
              for n, r in zip(SPARSE_NAMES, cards, strict=True)]
     run_dir = Path(cfg.run_dir)
     store = ShardedTierStore(run_dir / "store", specs, sharding=sharding,
-                             device_capacity=_capacity(cfg.device_capacity),
-                             host_capacity=_capacity(cfg.host_capacity), policy=cfg.policy,
+                             device_capacity=parse_capacity(cfg.device_capacity),
+                             host_capacity=parse_capacity(cfg.host_capacity), policy=cfg.policy,
                              seed=cfg.seed, timeout=timeout_s)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank (DDP also broadcasts it)
     ebc = ShardedEmbeddingBagCollection(store, SPARSE_NAMES)

@@ -1,0 +1,215 @@
+"""The single-process trainer: one run's store, DLRM, optimizer, training loop and evaluation."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
+from tierstore.prefetch import Prefetcher
+from tierstore.stats import progress_line
+
+from . import streams
+from .checkpoint import latest_checkpoint, load_dense, write_checkpoint
+from .config import TrainConfig, parse_capacity, parse_sizes
+from .data import SPARSE_NAMES, Batch, CriteoTSV, SyntheticCriteo, parse_tables
+from .metrics import auc, rss_parts
+from .model import DLRM
+from .rundir import lock_run, prepare_run_dir, save_torch
+from .summary import build_summary
+
+
+class Trainer:
+    """One training run: the store, the DLRM, the data streams, checkpoints and metrics."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.ckpt_dir = self.run_dir / "ckpt"
+        self.cards = parse_tables(cfg.tables)
+        self.specs = [TableSpec(name, rows, cfg.dim, optimizer=RowWiseAdagrad(lr=cfg.lr))
+                      for name, rows in zip(SPARSE_NAMES, self.cards, strict=True)]
+        self.synth: SyntheticCriteo | None
+        self.tsv: CriteoTSV | None
+        self.synth, self.tsv = streams.open_source(cfg, self.cards)
+        self.step = 0
+        self._lock_fd = lock_run(self.run_dir)
+        try:
+            prepare_run_dir(self.run_dir, cfg)
+            self.store = self._open_store()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        try:
+            torch.manual_seed(cfg.seed)
+            ebc = TieredEmbeddingBagCollection(self.store, SPARSE_NAMES)
+            self.model = DLRM(ebc, bottom=parse_sizes(cfg.bottom), top=parse_sizes(cfg.top))
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.dense_lr)
+            latest = self.latest() if cfg.resume else None
+            if latest is not None:
+                self.step = load_dense(latest, self.model, self.opt)
+        except BaseException:
+            self.close()
+            raise
+        self.times = dict(data=0.0, lookup=0.0, compute=0.0, eval=0.0, checkpoint=0.0)
+        self.evals: list[dict] = []
+        self.checkpoints: list[int] = []
+        self.rows_stored_start = 0
+        self.peak_anon = 0
+        self.peak_disk = 0
+
+    # store / checkpoints ------------------------------------------------------------------------
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint directory, or None."""
+        return latest_checkpoint(self.ckpt_dir)
+
+    def _open_store(self) -> TierStore:
+        kw = dict(device_capacity=parse_capacity(self.cfg.device_capacity),
+                  host_capacity=parse_capacity(self.cfg.host_capacity),
+                  policy=self.cfg.policy, seed=self.cfg.seed, device=self.cfg.device)
+        store_path = self.run_dir / "store"
+        latest = self.latest() if self.cfg.resume else None
+        if latest is not None:
+            return TierStore.restore(latest / "store", store_path, tables=self.specs, **kw)
+        if self.cfg.resume:  # killed before its first checkpoint: start over
+            shutil.rmtree(store_path, ignore_errors=True)
+        return TierStore(store_path, self.specs, **kw)
+
+    def checkpoint(self) -> Path:
+        """Write store + dense model + optimizer + step under ckpt/step-N, then point LATEST at it."""
+        t0 = time.perf_counter()
+        final = write_checkpoint(self.ckpt_dir, self.step, self.store, self.model, self.opt, self.cfg)
+        self.checkpoints.append(self.step)
+        self.times["checkpoint"] += time.perf_counter() - t0
+        return final
+
+    # data ---------------------------------------------------------------------------------------
+    def train_batches(self) -> Iterator[Batch]:
+        """Training batches from the current step on (synthetic: a pure function of the step)."""
+        yield from streams.train_batches(self.cfg, self.synth, self.tsv, self.step)
+
+    def eval_batches(self) -> list[Batch]:
+        """Held-out batches: a separate synthetic stream, or the first batches of the file."""
+        return streams.eval_batches(self.cfg, self.synth, self.tsv)
+
+    # training -----------------------------------------------------------------------------------
+    def evaluate(self, batches: list[Batch]) -> dict:
+        """AUC and log loss of the current model on held-out batches (no updates)."""
+        t0 = time.perf_counter()
+        self.model.eval()
+        logits, labels = [], []
+        with torch.no_grad():
+            for b in batches:
+                logits.append(self.model(b.dense, *b.jagged()))
+                labels.append(b.labels)
+        self.model.train()
+        lg, lb = torch.cat(logits), torch.cat(labels)
+        out = {"step": self.step, "auc": auc(lg, lb),
+               "logloss": float(F.binary_cross_entropy_with_logits(lg, lb)),
+               "ctr": float(lb.mean())}
+        self.evals.append(out)
+        self.times["eval"] += time.perf_counter() - t0
+        return out
+
+    def train_step(self, b: Batch) -> float:
+        """One step: forward, loss, backward (embedding rows updated in the store), dense update."""
+        t0 = time.perf_counter()
+        keys, values, lengths = b.jagged()
+        emb = self.model.embeddings(keys, values, lengths)
+        t1 = time.perf_counter()
+        x = self.model.bottom(b.dense)
+        logit = self.model.top(self.model.interact(x, emb)).squeeze(1)
+        loss = F.binary_cross_entropy_with_logits(logit, b.labels)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        t2 = time.perf_counter()
+        self.times["lookup"] += t1 - t0
+        self.times["compute"] += t2 - t1
+        return float(loss.detach())
+
+    def run(self) -> dict:
+        """Train to `steps`, evaluating and checkpointing on the way; returns the summary."""
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        held_out = self.eval_batches()
+        start_step = self.step
+        st0 = self.store.stats()
+        self.rows_stored_start = st0["ssd"]["rows_stored"]
+        t_start = time.perf_counter()
+        bar = tqdm(total=cfg.steps, initial=self.step, unit="step", disable=not cfg.progress,
+                   dynamic_ncols=True, file=sys.stderr)
+        source = self.train_batches()
+        it: Iterator[Batch] = (Prefetcher(self.store, source, depth=cfg.prefetch, extract=Batch.jagged)
+                               if cfg.prefetch else source)
+        try:
+            self._loop(it, bar, t_start, start_step, held_out)
+        finally:
+            if cfg.prefetch:
+                it.close()  # type: ignore[attr-defined]
+            bar.close()
+        train_s = time.perf_counter() - t_start
+        final = self.evaluate(held_out)
+        self.store.flush()
+        dense_path = self.run_dir / "final_dense.pt"
+        save_torch(dense_path, {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                                "step": self.step})
+        return self._summary(train_s, start_step, final)
+
+    def _loop(self, it: Iterator[Batch], bar: tqdm, t_start: float, start_step: int,
+              held_out: list[Batch]) -> None:
+        cfg = self.cfg
+        loss_ema = math.nan
+        while self.step < cfg.steps:
+            t0 = time.perf_counter()
+            b = next(it)
+            self.times["data"] += time.perf_counter() - t0
+            loss = self.train_step(b)
+            loss_ema = loss if math.isnan(loss_ema) else 0.98 * loss_ema + 0.02 * loss
+            self.step += 1
+            bar.update(1)
+            if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
+                e = self.evaluate(held_out)
+                bar.write(f"step {self.step}: held-out AUC {e['auc']:.4f}, log loss {e['logloss']:.4f}")
+            if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
+                path = self.checkpoint()
+                bar.write(f"checkpoint step {self.step}: {path}", file=sys.stdout)
+                sys.stdout.flush()
+            if self.step % 10 == 0 or self.step == cfg.steps:
+                self.peak_anon = max(self.peak_anon, rss_parts()["anon"])
+                self.peak_disk = max(self.peak_disk, self.store.backend.disk_bytes())
+            if self.step == cfg.steps or (cfg.progress and self.step % 10 == 0):
+                st = self.store.stats()
+                if self.step == cfg.steps:
+                    self.train_stats = st  # the final table shows the bar's last figures
+                if cfg.progress:
+                    bar.set_postfix_str(self._postfix(st, t_start, start_step, loss_ema))
+
+    def _postfix(self, st: dict, t_start: float, start_step: int, loss: float) -> str:
+        secs = max(time.perf_counter() - t_start, 1e-9)
+        sps = (self.step - start_step) * self.cfg.batch / secs
+        stall = self.times["data"] + self.times["lookup"]
+        return f"{sps:,.0f} samples/s, loss {loss:.4f}, {progress_line(st)}, stall {stall:.1f}s"
+
+    def _summary(self, train_s: float, start_step: int, final: dict) -> dict:
+        return build_summary(self, train_s, start_step, final)
+
+    def close(self) -> None:
+        """Flush and close the store, and release the run directory."""
+        try:
+            self.store.close()
+        finally:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
