@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from integration.data import NUM_SPARSE, SPARSE_NAMES, SyntheticCriteo
+from integration.metrics import auc
 from integration.model import DLRM
-from integration.train import auc
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
 
 from .common import OUT_DIR, bar_plot, num_threads, save, table
