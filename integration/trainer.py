@@ -165,7 +165,7 @@ class Trainer:
         dense_path = self.run_dir / "final_dense.pt"
         save_torch(dense_path, {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                                 "step": self.step})
-        return self._summary(train_s, start_step, final)
+        return build_summary(self, train_s, start_step, final)
 
     def _loop(self, it: Iterator[Batch], bar: tqdm, t_start: float, start_step: int,
               held_out: list[Batch]) -> None:
@@ -201,9 +201,6 @@ class Trainer:
         sps = (self.step - start_step) * self.cfg.batch / secs
         stall = self.times["data"] + self.times["lookup"]
         return f"{sps:,.0f} samples/s, loss {loss:.4f}, {progress_line(st)}, stall {stall:.1f}s"
-
-    def _summary(self, train_s: float, start_step: int, final: dict) -> dict:
-        return build_summary(self, train_s, start_step, final)
 
     def close(self) -> None:
         """Flush and close the store, and release the run directory."""
