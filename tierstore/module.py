@@ -21,12 +21,18 @@ class _TieredBags(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, psw: torch.Tensor | None, store: TierStore,
                 table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str) -> torch.Tensor:
-        with store._lock:
-            tab = store._table(table)
-            ids = store._ids(tab, ids)
-            store._record(table, ids)
-            out, g = store._pool_forward(tab, ids, offsets, psw, mode,
-                                         need_weights=bool(ctx.needs_input_grad[1]))
+        need_weights = bool(ctx.needs_input_grad[1])
+        tab = store._table(table)
+        ids = store._ids(tab, ids)
+        done = store._pool_pinned(tab, ids, offsets, psw, mode, need_weights)  # lock-free
+        if done is not None:
+            out, g = done
+        else:
+            with store._exclusive():
+                store._live()
+                tab = store._table(table)
+                store._record(table, ids)
+                out, g = store._pool_forward(tab, ids, offsets, psw, mode, need_weights)
         ctx.save_for_backward(psw, offsets)
         ctx.mode, ctx.store, ctx.table, ctx.gathered = mode, store, table, g
         return out
@@ -36,11 +42,13 @@ class _TieredBags(torch.autograd.Function):
         psw, offsets = ctx.saved_tensors
         store, g = ctx.store, ctx.gathered
         ctx.gathered = None
-        with store._lock:
-            store._live()
-            tab = store._table(ctx.table)
-            grad_out = validate.bag_gradients(tab.spec, grad_out, psw)
-            store._apply_bags(tab, g, offsets, grad_out.contiguous(), psw, ctx.mode)
+        tab = store._table(ctx.table)
+        grad_out = validate.bag_gradients(tab.spec, grad_out, psw).contiguous()
+        if not store._apply_pinned(tab, g, offsets, grad_out, psw, ctx.mode):  # lock-free
+            with store._exclusive():
+                store._live()
+                tab = store._table(ctx.table)
+                store._apply_bags(tab, g, offsets, grad_out, psw, ctx.mode)
         g_psw = None
         if psw is not None and ctx.needs_input_grad[1]:
             n = g.inverse.numel()

@@ -94,6 +94,7 @@ class PrefetchStats:
     rows_read_ahead: int = 0  # rows served to the store from the pipeline's read-ahead buffers
     read_seconds: float = 0.0  # pipeline threads reading LMDB (off the training thread)
     stage_seconds: float = 0.0  # staging time spent holding the store lock
+    lock_free_bags: int = 0  # bag lookups (and their updates) served from pinned slots, lock-free
 
     def as_dict(self) -> dict:
         """The counters plus the prefetch hit rate (rows resident when their batch ran)."""

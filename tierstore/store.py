@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import validate
-from ._kernels import HAVE_NUMBA
+from ._kernels import HAVE_NUMBA, SLOT_BITS
 from .backends.lmdb_backend import DATA_NAME, LmdbBackend, lmdb_error
 from .backends.slab import Rows, SlabTier
 from .backends.wal import WriteLog, replay
@@ -72,6 +72,7 @@ class Gathered:
     weights: torch.Tensor  # float32 [u, dim] on the store's device
     slots: torch.Tensor | None = None  # device-tier slots of `unique` when all were resident
     generation: int = -1  # the device tier's generation when `slots` was taken
+    pinned: bool = False  # `slots` hold rows the prefetch pipeline pinned for this batch
 
 
 @dataclass
@@ -90,7 +91,7 @@ def _locked(fn):
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        with self._lock:
+        with self._exclusive():
             try:
                 return fn(self, *args, **kwargs)
             except lmdb.Error as exc:  # every LMDB error leaves as a TierstoreError with the path
@@ -160,6 +161,15 @@ class TierStore:
         limit = None if map_limit is None else parse_size(map_limit)
         self._closed = True
         self._lock = threading.RLock()
+        # lock-free updates of pinned rows (see _pinned_slots): a count of those running, and a
+        # barrier that holds new ones off while a locked operation needs every row at rest
+        self._compute = threading.Condition()
+        self._inflight = 0
+        self._barrier = 0
+        # the batch in use, as the prefetch pipeline staged it: (consumer thread id,
+        # {table: (sorted rows, device slots)}); its rows stay pinned until the pipeline's release
+        self._staged: tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]] = (0, {})
+        self._pending_hits: list[torch.Tensor] = []  # device hits of lock-free gathers, not yet told
         self.prefetch_stats = PrefetchStats()
         self._last_sources = (0, 0, 0)
         self._marks: np.ndarray | None = None  # scratch for `_distinct_resident`, one per device slot
@@ -264,6 +274,110 @@ class TierStore:
                    write_buffer=write_buffer)
 
     # validation -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """The store lock, with no lock-free update of pinned rows running (they wait outside)."""
+        with self._lock:
+            with self._compute:
+                self._barrier += 1
+                while self._inflight:
+                    self._compute.wait()
+            try:
+                self._drain_hits()
+                yield
+            finally:
+                with self._compute:
+                    self._barrier -= 1
+
+    def _begin_unlocked(self) -> bool:
+        """Start a lock-free update of pinned rows; False while a locked operation holds them."""
+        with self._compute:
+            if self._barrier or self._closed:
+                return False
+            self._inflight += 1
+            return True
+
+    def _end_unlocked(self) -> None:
+        with self._compute:
+            self._inflight -= 1
+            if not self._inflight:
+                self._compute.notify_all()
+
+    def _drain_hits(self) -> None:
+        """Count and tell the device policy the hits of lock-free gathers (store lock held).
+
+        Their rows are pinned, so no victim choice could have used the hits in between.
+        """
+        if self._pending_hits:
+            hits, self._pending_hits = self._pending_hits, []
+            dev = self.device_tier
+            for slots in hits:
+                dev.count_lookups(slots.numel(), slots.numel())
+                dev.touch(slots)
+
+    def _pinned_slots(self, tab: _Table, uniq: torch.Tensor) -> torch.Tensor | None:
+        """Device slots of `uniq` from the batch the pipeline staged for this thread, or None.
+
+        Lock-free: the rows were looked up under the lock when staged and are pinned until the
+        pipeline releases the batch (from this same thread), so they cannot move; each slot's
+        pin and index entry are still checked, and any doubt returns None (the locked path).
+        """
+        owner, staged = self._staged
+        got = staged.get(tab.spec.name)
+        if got is None or owner != threading.get_ident():
+            return None
+        rows, slots = got
+        u = uniq.numpy()
+        pos = np.minimum(np.searchsorted(rows, u), len(rows) - 1)
+        if not np.array_equal(rows[pos], u):
+            return None
+        s = slots[pos]
+        dev = self.device_tier
+        if s.min() < 0 or not (dev.pins.numpy()[s] > 0).all():
+            return None
+        entry = dev.index.table.numpy()[dev.index.pos_of.numpy()[s]]
+        if not (np.array_equal(entry[:, 1], u) and
+                np.array_equal(entry[:, 0], (tab.index << SLOT_BITS) | s)):
+            return None
+        return torch.from_numpy(s)
+
+    def _pool_pinned(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
+                     psw: torch.Tensor | None, mode: str, need_weights: bool
+                     ) -> tuple[torch.Tensor, Gathered] | None:
+        """`_pool_forward` without the store lock for a batch the pipeline pinned, else None."""
+        dev = self.device_tier
+        if (not self.fused or dev.device.type != "cpu" or ids.numel() == 0
+                or self._recorder is not None or tab.spec.codec.packed):
+            return None
+        uniq, inv = dedup(ids)
+        dslots = self._pinned_slots(tab, uniq)
+        if dslots is None or not self._begin_unlocked():
+            return None
+        try:
+            psw = None if psw is None else psw.detach().to("cpu", torch.float32)
+            out = fused_pool(dev.slab, dslots, inv, offsets, tab.spec.dim, psw, mode == "mean")
+            weights = tab.spec.codec.gather(dev.slab, dslots, tab.spec.dim) if need_weights \
+                else torch.empty(0, tab.spec.dim)
+        finally:
+            self._end_unlocked()
+        self._pending_hits.append(dslots)
+        self.prefetch_stats.lock_free_bags += 1
+        return out, Gathered(uniq, inv, weights, dslots, dev.generation, pinned=True)
+
+    def _apply_pinned(self, tab: _Table, g: Gathered, offsets: torch.Tensor,
+                      grad_out: torch.Tensor, psw: torch.Tensor | None, mode: str) -> bool:
+        """`_apply_bags` without the store lock when `g`'s rows are still pinned; False otherwise."""
+        if not g.pinned or g.slots is None:
+            return False
+        s = g.slots.numpy()
+        if not (self.device_tier.pins.numpy()[s] > 0).all() or not self._begin_unlocked():
+            return False
+        try:
+            self._apply_bags(tab, g, offsets, grad_out, psw, mode)
+        finally:
+            self._end_unlocked()
+        return True
+
     def _live(self) -> None:
         if self._closed:
             raise StoreClosedError(f"store {self.path} is closed")
@@ -443,7 +557,7 @@ class TierStore:
         offsets = offsets.to("cpu", torch.int64)
         inverse = inverse.to("cpu", torch.int64)
         dev = self.device_tier
-        in_place = g.slots is not None and g.generation == dev.generation
+        in_place = g.slots is not None and (g.pinned or g.generation == dev.generation)
         if not in_place and unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
             unique, inverse = sort_unique(unique, inverse)  # the cascade works in key order
         bag_of, lengths = bag_positions(offsets, n)
@@ -641,11 +755,13 @@ class TierStore:
         return slots
 
     def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
-                count: bool = True, dslots: torch.Tensor | None = None) -> torch.Tensor | None:
+                count: bool = True, dslots: torch.Tensor | None = None,
+                pin: bool = False) -> torch.Tensor | None:
         """Locate sorted unique rows, optionally update them, and promote them to the device tier.
 
         `dslots` are the rows' device slots when the caller has just looked them up. Returns
-        the payloads [u, width] when reading (`update` is None), else None.
+        the payloads [u, width] when reading (`update` is None), else None. With `pin` (prefetch
+        staging) the rows are pinned where they land and nothing is read or returned.
         """
         dev = self.device_tier
         n = uniq.numel()
@@ -661,6 +777,9 @@ class TierStore:
             self._last_sources = (n, 0, 0)
             self._last_dslots = dslots
             dev.touch(dslots)
+            if pin:
+                dev.pin(dslots, 1)
+                return None
             if update is None:
                 return dev.read(dslots)
             update.apply(dev.slab, dslots)  # in place in the device slab
@@ -680,6 +799,12 @@ class TierStore:
         m = n - nd
         mpay, mdirty, mpins, nh = self._fetch_misses(tab, miss_rows, count)
         self._last_sources = (nd, nh, m - nh)
+        if pin:  # the pins travel with the rows into whichever tier takes them
+            dev.touch(hit_slots)
+            dev.pin(hit_slots, 1)
+            mpins = torch.ones(m, dtype=torch.int32) if mpins is None else mpins + 1
+            self._place(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins), protect=hit_slots)
+            return None
         if nd:  # assemble the whole batch: device hits and the rows fetched from below
             payload = torch.empty((n, self.width), dtype=torch.float32)
             payload.index_copy_(0, hit_idx, dev.read(hit_slots).cpu())
@@ -746,8 +871,7 @@ class TierStore:
     # prefetch support (called by tierstore.prefetch with the store lock held) ------------
     def _stage(self, tab: _Table, uniq: torch.Tensor) -> tuple[int, int, int]:
         """Bring sorted unique rows up the hierarchy and pin them; returns (device, host, ssd)."""
-        self._access(tab, uniq, None, count=False)
-        self._pin(tab, uniq, 1)
+        self._access(tab, uniq, None, count=False, pin=True)
         return self._last_sources
 
     def _pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:

@@ -22,7 +22,9 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from .._kernels import HAVE_NUMBA
 from ..errors import OutOfSpaceError, StoreCorruptError, StoreLockedError, TierstoreError
+from .pages import PageReader
 from .record import CHECK_BYTES, open_records, seal
 
 META_DB = b"__tierstore_meta__"
@@ -60,6 +62,9 @@ MAP_RESIDENT = _map_resident_default()
 # writes a commit's pages in place (1.6x the put rate of pwrite commits), but trimming it makes
 # every later write a page fault (0.4x): see docs/persistence.md, "Write path"
 WRITEMAP: bool | None = None
+# read rows by walking the data file's pages in compiled code (pages.py) instead of one py-lmdb
+# call per row; TIERSTORE_PAGE_READS=0 turns it off (used when the map is trimmed, see get)
+PAGE_READS = os.environ.get("TIERSTORE_PAGE_READS", "1").strip().lower() not in ("0", "off", "no")
 # compact at close when the file is this many times its compacted size; environment variable
 # TIERSTORE_COMPACT_ON_CLOSE ("none" to never compact at close)
 _coc = os.environ.get("TIERSTORE_COMPACT_ON_CLOSE", "").strip().lower()
@@ -153,6 +158,7 @@ class LmdbBackend:
     def _open_env(self) -> None:
         """Open the LMDB environment and its metadata database (releases the lock on failure)."""
         self._map_gen += 1
+        self._pages: PageReader | None = None
         self._log_db = None  # the write-behind log's handle belongs to one environment
         if not hasattr(self, "quiesce"):
             # set by the store: a context in which no background thread writes (the writer is
@@ -180,6 +186,8 @@ class LmdbBackend:
         except lmdb.Error as exc:
             self._release_lock()
             raise StoreCorruptError(f"cannot open LMDB store at {self.path}: {exc}") from exc
+        if PAGE_READS and HAVE_NUMBA:
+            self._pages = PageReader(self.path / DATA_NAME, self.env.stat()["psize"])
         try:
             self.check_file()
             self._meta = self.env.open_db(META_DB, create=not self.readonly)
@@ -294,19 +302,40 @@ class LmdbBackend:
         if n == 0:
             return out, found
         order = np.argsort(rows, kind="stable")  # sorted keys read the B-tree in order
-        keys = encode_keys(rows[order])
-        vals: list = []
         with self.reading():  # any thread: map growth by the writer waits for this read
             db = self._db(table) if self.env is not None else None
             if db is None:
                 return out, found
-            try:
-                with self.env.begin(db=db) as txn:
-                    for i in range(0, n, GET_CHUNK):  # bounded pieces: trim the mapping in between
-                        vals += map(txn.get, keys[i:i + GET_CHUNK])  # a C loop; None when missing
-                        self._note_touch()
-            except lmdb.Error as exc:
-                self._raise_io(exc)
+            pages = self._pages if self.map_resident is None else None
+            got = None
+            if pages is not None:
+                srt = rows[order]
+                try:
+                    with self.env.begin() as txn:  # pins the snapshot the pages belong to
+                        got = pages.lookup(txn.get(b"t:" + table.encode()),
+                                           srt.astype(np.uint64), width * 4 + CHECK_BYTES)
+                except lmdb.Error as exc:
+                    self._raise_io(exc)
+            if got is None:
+                keys = encode_keys(rows[order])
+                vals: list = []
+                try:
+                    with self.env.begin(db=db) as txn:
+                        for i in range(0, n, GET_CHUNK):  # bounded pieces: trim the map in between
+                            vals += map(txn.get, keys[i:i + GET_CHUNK])  # a C loop; None if missing
+                            self._note_touch()
+                except lmdb.Error as exc:
+                    self._raise_io(exc)
+        if got is not None:  # copied out of the snapshot's pages: checked outside the read
+            data, hit = got
+            if hit.any():
+                every = bool(hit.all())
+                dest = order if every else order[hit]
+                out[dest] = open_records(table, srt if every else srt[hit],
+                                         (data if every else data[hit]).ravel(), width,
+                                         f"store {self.path}, ")
+                found[dest] = True
+            return out, found
         hit = np.fromiter(map(operator.is_not, vals, repeat(None)), dtype=bool, count=n)
         nhit = int(np.count_nonzero(hit))
         if nhit:

@@ -249,9 +249,11 @@ class SlabTier:
 
     def pin(self, slots: torch.Tensor, delta: int) -> None:
         """Add `delta` to the prefetch pins of resident slots (never below zero)."""
-        if slots.numel():
-            self.pins.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
-            self.pins.clamp_(min=0)
+        if slots.numel():  # only the named slots: the cost never grows with the capacity
+            pins = self.pins
+            pins.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
+            if delta < 0:
+                pins.index_copy_(0, slots, pins.index_select(0, slots).clamp_(min=0))
 
     def dirty_chunks(self, chunk: int) -> Iterator[tuple[torch.Tensor, Rows]]:
         """Slots and rows of the dirty resident rows, `chunk` rows at a time (for flushing)."""

@@ -92,6 +92,7 @@ class Prefetcher:
         self.delay = delay  # test hook: seconds to sleep inside staging
         self._source = iter(batches)
         self._window: dict[int, dict[str, torch.Tensor]] = {}  # staged, unreleased batches
+        self._slots: dict[int, dict] = {}  # step -> {table: (sorted rows, device slots)} when staged
         self._consumed = -1
         self._closed = False
         self._errbox: list[BaseException] = []  # the staging thread's error, if any
@@ -157,6 +158,8 @@ class Prefetcher:
         step, batch = item
         self._consumed = step
         stats.batches += 1
+        # this thread's forward and backward may use the batch's pinned slots without the lock
+        self.store._staged = (threading.get_ident(), self._slots.pop(step, {}))
         return batch
 
     def _raise_worker_error(self) -> None:
@@ -175,9 +178,11 @@ class Prefetcher:
         if ids is None:
             return
         store = self.store
+        store._staged = (0, {})  # the batch's rows are about to lose their pins
         with store._lock:
             if store._closed:
                 return
+            store._drain_hits()
             for table, uniq in ids.items():
                 tab = store._table(table)
                 store._pin(tab, uniq, -1)
@@ -275,19 +280,28 @@ class Prefetcher:
                 self._window[step] = {}
                 stats.stage_seconds += time.perf_counter() - t1
                 return
+            future = store.device_tier.policy.wants_future or store.host_tier.policy.wants_future
+            store._drain_hits()
+            dev = store.device_tier
+            slots = {}
             for t, uniq in per_table.items():
                 d, h, s = store._stage(tabs[t], uniq)
+                slots[t] = (uniq.numpy(), dev.lookup(tabs[t].tix.to(dev.device), uniq.to(dev.device),
+                                                     count=False).cpu().numpy())
                 stats.rows_used += uniq.numel()
                 stats.rows_resident_at_use += d + h
                 stats.rows_staged += h + s
                 stats.staged_from_host += h
                 stats.staged_from_ssd += s
+                if not future:
+                    continue
                 # rows with no earlier use in the window get this step as their next use
                 earlier = [w[t] for k, w in self._window.items() if t in w]
                 fresh = uniq if not earlier else uniq[~torch.isin(uniq, torch.cat(earlier))]
                 if fresh.numel():
                     store._hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
             self._window[step] = per_table
+            self._slots[step] = slots
             stats.stage_seconds += time.perf_counter() - t1
 
     def _uncached(self, tab: Any, uniq: torch.Tensor, ring_only: bool = False) -> torch.Tensor:
@@ -338,6 +352,7 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
 
 def _unpin_all(store: TierStore, window: dict) -> None:
     """Unpin every staged batch still in `window` (under the store lock)."""
+    store._staged = (0, {})
     with store._lock:
         steps = sorted(window)
         if not store._closed:
