@@ -48,6 +48,7 @@ CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
 # log index (4 log entries per ring row)
 WB_SLOT_OVERHEAD = 160
 FLUSH_CHUNK = 65536  # rows per LMDB transaction when flushing
+LOG_RINGS = 4  # the write-behind log holds this many rings of rows before its older half is merged
 LAST_OPEN = "last_open"  # metadata record: the table specs of the latest open, per table
 _OPEN_STORES: weakref.WeakSet = weakref.WeakSet()
 
@@ -205,7 +206,7 @@ class TierStore:
         # a write-behind log left by a crash: fold it into the tables before anything reads them
         replay(self.backend, [t.name for t in stored], [t.row_dim for t in stored])
         self.writeback = WriteBehind(wcap, width, self._write_rows, name=f"tierstore-writer:{self.path.name}")
-        self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], 4 * wcap,
+        self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], LOG_RINGS * wcap,
                             self.writeback._cv)
         self.backend.quiesce = self._quiesce_writer
         clock = self.backend.get_meta("clock") or {}

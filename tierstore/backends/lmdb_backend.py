@@ -346,8 +346,9 @@ class LmdbBackend:
             found[dest] = True
         return out, found
 
-    def put(self, batches: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
-        """Write {table: (rows, payload float32 [n, w])}; returns bytes.
+    def put(self, batches: dict[str, tuple[np.ndarray, np.ndarray]], sealed: bool = False) -> int:
+        """Write {table: (rows, payload float32 [n, w])}; returns bytes. With `sealed` the payloads
+        are already records (uint8 [n, 4w + 4], `record.seal`), written as they are.
 
         Rows are sorted by key and committed in transactions of at most `TXN_ROWS` rows, each a
         key range: a transaction rewrites only the leaf pages of its range, so the pages it
@@ -355,7 +356,8 @@ class LmdbBackend:
         rows is one transaction; larger ones are not atomic (flush() syncs after all of them).
         Rows beyond a table's last key are appended (`MDB_APPEND`: full pages).
         """
-        total = sum(len(r) * (8 + p.shape[1] * 4 + CHECK_BYTES) for r, p in batches.values())
+        total = sum(len(r) * (8 + (p.shape[1] if sealed else p.shape[1] * 4 + CHECK_BYTES))
+                    for r, p in batches.values())
         if total == 0:
             return 0
         self._ensure_room(total)
@@ -367,7 +369,8 @@ class LmdbBackend:
             order = np.argsort(rows, kind="stable")
             srt = rows[order]
             keys = encode_keys(srt)
-            blob = seal(srt, np.ascontiguousarray(payload[order], dtype=np.float32))
+            blob = np.ascontiguousarray(payload[order]).view(np.uint8) if sealed else \
+                seal(srt, np.ascontiguousarray(payload[order], dtype=np.float32))
             # one `bytes` per row from a void view (a C loop, no per-row Python)
             vals = blob.view(f"V{blob.shape[1]}").ravel().tolist()
             unique = len(srt) < 2 or bool((srt[1:] > srt[:-1]).all())
@@ -419,6 +422,19 @@ class LmdbBackend:
                 return [], []
             items = list(islice(cur.iternext(keys=True, values=True), n))
         return [k for k, _ in items], [v for _, v in items]
+
+    def log_values(self, name: bytes, seqs: np.ndarray) -> list | None:
+        """Log values of sequence numbers `seqs` grouped by size, read through the page reader:
+        [(positions, uint8 [k, size])]; None when it cannot (then use `read_log`/`get_log`)."""
+        pages = self._pages if self.map_resident is None else None
+        if pages is None or len(seqs) == 0:
+            return None
+        with self.reading():
+            try:
+                with self.env.begin() as txn:  # pins the snapshot the pages belong to
+                    return pages.values_by_size(txn.get(name), seqs.astype(np.uint64))
+            except lmdb.Error as exc:
+                self._raise_io(exc)
 
     def get_log(self, db: object, keys: list[bytes]) -> list:
         """Values of log keys (None where absent: merged meanwhile)."""
@@ -709,6 +725,8 @@ class LmdbBackend:
         for lo, hi in self._span[1]:
             if _madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
                 done += hi - lo
+        if self._pages is not None:  # the page reader's own mapping of the file
+            done += self._pages.drop()
         self._file_base = _file_resident()
         return done
 

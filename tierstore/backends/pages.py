@@ -46,16 +46,16 @@ if HAVE_NUMBA:
         return v
 
     @numba.njit(nogil=True, cache=True)
-    def find_values(mem, psize, root, keys, out, found):  # pragma: no cover - compiled
-        """Copy the value of each key (uint64, any order) into out[i]; found[i] when present.
+    def find_spans(mem, psize, root, keys, offs, lens):  # pragma: no cover - compiled
+        """Where each key's value lies in `mem` (offs[i], lens[i]; offs[i] = -1 when absent).
 
         Returns OK, SHORT_MAP (a page lies past the mapping: remap and retry) or UNEXPECTED.
         """
         limit = mem.shape[0]
-        size = out.shape[1]
         for i in range(keys.shape[0]):
             k = keys[i]
             pg = root
+            offs[i] = -1
             done = False
             for _ in range(64):  # deeper than any B-tree of 2^64 keys: a cycle means damage
                 base = pg * psize
@@ -100,11 +100,10 @@ if HAVE_NUMBA:
                             if _u16(mem, node + 4) != 0:  # overflow or sub-database data
                                 return 2
                             dsize = _u16(mem, node) | (_u16(mem, node + 2) << 16)
-                            start = node + 16
-                            if dsize != size or start + size > base + psize:
+                            if node + 16 + dsize > base + psize:
                                 return 2
-                            out[i, :] = mem[start : start + size]
-                            found[i] = True
+                            offs[i] = node + 16
+                            lens[i] = dsize
                             break
                         if key < k:
                             lo = mid + 1
@@ -118,6 +117,34 @@ if HAVE_NUMBA:
                 return 2
         return 0
 
+    @numba.njit(nogil=True, cache=True)
+    def gather_spans(mem, offs, pick, out):  # pragma: no cover - compiled
+        """out[j] = the value at offs[pick[j]] (each exactly out.shape[1] bytes)."""
+        size = out.shape[1]
+        for j in range(pick.shape[0]):
+            o = offs[pick[j]]
+            out[j, :] = mem[o : o + size]
+
+    def find_values(mem, psize, root, keys, out, found):
+        """Copy each key's value (all of out.shape[1] bytes) into out[i]; found[i] when present.
+
+        Returns OK, SHORT_MAP or UNEXPECTED (also when a value has another size).
+        """
+        offs = np.empty(len(keys), dtype=np.int64)
+        lens = np.empty(len(keys), dtype=np.int64)
+        status = find_spans(mem, psize, root, keys, offs, lens)
+        if status != OK:
+            return status
+        hit = offs >= 0
+        if (lens[hit] != out.shape[1]).any():
+            return UNEXPECTED
+        found[:] = hit
+        pick = np.flatnonzero(hit)
+        tmp = np.empty((len(pick), out.shape[1]), dtype=np.uint8)
+        gather_spans(mem, offs, pick, tmp)
+        out[pick] = tmp
+        return OK
+
 
 class PageReader:
     """A read-only mapping of one LMDB data file and the compiled lookup over its pages."""
@@ -127,6 +154,7 @@ class PageReader:
         self.psize = psize
         self._lock = threading.Lock()
         self._mem: np.ndarray | None = None
+        self._mm: mmap.mmap | None = None
         self._ino: tuple[int, int] | None = None
 
     def _mapping(self, remap: bool = False) -> np.ndarray | None:
@@ -142,9 +170,18 @@ class PageReader:
                     return None
                 with open(self.path, "rb") as f:
                     mm = mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ)
+                self._mm = mm
                 self._mem = np.frombuffer(mm, dtype=np.uint8)  # the array keeps the map alive
                 self._ino = ino
             return self._mem
+
+    def drop(self) -> int:
+        """Drop this mapping's resident pages (they stay in the page cache); returns bytes advised."""
+        with self._lock:
+            if self._mem is None or not hasattr(mmap, "MADV_DONTNEED"):
+                return 0
+            self._mm.madvise(mmap.MADV_DONTNEED)
+            return len(self._mm)
 
     def lookup(self, record: bytes | None, keys: np.ndarray, size: int
                ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -167,4 +204,34 @@ class PageReader:
                 return out, found
             if status != SHORT_MAP:
                 return None
+        return None
+
+    def values_by_size(self, record: bytes | None, keys: np.ndarray
+                       ) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Every key's value, grouped by size: [(positions in `keys`, uint8 [k, size])], or None
+        (use py-lmdb) when a key is absent or a page is unexpected; same transaction rule."""
+        if record is None or len(record) != _DB_RECORD.size:
+            return None
+        root = _DB_RECORD.unpack(record)[-1]
+        if root == P_INVALID:
+            return None
+        offs = np.empty(len(keys), dtype=np.int64)
+        lens = np.empty(len(keys), dtype=np.int64)
+        for remap in (False, True):
+            mem = self._mapping(remap)
+            if mem is None:
+                return None
+            status = find_spans(mem, self.psize, root, keys, offs, lens)
+            if status == SHORT_MAP:
+                continue
+            if status != OK or (offs < 0).any():
+                return None
+            groups = []
+            sizes = np.unique(lens)
+            for size in sizes.tolist():
+                pick = np.flatnonzero(lens == size) if len(sizes) > 1 else np.arange(len(keys))
+                out = np.empty((len(pick), size), dtype=np.uint8)
+                gather_spans(mem, offs, pick, out)
+                groups.append((pick, out))
+            return groups
         return None

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import StoreCorruptError
 from ..index import HashIndex
-from .record import open_records, seal
+from .record import open_records, row_checks
 
 LOG_DB = b"__tierstore_log__"
 HEADER = 16  # table id u32, pad u32, row id i64
@@ -49,6 +49,7 @@ class WriteLog:
         self.names = names
         self.row_dims = row_dims
         self.ids = np.array([table_id(n) for n in names], dtype=np.uint32)
+        self.widths = np.array(row_dims, dtype=np.int64)
         if len(set(self.ids.tolist())) != len(names):
             raise StoreCorruptError("two table names share a log id (crc32); rename one")
         self.capacity = max(1, int(capacity))
@@ -90,16 +91,20 @@ class WriteLog:
         if self.size + n > self.capacity:
             self.merge(self.size + n - self.capacity + self.capacity // 2)
         order, vals = [], []
-        for t in np.unique(tabs).tolist():  # one record width per table
-            sel = np.flatnonzero(tabs == t)
-            rec = seal(rows[sel], np.ascontiguousarray(payload[sel, : self.row_dims[t]]))
-            head = np.zeros((len(sel), HEADER), dtype=np.uint8)
-            head[:, 0:4] = np.frombuffer(self.ids[t].tobytes(), dtype=np.uint8)
-            head[:, 8:16] = rows[sel].astype("<i8").view(np.uint8).reshape(-1, 8)
-            full = np.concatenate([head, rec], axis=1)
+        widths = self.widths[tabs]
+        sizes = np.unique(widths)
+        for w in sizes.tolist():  # one entry size per row width (usually one for all tables)
+            sel = np.flatnonzero(widths == w) if len(sizes) > 1 else np.arange(n)
+            r = rows[sel].astype(np.int64)
+            ent = np.empty((len(sel), HEADER // 4 + w + 1), dtype=np.uint32)  # header | words | check
+            ent[:, 0] = self.ids[tabs[sel]]
+            ent[:, 1] = 0
+            ent[:, 2:4] = r.astype("<i8").view(np.uint32).reshape(-1, 2)
+            ent[:, 4 : 4 + w] = payload[sel, :w].view(np.uint32)
+            ent[:, 4 + w] = row_checks(r, ent[:, 4 : 4 + w])
             order.append(sel)
-            vals += full.view(f"V{full.shape[1]}").ravel().tolist()
-        order = np.concatenate(order)
+            vals += ent.view(np.uint8).view(f"V{ent.shape[1] * 4}").ravel().tolist()
+        order = np.concatenate(order) if len(order) > 1 else order[0]
         tabs, rows = tabs[order], rows[order]
         seqs = np.arange(self.next, self.next + n, dtype=np.int64)
         nbytes = self.backend.append_log(self.db, _seq_keys(seqs), vals)
@@ -123,27 +128,35 @@ class WriteLog:
         if n <= 0:
             return 0
         lo, hi = self.merged, self.merged + n
-        keys, vals = self.backend.read_log(self.db, _seq_keys(np.array([lo]))[0], n)
-        if len(keys) != n:
-            raise StoreCorruptError(f"write-behind log of {self.backend.path}: expected {n} entries "
-                                    f"from {lo}, found {len(keys)}")
         seqs = np.arange(lo, hi, dtype=np.int64)
+        groups = self.backend.log_values(LOG_DB, seqs)  # compiled page reads, no per-row objects
+        if groups is None:
+            keys, vals = self.backend.read_log(self.db, _seq_keys(np.array([lo]))[0], n)
+            if len(keys) != n:
+                raise StoreCorruptError(f"write-behind log of {self.backend.path}: expected {n} "
+                                        f"entries from {lo}, found {len(keys)}")
+            entries = parse_entries(vals, self.ids, self.row_dims, self.backend.path)
+        else:
+            entries = (parse_blob(sel, blob, self.ids, self.row_dims, self.backend.path)
+                       for sel, blob in groups)
         batches: dict[str, list] = {}
         gone = []
-        for sel, tabs, rows, recs in parse_entries(vals, self.ids, self.row_dims, self.backend.path):
+        for sel, tabs, rows, recs in entries:
             with self.lock:  # newest versions only: an older one was superseded by a later entry
                 slots = self.index.find(torch.from_numpy(tabs), torch.from_numpy(rows)).numpy()
                 newest = (slots >= 0) & (self.seq_of[np.maximum(slots, 0)] == seqs[sel])
             gone.append((slots[newest], seqs[sel][newest]))
             for t in np.unique(tabs[newest]).tolist():
                 pick = newest & (tabs == t)
-                data = open_records(self.names[t], rows[pick], recs[pick], self.row_dims[t],
-                                    f"store {self.backend.path}, ")
-                batches.setdefault(self.names[t], []).append((rows[pick], data))
-        merged = {name: (np.concatenate([r for r, _ in parts]), np.concatenate([d for _, d in parts]))
+                good = recs[pick]
+                open_records(self.names[t], rows[pick], good, self.row_dims[t],
+                             f"store {self.backend.path}, ")  # verified, then written as they are
+                batches.setdefault(self.names[t], []).append((rows[pick], good))
+        merged = {name: parts[0] if len(parts) == 1 else
+                  (np.concatenate([r for r, _ in parts]), np.concatenate([d for _, d in parts]))
                   for name, parts in batches.items()}
-        written = self.backend.put(merged) if merged else 0
-        self.backend.delete_log(self.db, keys)
+        written = self.backend.put(merged, sealed=True) if merged else 0
+        self.backend.delete_log(self.db, _seq_keys(seqs))
         with self.lock:
             for slots, sq in gone:
                 still = self.seq_of[slots] == sq  # not re-appended meanwhile
@@ -189,20 +202,28 @@ def parse_entries(vals: list, ids: np.ndarray, row_dims: list[int], path: object
     lens = np.fromiter(map(len, vals), dtype=np.int64, count=len(vals))
     arr = np.empty(len(vals), dtype=object)
     arr[:] = vals
-    order = np.argsort(ids)
-    widths = np.array([HEADER + 4 * w + 4 for w in row_dims])
     for size in np.unique(lens).tolist():
         sel = np.flatnonzero(lens == size)
         blob = np.frombuffer(b"".join(arr[sel].tolist()), dtype=np.uint8).reshape(len(sel), size)
-        tid = blob[:, 0:4].copy().view(np.uint32).ravel()
-        pos = np.searchsorted(ids[order], tid)
-        pos[pos >= len(ids)] = 0
-        tabs = order[pos]
-        if len(ids) == 0 or (ids[tabs] != tid).any() or (widths[tabs] != size).any():
-            raise StoreCorruptError(f"write-behind log of {path}: an entry of an unknown table or "
-                                    "with the wrong size")
-        rows = blob[:, 8:16].copy().view("<i8").ravel()
-        yield sel, tabs.astype(np.int64), rows, blob[:, HEADER:]
+        yield parse_blob(sel, blob, ids, row_dims, path)
+
+
+def parse_blob(sel: np.ndarray, blob: np.ndarray, ids: np.ndarray, row_dims: list[int], path: object):
+    """Log entries of one size (uint8 [k, size]) at log positions `sel`: (positions, table
+    indexes, row ids, records uint8 [k, 4w+4]); StoreCorruptError for an unknown table or size."""
+    size = blob.shape[1]
+    order = np.argsort(ids)
+    widths = np.array([HEADER + 4 * w + 4 for w in row_dims])
+    tid = blob[:, 0:4].copy().view(np.uint32).ravel()
+    pos = np.searchsorted(ids[order], tid)
+    pos[pos >= len(ids)] = 0
+    tabs = order[pos]
+    if len(ids) == 0 or (ids[tabs] != tid).any() or (widths[tabs] != size).any():
+        raise StoreCorruptError(f"write-behind log of {path}: an entry of an unknown table or "
+                                "with the wrong size")
+    rows = blob[:, 8:16].copy().view("<i8").ravel()
+    # records as uint32 words: picking rows of them copies words, not single bytes
+    return sel, tabs.astype(np.int64), rows, blob.view(np.uint32)[:, HEADER // 4 :]
 
 
 def replay(backend, names: list[str], row_dims: list[int]) -> int:
