@@ -48,7 +48,7 @@ CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
 # log index (4 log entries per ring row)
 WB_SLOT_OVERHEAD = 160
 FLUSH_CHUNK = 65536  # rows per LMDB transaction when flushing
-LOG_RINGS = 4  # the write-behind log holds this many rings of rows before its older half is merged
+LOG_RINGS = 8  # the write-behind log holds up to this many rings of rows; its older half is merged at 3/4
 LAST_OPEN = "last_open"  # metadata record: the table specs of the latest open, per table
 _OPEN_STORES: weakref.WeakSet = weakref.WeakSet()
 
