@@ -64,16 +64,18 @@ def test_a_full_ring_makes_the_caller_wait_and_drops_nothing(tmp_path):
         assert torch.equal(s.read("t", torch.arange(37)), model.read("t", torch.arange(37)))
 
 
-def test_prefetch_read_ahead_stays_exact_with_a_slow_writer(tmp_path):
-    """Rows read ahead by the pipeline are never used once a newer version passed through the ring."""
+@pytest.mark.parametrize("ring,delay", [(8, 0.001), (64, 0.01)])
+def test_prefetch_read_ahead_stays_exact_with_a_slow_writer(tmp_path, ring, delay):
+    """Rows read ahead by the pipeline (or copied from the ring) are never used once a newer
+    version passed through the ring; a large ring with a slow writer keeps rows in it."""
     from tierstore.prefetch import Prefetcher
 
     specs = [SPEC]
     batches = [torch.randint(0, 60, (24,), generator=torch.Generator().manual_seed(i)) for i in range(30)]
     model = DictStore(specs)
     with ts.TierStore(tmp_path / "s", specs, device_capacity=4, host_capacity=4, device="cpu",
-                      write_buffer=8) as s:
-        s.writeback.delay = lambda: 0.001
+                      write_buffer=ring) as s:
+        s.writeback.delay = lambda: delay
         src = ({"t": b} for b in batches)
         with Prefetcher(s, src, depth=3) as pf:
             for i, batch in enumerate(pf):

@@ -143,13 +143,15 @@ class WriteBehind:
         with self._cv:
             self._wait_for(min(int(n), self.capacity), patience=0.0)
 
-    def lookup(self, tab: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hit mask [n], payloads [hits, width]) of the rows' newest ring versions."""
+    def lookup(self, tab: int, rows: torch.Tensor, count: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hit mask [n], payloads [hits, width]) of the rows' newest ring versions (copies)."""
         with self._cv:
             slots = self.index.find(torch.tensor(tab, dtype=torch.int64), rows)
             hit = slots >= 0
             data = self.payload.index_select(0, slots[hit]) if bool(hit.any()) else self.payload[:0]
-        self.hits += int(data.shape[0])
+        if count:
+            self.hits += int(data.shape[0])
         return hit, data
 
     def contains(self, tab: int, rows: torch.Tensor) -> torch.Tensor:

@@ -250,8 +250,16 @@ class Prefetcher:
             # the window cannot stay cached: staging would only evict rows the running step needs,
             # so this batch gets no pins, and every row the caches may lose by then is read ahead
             warm_only = 2 * (window_rows + batch_rows) > cache_rows
-            cold = {t: uniq[self._uncached(tabs[t], uniq, ring_only=warm_only)]
-                    for t, uniq in per_table.items()}
+            ringed = {}
+            if warm_only:  # rows in the ring now: copy their newest version, read the rest
+                cold = {}
+                for t, uniq in per_table.items():
+                    hit, data = store.writeback.lookup(tabs[t].index, uniq, count=False)
+                    cold[t] = uniq[~hit]
+                    if data.shape[0]:
+                        ringed[t] = (uniq[hit].numpy(), data[:, : tabs[t].spec.row_dim].numpy())
+            else:
+                cold = {t: uniq[self._uncached(tabs[t], uniq)] for t, uniq in per_table.items()}
         # read them ahead, in parallel and without the store lock (py-lmdb releases the GIL)
         t0 = time.perf_counter()
         futures = {}
@@ -268,11 +276,19 @@ class Prefetcher:
             if store._closed or self._stop.is_set():
                 return
             t1 = time.perf_counter()
-            for t, parts in got.items():
-                if parts:
-                    store._add_read_ahead(t, since, cold[t].numpy(),
-                                          np.concatenate([p[0] for p in parts]),
-                                          np.concatenate([p[1] for p in parts]), keep=self.depth + 2)
+            for t in per_table:
+                parts = got.get(t, [])
+                rows = [cold[t].numpy()] if parts else []
+                data, found = [p[0] for p in parts], [p[1] for p in parts]
+                if t in ringed:  # exact while every row put from `since` on is still in the ring
+                    rows.append(ringed[t][0])
+                    data.append(ringed[t][1])
+                    found.append(np.ones(len(ringed[t][0]), dtype=bool))
+                if rows:
+                    rows_np = np.concatenate(rows)
+                    order = np.argsort(rows_np, kind="stable")
+                    store._add_read_ahead(t, since, rows_np[order], np.concatenate(data)[order],
+                                          np.concatenate(found)[order], keep=self.depth + 2)
             stats.rows_read_ahead_from_ssd += sum(len(c) for c in cold.values())
             if warm_only:  # its misses are served from the read-ahead buffers
                 stats.warm_only += 1
@@ -304,12 +320,10 @@ class Prefetcher:
             self._slots[step] = slots
             stats.stage_seconds += time.perf_counter() - t1
 
-    def _uncached(self, tab: Any, uniq: torch.Tensor, ring_only: bool = False) -> torch.Tensor:
-        """Mask of rows not in the write-behind ring and (unless `ring_only`) in no cache tier."""
+    def _uncached(self, tab: Any, uniq: torch.Tensor) -> torch.Tensor:
+        """Mask of rows not in the write-behind ring and in no cache tier."""
         store = self.store
         out = ~store.writeback.contains(tab.index, uniq)
-        if ring_only:
-            return out
         tabs = torch.tensor(tab.index, dtype=torch.int64)
         d = store.device_tier.lookup(tabs.to(store.device_tier.device),
                                      uniq.to(store.device_tier.device), count=False).cpu()
