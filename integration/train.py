@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
+from tierstore.admission import fit_sketch, parse_admission
 from tierstore.errors import ConfigError, StoreCorruptError, StoreLockedError, TierstoreError
 from tierstore.persistence import fsync_dir
 from tierstore.prefetch import Prefetcher
@@ -34,7 +35,8 @@ from .model import DLRM
 RUN_MARKER = "run.json"
 EVAL_STREAM = 1
 # options that must match when resuming (the rest -- capacities, policy, prefetch -- may change)
-_FIXED = ("data", "tables", "dim", "seed", "batch", "alpha", "hot", "lr", "dense_lr", "bottom", "top")
+_FIXED = ("data", "tables", "dim", "seed", "batch", "alpha", "hot", "lr", "dense_lr", "bottom", "top",
+          "admission", "ttl")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class TrainConfig:
     threads: int = 1
     progress: bool = True
     device: str = "cpu"
+    admission: str | None = None  # e.g. "count:2": feature admission of every table
+    ttl: int | None = None  # expire rows not updated for this many steps (every table)
 
     def validate(self) -> None:
         """Raise ConfigError on inconsistent options."""
@@ -78,6 +82,8 @@ class TrainConfig:
         if not (self.lr >= 0 and self.dense_lr >= 0):
             raise ConfigError("learning rates must be >= 0")
         parse_tables(self.tables)
+        if self.admission:
+            parse_admission(self.admission)
         _sizes(self.bottom), _sizes(self.top)
 
 
@@ -182,7 +188,9 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "ckpt"
         self.cards = parse_tables(cfg.tables)
-        self.specs = [TableSpec(name, rows, cfg.dim, optimizer=RowWiseAdagrad(lr=cfg.lr))
+        adm = parse_admission(cfg.admission) if cfg.admission else None
+        self.specs = [TableSpec(name, rows, cfg.dim, optimizer=RowWiseAdagrad(lr=cfg.lr),
+                                admission=fit_sketch(adm, rows), ttl=cfg.ttl)
                       for name, rows in zip(SPARSE_NAMES, self.cards, strict=True)]
         if cfg.data == "synthetic":
             self.synth: SyntheticCriteo | None = SyntheticCriteo(self.cards, seed=cfg.seed,
@@ -397,6 +405,7 @@ class Trainer:
             loss = self.train_step(b)
             loss_ema = loss if math.isnan(loss_ema) else 0.98 * loss_ema + 0.02 * loss
             self.step += 1
+            self.store.advance()  # the store's clock: row stamps, expiry
             bar.update(1)
             if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
                 e = self.evaluate(held_out)
@@ -440,6 +449,8 @@ class Trainer:
             "stall_s": self.times["data"] + self.times["lookup"],
             "tiers": {k: getattr(self, "train_stats", st)[k] for k in ("device", "host", "ssd")},
             "prefetch": st.get("prefetch", {}),
+            "admission": st.get("admission", {}),
+            "expiry": st.get("expiry", {}),
             "rows_stored": rows_stored,
             "disk_bytes": st["ssd"]["disk_bytes"],
             "peak_disk_bytes": max(self.peak_disk, st["ssd"]["disk_bytes"]),
@@ -550,6 +561,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --distributed: row- or table-wise sharding")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="with --distributed: seconds before a dead rank is reported")
+    ap.add_argument("--admission", default=None,
+                    help="feature admission of every table, e.g. 'count:2' (docs/admission.md)")
+    ap.add_argument("--ttl", type=int, default=None,
+                    help="expire rows not updated for this many steps (docs/admission.md)")
     return ap
 
 

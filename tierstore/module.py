@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import validate
+from .admission import pool_masked
 from .errors import ConfigError, ShapeError
 from .store import TierStore
 
@@ -25,8 +26,12 @@ class _TieredBags(torch.autograd.Function):
             tab = store._table(table)
             ids = store._ids(tab, ids)
             store._record(table, ids)
-            out, g = store._pool_forward(tab, ids, offsets, psw, mode,
-                                         need_weights=bool(ctx.needs_input_grad[1]))
+            mask = store._admit(tab, ids)
+            if mask is not None:  # some ids not admitted yet: they pool their initial rows
+                out, g = pool_masked(store, tab, ids, mask, offsets, psw, mode)
+            else:
+                out, g = store._pool_forward(tab, ids, offsets, psw, mode,
+                                             need_weights=bool(ctx.needs_input_grad[1]))
         ctx.save_for_backward(psw, offsets)
         ctx.mode, ctx.store, ctx.table, ctx.gathered = mode, store, table, g
         return out

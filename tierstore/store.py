@@ -20,6 +20,8 @@ import lmdb
 import numpy as np
 import torch
 
+from . import admission as _adm
+from . import expiry as _exp
 from . import validate
 from ._kernels import HAVE_NUMBA
 from .backends.lmdb_backend import DATA_NAME, LmdbBackend, lmdb_error
@@ -121,6 +123,8 @@ def _mismatch(stored: TableSpec, given: TableSpec) -> list[str]:
         out.append(f"optimizer: stored {stored.optimizer.kind!r}, given {given.optimizer.kind!r}")
     if stored.init != given.init:
         out.append(f"init: stored {stored.init!r}, given {given.init!r}")
+    if stored.admission != given.admission:
+        out.append(f"admission: stored {stored.admission!r}, given {given.admission!r}")
     return out
 
 
@@ -185,6 +189,12 @@ class TierStore:
         self.width = width
         self.tables = {t.name: _Table(t, i, name_key(seed, t.name)) for i, t in enumerate(tables)}
         self._by_index = [self.tables[n] for n in names]
+        try:  # table name -> admission state, for tables with an admission config
+            self._admission = _adm.open_admission(self)
+            self._expiry = _exp.Expiry(self)  # cutoffs per table, ttl expiry points, its deleter
+        except BaseException:
+            self.backend.close()
+            raise
         self.ssd_stats = SsdStats()
         # read-ahead buffers of the prefetch pipeline: table -> [(tail at read, rows, payload, found)]
         self._readahead: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
@@ -314,6 +324,12 @@ class TierStore:
         tab = self._table(table)
         ids = self._ids(tab, ids)
         self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:
+            return _adm.read_masked(self, tab, ids, mask)
+        return self._read(tab, ids)
+
+    def _read(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor:
         dev = self.device_tier
         # probe one id first: a batch that misses the device tier skips the full lookup
         probe = ids[:1].to(dev.device)
@@ -330,6 +346,9 @@ class TierStore:
         tab = self._table(table)
         ids = self._ids(tab, ids)
         self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:
+            return _adm.gather_masked(self, tab, ids, mask)
         return self._gather(tab, ids)
 
     @_locked
@@ -341,6 +360,12 @@ class TierStore:
         if ids.numel() == 0:
             return
         self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:  # updates of ids not admitted yet are discarded
+            keep = torch.from_numpy(mask)
+            ids, grads = ids[keep], grads[keep]
+            if ids.numel() == 0:
+                return
         grads = grads.cpu()
         dev = self.device_tier
         n = ids.numel()
@@ -371,6 +396,10 @@ class TierStore:
         grads = self._grads(tab, grads, unique.numel())
         if unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
             raise InvalidIdsError("apply_unique needs sorted unique ids; use apply() otherwise")
+        mask = self._admitted(tab, unique)  # gather's second half: counted by the gather
+        if mask is not None:
+            keep = torch.from_numpy(mask)
+            unique, grads = unique[keep], grads[keep]
         if unique.numel():
             n = unique.numel()
             self._access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, torch.arange(n),
@@ -453,6 +482,15 @@ class TierStore:
         if per_sample_weights is not None:
             psw = per_sample_weights.detach().to("cpu", torch.float32).reshape(-1)
             scale = psw if scale is None else scale * psw
+        mask = self._admitted(tab, unique)  # counted by the forward / gather
+        if mask is not None:  # drop the positions of rows not admitted (updates discarded)
+            unique, inverse, (bag_of, scale) = _adm.filter_positions(mask, unique, inverse,
+                                                                     bag_of, scale)
+            if unique.numel() == 0:
+                return
+            if in_place:  # (unreachable: counts only grow) the cascade works in key order
+                unique, inverse = sort_unique(unique, inverse)
+                in_place = False
         update = BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(), inverse, grad_out,
                              bag_of, scale, self.fused, tab.spec.dtype)
         if in_place:
@@ -476,8 +514,12 @@ class TierStore:
                 tier.dirty[slots] = False
         with self._quiesce_writer():  # drain the ring, fold the whole log into the tables
             pass
+        for adm in self._admission.values():  # the sketches go down with the rows they gate
+            adm.save(self.backend)
+        self._expiry.save(self.backend)  # and the expiry cutoffs
         self._save_clock()
         self.backend.sync()
+        self._expiry.flushed()  # rows below durable ttl cutoffs may now leave LMDB
 
     @_locked
     def advance(self, steps: int = 1) -> int:
@@ -492,7 +534,18 @@ class TierStore:
         if self.clock + steps > CLOCK_MAX:
             raise ConfigError(f"the store clock cannot pass {CLOCK_MAX} (at {self.clock})")
         self.clock += steps
+        self._expiry.on_advance()  # tables with a ttl: expire at fixed clock points
         return self.clock
+
+    @_locked
+    def expire(self, table: str | None = None, older_than: int = 0) -> dict[str, int]:
+        """Delete rows (of `table`, or all) last updated more than `older_than` clock steps ago.
+
+        They leave the caches and LMDB and read as freshly initialized; durable on return.
+        Returns rows deleted from LMDB per table. `tierstore compact` reclaims the disk.
+        """
+        self._live()
+        return _exp.expire(self, table, older_than)
 
     def _clock_value(self) -> torch.Tensor:
         """The clock as a 0-d float32 tensor holding its int32 bits (the stamp column's value)."""
@@ -520,6 +573,9 @@ class TierStore:
         log = self.log
         out["writeback"] = {**self.writeback.stats(), "log_rows": log.size,
                             "log_appended": log.rows_appended, "log_merged": log.rows_merged}
+        if self._admission:
+            out["admission"] = {n: a.stats() for n, a in self._admission.items()}
+        out["expiry"] = self._expiry.stats()
         out["ssd"].update(rows_stored=sum(self.backend.count(n) for n in self.tables),
                           disk_bytes=self.backend.disk_bytes())
         return out
@@ -560,6 +616,7 @@ class TierStore:
             return
         for pf in list(self._prefetchers):  # abandoned or still running pipelines: stop them
             pf._stop_for_store()
+        self._expiry.close()
         try:
             self.flush()
         finally:
@@ -613,6 +670,16 @@ class TierStore:
         return restore(dest, path, **open_kwargs)
 
     # internals --------------------------------------------------------------------------
+    def _admit(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
+        """Count `ids` for admission; the admitted mask over them, or None when all are."""
+        adm = self._admission.get(tab.spec.name)
+        return None if adm is None else adm.count(ids)
+
+    def _admitted(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
+        """The admitted mask over `ids` without counting them, or None when all are."""
+        adm = self._admission.get(tab.spec.name)
+        return None if adm is None else adm.admitted_mask(ids)
+
     def _record(self, table: str, ids: torch.Tensor) -> None:
         """Append the requested ids to the access trace, when recording."""
         if self._recorder is not None:
@@ -810,6 +877,8 @@ class TierStore:
             st.hits += nfound
             st.misses += nneed - nfound
             st.bytes_read += nfound * (spec.row_dim + 1) * 4
+        if self._expiry.cutoffs:  # rows stamped below their table's expiry cutoff read as missing
+            data, found = self._expiry.stale_mask(tab.index, data, found, spec.stamp_col)
         nfound = int(np.count_nonzero(found))
         if nfound < n:
             lazy = ~found
