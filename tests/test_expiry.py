@@ -263,3 +263,74 @@ def test_expire_reaches_rows_in_the_ring_the_log_and_read_ahead(tmp_path):
     assert stored_ids(store) == set()
     store.close()
     fresh.close()
+
+
+def test_export_leaves_out_expired_rows_the_deleter_has_not_reached(tmp_path):
+    from tierstore.export import export_store, import_store
+
+    s = spec(ttl=2)
+    fresh = open_store(tmp_path / "init", [spec()])
+    ids = torch.arange(30) * STRIDE
+    with open_store(tmp_path / "s", [s], caps=(0, 0)) as store:
+        store.apply("t", ids, torch.ones(30, 4))
+        store.advance(3)
+        store.apply("t", ids[:10], torch.ones(10, 4))  # fresh again at clock 3
+        live = peek(store, "t", ids[:10])
+        store._expiry.close()  # no deleter: the 20 stale rows stay on disk
+        store.flush()
+        assert len(stored_ids(store)) == 30
+        export_store(store, tmp_path / "ex")
+    import_store(tmp_path / "ex", tmp_path / "back")
+    with open_store(tmp_path / "back", [spec()]) as back:
+        assert stored_ids(back) == set(ids[:10].tolist())
+        assert torch.equal(peek(back, "t", ids[:10]), live)
+        assert torch.equal(peek(back, "t", ids[10:]), peek(fresh, "t", ids[10:]))
+    fresh.close()
+
+
+_CRASH_IN_EXPIRE = """
+import os, sys
+import numpy as np
+import torch
+import tierstore as ts
+from tierstore import expiry
+spec = ts.TableSpec("t", 10**11, 4, optimizer=ts.Adagrad(0.1))
+store = ts.TierStore(sys.argv[1], spec, device="cpu", device_capacity=0, host_capacity=0, seed=5)
+expiry.DELETE_CHUNK = 500
+ids = torch.arange(2000) * 4999
+store.apply("t", ids, torch.ones(2000, 4))
+store.advance()
+store.apply("t", ids[:100], torch.ones(100, 4))
+np.save(sys.argv[2], store.read("t", ids[:100]).numpy())
+real, calls = expiry.delete_stale, []
+
+def dying(*a):
+    calls.append(1)
+    if len(calls) == 2:  # one chunk of the stale rows deleted, then kill -9
+        os._exit(9)
+    return real(*a)
+
+expiry.delete_stale = dying
+store.expire(older_than=0)
+"""
+
+
+def test_kill9_inside_expire_reopens_with_the_rows_expired(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CRASH_IN_EXPIRE, str(tmp_path / "s"),
+                          str(tmp_path / "v.npy")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 9, out.stderr
+    s = ts.TableSpec("t", 10**11, 4, optimizer=ts.Adagrad(0.1))
+    ids = torch.arange(2000) * 4999
+    with open_store(tmp_path / "init", [s]) as fresh:
+        init = fresh.read("t", ids[100:])
+    with open_store(tmp_path / "s", [s]) as store:
+        assert store.clock == 1 and store._expiry.cutoffs == {0: 1}
+        left = store.backend.count("t")
+        assert 100 < left < 2000  # a crash mid-way: part of the stale rows still on disk ...
+        assert torch.equal(store.read("t", ids[100:]), init)  # ... reading as expired
+        assert torch.equal(store.read("t", ids[:100]), torch.from_numpy(np.load(tmp_path / "v.npy")))
+        assert store.expire(older_than=0) == {"t": left - 100}  # the next expire finishes the job
+        assert store.backend.count("t") == 100
