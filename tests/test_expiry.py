@@ -334,3 +334,25 @@ def test_kill9_inside_expire_reopens_with_the_rows_expired(tmp_path):
         assert torch.equal(store.read("t", ids[:100]), torch.from_numpy(np.load(tmp_path / "v.npy")))
         assert store.expire(older_than=0) == {"t": left - 100}  # the next expire finishes the job
         assert store.backend.count("t") == 100
+
+
+def test_an_abandoned_store_with_a_ttl_deleter_is_collected(tmp_path):
+    import gc
+    import time
+    import weakref
+
+    store = open_store(tmp_path / "s", [spec(ttl=2)], caps=(0, 0))
+    store.apply("t", torch.arange(50) * STRIDE, torch.ones(50, 4))
+    store.advance(3)
+    store.flush()  # starts the deleter
+    assert store._expiry.wait(10) and store._expiry._thread.is_alive()
+    thread, ref = store._expiry._thread, weakref.ref(store)
+    del store
+    gc.collect()
+    assert ref() is None  # closed by __del__ (acknowledged writes kept), its deleter stopped
+    t0 = time.monotonic()
+    while thread.is_alive() and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    assert not thread.is_alive()
+    with open_store(tmp_path / "s", [spec(ttl=2)]) as again:
+        assert again.clock == 3 and stored_ids(again) == set()

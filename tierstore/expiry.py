@@ -20,6 +20,7 @@ kill -9 at any point reopens at a flush point where every deleted row reads as m
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -202,7 +203,7 @@ class Expiry:
     """A store's expiry state: cutoffs per table, the ttl's expiry points and its deleter thread."""
 
     def __init__(self, store: TierStore) -> None:
-        self.store = store
+        self._store = weakref.ref(store)  # the deleter thread must not keep an abandoned store
         saved = store.backend.get_meta(META_KEY) or {}
         # table index -> cutoff in force: rows stamped below read as missing (only rises)
         self.cutoffs = {t.index: int(saved[n]) for n, t in store.tables.items() if n in saved}
@@ -218,6 +219,14 @@ class Expiry:
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None
+
+    @property
+    def store(self) -> TierStore:
+        """The store this state belongs to."""
+        store = self._store()
+        if store is None:  # pragma: no cover - only the deleter outlives its store
+            raise ReferenceError("the store is gone")
+        return store
 
     def stats(self) -> dict[str, Any]:
         """Rows expired so far (deleted from LMDB, dropped from the caches) and the cutoffs."""
@@ -292,7 +301,6 @@ class Expiry:
             self._thread.start()
 
     def _run(self) -> None:
-        store = self.store
         while True:
             with self._wake:
                 while not self._pending and not self._stop.is_set():
@@ -302,11 +310,15 @@ class Expiry:
                     self._idle.set()
                     return
                 work, self._pending = self._pending, {}
+            store = self._store()  # held only while working
+            if store is None:
+                return
             for i, cutoff in work.items():
                 try:
                     expire_table(store, store._by_index[i].spec, cutoff, stop=self._stop)
                 except Exception:  # a disk error: the rows stay stale (read as missing); the next
                     continue  # expiry point retries
+            del store
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the deleter has no pending work (call without the store lock held)."""
