@@ -356,3 +356,16 @@ def test_an_abandoned_store_with_a_ttl_deleter_is_collected(tmp_path):
     assert not thread.is_alive()
     with open_store(tmp_path / "s", [spec(ttl=2)]) as again:
         assert again.clock == 3 and stored_ids(again) == set()
+
+
+def test_close_deletes_the_rows_below_a_durable_ttl_cutoff(tmp_path):
+    s = spec(ttl=2)
+    ids = torch.arange(500) * STRIDE
+    with open_store(tmp_path / "s", [s], caps=(0, 0)) as store:
+        store.apply("t", ids, torch.ones(500, 4))
+        store.flush()
+        store.advance(3)  # every row expired; no flush since: nothing deleted yet
+        store.apply("t", ids[:7], torch.ones(7, 4))
+        assert store.backend.count("t") == 500
+    with open_store(tmp_path / "s", [s]) as store:  # close() flushed and deleted the rest
+        assert store.backend.count("t") == 7 and store.clock == 3

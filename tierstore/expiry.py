@@ -172,6 +172,8 @@ def expire(store: TierStore, table: str | None, older_than: int) -> dict[str, in
     with store._quiesce_writer():  # nothing is pending (we hold the lock); the writer stays idle
         out = {t.spec.name: expire_table(store, t.spec, ex.cutoffs[t.index]) for t in tabs}
     store.backend.sync()
+    with ex._wake:  # a ttl table's deleter has nothing left below these cutoffs
+        ex._done.update({t.index: ex.cutoffs[t.index] for t in tabs if t.index in ex.ttl})
     ex.expired_rows += sum(out.values())
     return out
 
@@ -209,6 +211,7 @@ class Expiry:
         self.cutoffs = {t.index: int(saved[n]) for n, t in store.tables.items() if n in saved}
         self.durable = dict(self.cutoffs)  # as of the last flush (deletions may go this far)
         self._queued: dict[int, int] = {}  # ttl tables: the cutoff the deleter last got
+        self._done: dict[int, int] = {}  # ttl tables: the cutoff of the last completed pass
         self._saved = dict(self.cutoffs)
         self.ttl = {t.index: t.spec.ttl for t in store.tables.values() if t.spec.ttl is not None}
         self.expired_rows = 0  # deleted from LMDB
@@ -281,9 +284,10 @@ class Expiry:
         stale rows on disk); later flushes hand it the cutoffs that rose.
         """
         self.durable = dict(self.cutoffs)
-        work = {i: c for i, c in self.durable.items()
-                if i in self.ttl and c > self._queued.get(i, -(2**31))}
-        self._queued.update(work)
+        with self._wake:
+            work = {i: c for i, c in self.durable.items()
+                    if i in self.ttl and c > self._queued.get(i, -(2**31))}
+            self._queued.update(work)
         if queue:
             self._queue(work)
 
@@ -316,9 +320,22 @@ class Expiry:
             for i, cutoff in work.items():
                 try:
                     expire_table(store, store._by_index[i].spec, cutoff, stop=self._stop)
-                except Exception:  # a disk error: the rows stay stale (read as missing); the next
-                    continue  # expiry point retries
+                except Exception:  # a disk error: the rows stay stale (read as missing); the
+                    with self._wake:  # next flush or close() retries (never the store lock here:
+                        self._queued[i] = self._done.get(i, -(2**31))  # close() joins us holding it)
+                    continue
+                if not self._stop.is_set():
+                    with self._wake:
+                        self._done[i] = max(cutoff, self._done.get(i, cutoff))
             del store
+
+    def finish(self) -> None:
+        """At close, after the last flush (store lock held, deleter stopped): delete what the
+        deleter did not reach, so the closed store holds no row below a durable ttl cutoff."""
+        for i, cutoff in self.durable.items():
+            if i in self.ttl and cutoff > self._done.get(i, -(2**31)):
+                self.expired_rows += expire_table(self.store, self.store._by_index[i].spec, cutoff)
+                self._done[i] = cutoff
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the deleter has no pending work (call without the store lock held)."""

@@ -619,6 +619,7 @@ class TierStore:
         self._expiry.close()
         try:
             self.flush()
+            self._expiry.finish()  # rows below durable ttl cutoffs the deleter did not reach
         finally:
             self._closed = True
             self.writeback.close()
