@@ -17,17 +17,19 @@ OUT = Path("bench/out")
 GIB = 2**30
 
 
-def run_one(rows: int, args: argparse.Namespace) -> dict:
+def run_one(rows: int, args: argparse.Namespace, admission: str = "none") -> dict:
     """Train once in a fresh process (so peak RSS is this run's) and return its summary."""
-    run_dir = Path(args.work) / f"scale_{rows}"
-    out = OUT / f"scale_{rows}.json"
+    tag = "" if admission == "none" else "_" + admission.replace(":", "_")
+    run_dir = Path(args.work) / f"scale_{rows}{tag}"
+    out = OUT / f"scale_{rows}{tag}.json"
     cmd = [sys.executable, "-m", "integration.train", "--tables", f"uniform:{rows}",
            "--steps", str(args.steps), "--batch", str(args.batch), "--hot", str(args.hot),
            "--alpha", str(args.alpha), "--device-capacity", args.device_capacity,
            "--host-capacity", args.host_capacity, "--policy", args.policy,
            "--prefetch", str(args.prefetch), "--threads", str(args.threads),
            "--checkpoint-interval", str(args.steps),
-           "--eval-batches", "2", "--run-dir", str(run_dir), "--json", str(out), "--no-progress"]
+           "--eval-batches", str(args.eval_batches), "--run-dir", str(run_dir), "--json", str(out),
+           "--no-progress"] + ([] if admission == "none" else ["--admission", admission])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
                                                                        os.environ.get("PYTHONPATH")]))}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -42,7 +44,8 @@ def run_one(rows: int, args: argparse.Namespace) -> dict:
             "payload_bytes_per_row": s["payload_bytes_per_row"],
             "hit_rate_device": s["tiers"]["device"]["hit_rate"],
             "hit_rate_host": s["tiers"]["host"]["hit_rate"], "stall_s": s["stall_s"],
-            "auc": s["final_auc"], "train_s": s["train_s"], "command": " ".join(cmd[1:])}
+            "auc": s["final_auc"], "train_s": s["train_s"], "command": " ".join(cmd[1:]),
+            "admission": admission}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,14 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="runs/bench_scale", help="where the run directories go")
+    ap.add_argument("--admission", default="none",
+                    help="comma-separated admission settings to run each size with, e.g. none,count:2")
+    ap.add_argument("--eval-batches", type=int, default=2)
     args = ap.parse_args(argv)
     rows = [int(float(x)) for x in args.rows.split(",")]
     OUT.mkdir(parents=True, exist_ok=True)
     results = []
     for n in rows:
-        t0 = time.perf_counter()
-        results.append(run_one(n, args))
-        print(f"  {n:.0e} rows/table done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        for adm in args.admission.split(","):
+            t0 = time.perf_counter()
+            results.append(run_one(n, args, adm))
+            print(f"  {n:.0e} rows/table ({adm}) done in {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr)
     base = results[0]["samples_per_s"]
     print(f"\n{'rows/table':>10} {'total rows':>11} {'samples/s':>10} {'vs first':>8} {'dev hit':>8} "
           f"{'host hit':>8} {'peak RSS':>9} {'anon':>8} {'caches':>8} {'rows on disk':>13} "
@@ -87,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['cache_bytes'] / 2**20:>6,.0f}Mi "
               f"{r['rows_stored']:>13,} {r['disk_per_row']:>10.1f} {r['disk_over_raw']:>6.2f} "
               f"{r['peak_disk_over_raw']:>10.2f} {r['closed_disk_over_raw']:>12.2f} "
-              f"{r['checkpoint_over_raw']:>10.2f} {r['auc']:>6.3f}")
+              f"{r['checkpoint_over_raw']:>10.2f} {r['auc']:>6.3f}"
+              + ("" if r["admission"] == "none" else f"  admission {r['admission']}"))
     last = results[-1]
     print(f"\ntargets: largest keeps {last['throughput_vs_first']:.2f}x of the first's throughput "
           f"(>= 0.5); peak RSS - caches = {max(r['rss_over_caches_gib'] for r in results):.2f} GiB "

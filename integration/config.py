@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tierstore.admission import parse_admission
 from tierstore.errors import ConfigError
 
 from .data import parse_tables
@@ -38,6 +39,8 @@ class TrainConfig:
     threads: int = 1
     progress: bool = True
     device: str = "cpu"
+    admission: str | None = None  # e.g. "count:2": feature admission of every table
+    ttl: int | None = None  # expire rows not updated for this many steps (every table)
 
     def validate(self) -> None:
         """Raise ConfigError on inconsistent options."""
@@ -50,6 +53,8 @@ class TrainConfig:
         if not (self.lr >= 0 and self.dense_lr >= 0):
             raise ConfigError("learning rates must be >= 0")
         parse_tables(self.tables)
+        if self.admission:
+            parse_admission(self.admission)
         parse_sizes(self.bottom), parse_sizes(self.top)
 
 

@@ -19,7 +19,8 @@ from .config import TrainConfig
 
 RUN_MARKER = "run.json"
 # options that must match when resuming (the rest -- capacities, policy, prefetch -- may change)
-FIXED = ("data", "tables", "dim", "seed", "batch", "alpha", "hot", "lr", "dense_lr", "bottom", "top")
+FIXED = ("data", "tables", "dim", "seed", "batch", "alpha", "hot", "lr", "dense_lr", "bottom", "top",
+         "admission", "ttl")
 
 
 def write_text(path: Path, text: str) -> None:

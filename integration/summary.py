@@ -34,6 +34,8 @@ def build_summary(t: Trainer, train_s: float, start_step: int, final: dict) -> d
         "stall_s": t.times["data"] + t.times["lookup"],
         "tiers": {k: getattr(t, "train_stats", st)[k] for k in ("device", "host", "ssd")},
         "prefetch": st.get("prefetch", {}),
+        "admission": st.get("admission", {}),
+        "expiry": st.get("expiry", {}),
         "rows_stored": rows_stored,
         "disk_bytes": st["ssd"]["disk_bytes"],
         "peak_disk_bytes": max(t.peak_disk, st["ssd"]["disk_bytes"]),

@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="shard the tables over torchrun's ranks (see integration/distributed.py)")
     ap.add_argument("--sharding", default="row", choices=("row", "table"),
                     help="with --distributed: row- or table-wise sharding")
+    ap.add_argument("--admission", default=None,
+                    help="feature admission of every table, e.g. 'count:2' (docs/admission.md)")
+    ap.add_argument("--ttl", type=int, default=None,
+                    help="expire rows not updated for this many steps (docs/admission.md)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="with --distributed: seconds before a dead rank is reported")
     return ap

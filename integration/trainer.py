@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
+from tierstore.admission import fit_sketch, parse_admission
 from tierstore.prefetch import Prefetcher
 from tierstore.stats import progress_line
 
@@ -37,7 +38,9 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "ckpt"
         self.cards = parse_tables(cfg.tables)
-        self.specs = [TableSpec(name, rows, cfg.dim, optimizer=RowWiseAdagrad(lr=cfg.lr))
+        adm = parse_admission(cfg.admission) if cfg.admission else None
+        self.specs = [TableSpec(name, rows, cfg.dim, optimizer=RowWiseAdagrad(lr=cfg.lr),
+                                admission=fit_sketch(adm, rows), ttl=cfg.ttl)
                       for name, rows in zip(SPARSE_NAMES, self.cards, strict=True)]
         self.synth: SyntheticCriteo | None
         self.tsv: CriteoTSV | None
@@ -178,6 +181,7 @@ class Trainer:
             loss = self.train_step(b)
             loss_ema = loss if math.isnan(loss_ema) else 0.98 * loss_ema + 0.02 * loss
             self.step += 1
+            self.store.advance()  # the store's clock: row stamps, expiry
             bar.update(1)
             if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
                 e = self.evaluate(held_out)

@@ -1,5 +1,6 @@
 """tierstore: embedding tables far larger than memory over GPU, host and SSD (LMDB) tiers."""
 
+from .admission import Admission, CountAdmission
 from .config import TableSpec
 from .errors import (
     CapacityError,
@@ -24,7 +25,7 @@ from .store import Gathered, TierStore
 __version__ = "0.1.0"
 
 __all__ = [
-    "TableSpec", "TierStore", "Gathered", "TierStats",
+    "TableSpec", "CountAdmission", "Admission", "TierStore", "Gathered", "TierStats",
     "Optimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam",
     "UniformInit", "NormalInit", "ConstantInit",
     "TierstoreError", "UnknownTableError", "InvalidIdsError", "ShapeError", "ConfigError",

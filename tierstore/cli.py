@@ -126,6 +126,16 @@ def _checkpoint_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _expire(args: argparse.Namespace) -> int:
+    from .expiry import expire_path
+
+    r = expire_path(args.path, args.older_than, args.table)
+    print(f"expired {sum(r['deleted'].values())} rows last updated more than {r['older_than']} "
+          f"steps before clock {r['clock']} ({r['deleted']}); disk {r['bytes_before'] / 2**20:.1f} "
+          f"MiB -> {r['bytes_after'] / 2**20:.1f} MiB after compaction")
+    return 0
+
+
 def _compact(args: argparse.Namespace) -> int:
     from .persistence import compact
 
@@ -174,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=fmt)
     p.add_argument("path")
     p.set_defaults(func=_upgrade)
+    p = sub.add_parser("expire", help="delete rows not updated for K clock steps, then compact",
+                       formatter_class=fmt)
+    p.add_argument("path")
+    p.add_argument("--older-than", type=int, required=True, metavar="K")
+    p.add_argument("--table", default=None, help="only this table (default: all)")
+    p.set_defaults(func=_expire)
     p = sub.add_parser("compact", help="rewrite a closed store's file in key order (smaller)",
                        formatter_class=fmt)
     p.add_argument("path")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .admission import Admission, admission_from_config
 from .errors import ConfigError
 from .initializers import INITIALIZERS, Initializer, UniformInit, initializer_from_config
 from .optimizers import SGD, Optimizer, optimizer_from_config
@@ -35,6 +36,8 @@ class TableSpec:
     init: Initializer = field(default_factory=UniformInit)
     dtype: str = "float32"
     clip: float | None = None
+    admission: Admission | None = None  # e.g. CountAdmission(min_count=2): see docs/admission.md
+    ttl: int | None = None  # expire rows not updated for this many store clock steps
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -59,6 +62,11 @@ class TableSpec:
                                       not isinstance(self.clip, (int, float)) or
                                       not 0 < self.clip < float("inf")):
             raise ConfigError(f"clip must be a positive finite number or None, got {self.clip!r}")
+        if self.ttl is not None and (isinstance(self.ttl, bool) or not isinstance(self.ttl, int)
+                                     or not 1 <= self.ttl < 2**31):
+            raise ConfigError(f"ttl must be None or an int in [1, 2**31), got {self.ttl!r}")
+        if self.admission is not None and not isinstance(self.admission, Admission):
+            raise ConfigError(f"admission must be a tierstore admission config, got {self.admission!r}")
 
     @property
     def state_dim(self) -> int:
@@ -97,6 +105,10 @@ class TableSpec:
                "dtype": self.dtype}
         if self.clip is not None:  # absent when unset: older stores' configs stay equal
             cfg["clip"] = float(self.clip)
+        if self.admission is not None:  # absent in stores written before admission existed
+            cfg["admission"] = self.admission.to_config()
+        if self.ttl is not None:
+            cfg["ttl"] = self.ttl
         return cfg
 
     @classmethod
@@ -105,7 +117,8 @@ class TableSpec:
         return cls(name=cfg["name"], num_rows=int(cfg["num_rows"]), dim=int(cfg["dim"]),
                    optimizer=optimizer_from_config(cfg["optimizer"]),
                    init=initializer_from_config(cfg["init"]), dtype=cfg.get("dtype", "float32"),
-                   clip=cfg.get("clip"))
+                   clip=cfg.get("clip"), admission=admission_from_config(cfg.get("admission")),
+                   ttl=cfg.get("ttl"))
 
 
 def parse_size(value: int | str) -> int:

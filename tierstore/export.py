@@ -130,6 +130,7 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
                 f"exports version {FORMAT_VERSION}")
         specs = [TableSpec.from_config(v) for k, v in sorted(meta.items())
                  if k.startswith("table:")]
+        cutoffs = meta.get("expiry") or {}  # rows stamped below read as missing: not exported
         try:
             staging = staging_dir(dest)
         except OSError as exc:
@@ -142,6 +143,11 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
                 chunk = max(1, shard_bytes // (8 + 4 * spec.row_dim))
                 shards = []
                 for ids, payload in backend.iter_rows(spec.name, spec.row_dim, txn, chunk):
+                    if spec.name in cutoffs:  # expired, not yet deleted by the ttl deleter
+                        live = payload[:, spec.stamp_col].view(np.int32) >= cutoffs[spec.name]
+                        ids, payload = ids[live], payload[live]
+                        if len(ids) == 0:
+                            continue
                     raw = encode_shard(ids, payload, shuffle)
                     blob = cctx.compress(raw)
                     rel = f"{spec.name}/{len(shards):05d}.zst"

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import validate
+from .admission import pool_masked
 from .errors import ConfigError, ShapeError
 from .store import TierStore
 
@@ -24,7 +25,10 @@ class _TieredBags(torch.autograd.Function):
         need_weights = bool(ctx.needs_input_grad[1])
         tab = store._table(table)
         ids = store._ids(tab, ids)
-        done = store._pool_pinned(tab, ids, offsets, psw, mode, need_weights)  # lock-free
+        # lock-free on the slots the pipeline pinned for this batch (not with admission: its
+        # sketch counts under the lock)
+        done = None if tab.spec.admission is not None else \
+            store._pool_pinned(tab, ids, offsets, psw, mode, need_weights)
         if done is not None:
             out, g = done
         else:
@@ -32,7 +36,11 @@ class _TieredBags(torch.autograd.Function):
                 store._live()
                 tab = store._table(table)
                 store._record(table, ids)
-                out, g = store._pool_forward(tab, ids, offsets, psw, mode, need_weights)
+                mask = store._admit(tab, ids)
+                if mask is not None:  # some ids not admitted yet: they pool their initial rows
+                    out, g = pool_masked(store, tab, ids, mask, offsets, psw, mode)
+                else:
+                    out, g = store._pool_forward(tab, ids, offsets, psw, mode, need_weights)
         ctx.save_for_backward(psw, offsets)
         ctx.mode, ctx.store, ctx.table, ctx.gathered = mode, store, table, g
         return out

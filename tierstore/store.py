@@ -20,6 +20,8 @@ import lmdb
 import numpy as np
 import torch
 
+from . import admission as _adm
+from . import expiry as _exp
 from . import validate
 from ._kernels import HAVE_NUMBA, SLOT_BITS
 from .backends.lmdb_backend import DATA_NAME, LmdbBackend, lmdb_error
@@ -123,6 +125,8 @@ def _mismatch(stored: TableSpec, given: TableSpec) -> list[str]:
         out.append(f"optimizer: stored {stored.optimizer.kind!r}, given {given.optimizer.kind!r}")
     if stored.init != given.init:
         out.append(f"init: stored {stored.init!r}, given {given.init!r}")
+    if stored.admission != given.admission:
+        out.append(f"admission: stored {stored.admission!r}, given {given.admission!r}")
     return out
 
 
@@ -196,6 +200,12 @@ class TierStore:
         self.width = width
         self.tables = {t.name: _Table(t, i, name_key(seed, t.name)) for i, t in enumerate(tables)}
         self._by_index = [self.tables[n] for n in names]
+        try:  # table name -> admission state, for tables with an admission config
+            self._admission = _adm.open_admission(self)
+            self._expiry = _exp.Expiry(self)  # cutoffs per table, ttl expiry points, its deleter
+        except BaseException:
+            self.backend.close()
+            raise
         self.ssd_stats = SsdStats()
         # read-ahead buffers of the prefetch pipeline: table -> [(tail at read, rows, payload, found)]
         self._readahead: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
@@ -333,14 +343,16 @@ class TierStore:
         if not np.array_equal(rows[pos], u):
             return None
         s = slots[pos]
+        return torch.from_numpy(s) if self._still_pinned(tab, u, s) else None
+
+    def _still_pinned(self, tab: _Table, rows: np.ndarray, slots: np.ndarray) -> bool:
+        """Whether every device slot is pinned and still holds its row (read without the lock)."""
         dev = self.device_tier
-        if s.min() < 0 or not (dev.pins.numpy()[s] > 0).all():
-            return None
-        entry = dev.index.table.numpy()[dev.index.pos_of.numpy()[s]]
-        if not (np.array_equal(entry[:, 1], u) and
-                np.array_equal(entry[:, 0], (tab.index << SLOT_BITS) | s)):
-            return None
-        return torch.from_numpy(s)
+        if len(slots) == 0 or slots.min() < 0 or not (dev.pins.numpy()[slots] > 0).all():
+            return False
+        entry = dev.index.table.numpy()[dev.index.pos_of.numpy()[slots]]
+        return bool(np.array_equal(entry[:, 1], rows) and
+                    np.array_equal(entry[:, 0], (tab.index << SLOT_BITS) | slots))
 
     def _pool_pinned(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
                      psw: torch.Tensor | None, mode: str, need_weights: bool
@@ -351,10 +363,12 @@ class TierStore:
                 or self._recorder is not None or tab.spec.codec.packed):
             return None
         uniq, inv = dedup(ids)
-        dslots = self._pinned_slots(tab, uniq)
-        if dslots is None or not self._begin_unlocked():
+        if not self._begin_unlocked():  # first: no locked operation may move rows from here on
             return None
         try:
+            dslots = self._pinned_slots(tab, uniq)
+            if dslots is None:
+                return None
             psw = None if psw is None else psw.detach().to("cpu", torch.float32)
             out = fused_pool(dev.slab, dslots, inv, offsets, tab.spec.dim, psw, mode == "mean")
             weights = tab.spec.codec.gather(dev.slab, dslots, tab.spec.dim) if need_weights \
@@ -370,10 +384,11 @@ class TierStore:
         """`_apply_bags` without the store lock when `g`'s rows are still pinned; False otherwise."""
         if not g.pinned or g.slots is None:
             return False
-        s = g.slots.numpy()
-        if not (self.device_tier.pins.numpy()[s] > 0).all() or not self._begin_unlocked():
+        if not self._begin_unlocked():  # first: no locked operation may move rows from here on
             return False
         try:
+            if not self._still_pinned(tab, g.unique.numpy(), g.slots.numpy()):
+                return False
             self._apply_bags(tab, g, offsets, grad_out, psw, mode)
         finally:
             self._end_unlocked()
@@ -429,6 +444,12 @@ class TierStore:
         tab = self._table(table)
         ids = self._ids(tab, ids)
         self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:
+            return _adm.read_masked(self, tab, ids, mask)
+        return self._read(tab, ids)
+
+    def _read(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor:
         dev = self.device_tier
         # probe one id first: a batch that misses the device tier skips the full lookup
         probe = ids[:1].to(dev.device)
@@ -445,6 +466,9 @@ class TierStore:
         tab = self._table(table)
         ids = self._ids(tab, ids)
         self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:
+            return _adm.gather_masked(self, tab, ids, mask)
         return self._gather(tab, ids)
 
     @_locked
@@ -456,6 +480,12 @@ class TierStore:
         if ids.numel() == 0:
             return
         self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:  # updates of ids not admitted yet are discarded
+            keep = torch.from_numpy(mask)
+            ids, grads = ids[keep], grads[keep]
+            if ids.numel() == 0:
+                return
         grads = grads.cpu()
         dev = self.device_tier
         n = ids.numel()
@@ -486,6 +516,10 @@ class TierStore:
         grads = self._grads(tab, grads, unique.numel())
         if unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
             raise InvalidIdsError("apply_unique needs sorted unique ids; use apply() otherwise")
+        mask = self._admitted(tab, unique)  # gather's second half: counted by the gather
+        if mask is not None:
+            keep = torch.from_numpy(mask)
+            unique, grads = unique[keep], grads[keep]
         if unique.numel():
             n = unique.numel()
             self._access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, torch.arange(n),
@@ -568,6 +602,15 @@ class TierStore:
         if per_sample_weights is not None:
             psw = per_sample_weights.detach().to("cpu", torch.float32).reshape(-1)
             scale = psw if scale is None else scale * psw
+        mask = self._admitted(tab, unique)  # counted by the forward / gather
+        if mask is not None:  # drop the positions of rows not admitted (updates discarded)
+            unique, inverse, (bag_of, scale) = _adm.filter_positions(mask, unique, inverse,
+                                                                     bag_of, scale)
+            if unique.numel() == 0:
+                return
+            if in_place:  # (unreachable: counts only grow) the cascade works in key order
+                unique, inverse = sort_unique(unique, inverse)
+                in_place = False
         update = BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(), inverse, grad_out,
                              bag_of, scale, self.fused, tab.spec.dtype)
         if in_place:
@@ -591,8 +634,12 @@ class TierStore:
                 tier.dirty[slots] = False
         with self._quiesce_writer():  # drain the ring, fold the whole log into the tables
             pass
+        for adm in self._admission.values():  # the sketches go down with the rows they gate
+            adm.save(self.backend)
+        self._expiry.save(self.backend)  # and the expiry cutoffs
         self._save_clock()
         self.backend.sync()
+        self._expiry.flushed()  # rows below durable ttl cutoffs may now leave LMDB
 
     @_locked
     def advance(self, steps: int = 1) -> int:
@@ -607,7 +654,18 @@ class TierStore:
         if self.clock + steps > CLOCK_MAX:
             raise ConfigError(f"the store clock cannot pass {CLOCK_MAX} (at {self.clock})")
         self.clock += steps
+        self._expiry.on_advance()  # tables with a ttl: expire at fixed clock points
         return self.clock
+
+    @_locked
+    def expire(self, table: str | None = None, older_than: int = 0) -> dict[str, int]:
+        """Delete rows (of `table`, or all) last updated more than `older_than` clock steps ago.
+
+        They leave the caches and LMDB and read as freshly initialized; durable on return.
+        Returns rows deleted from LMDB per table. `tierstore compact` reclaims the disk.
+        """
+        self._live()
+        return _exp.expire(self, table, older_than)
 
     def _clock_value(self) -> torch.Tensor:
         """The clock as a 0-d float32 tensor holding its int32 bits (the stamp column's value)."""
@@ -635,6 +693,9 @@ class TierStore:
         log = self.log
         out["writeback"] = {**self.writeback.stats(), "log_rows": log.size,
                             "log_appended": log.rows_appended, "log_merged": log.rows_merged}
+        if self._admission:
+            out["admission"] = {n: a.stats() for n, a in self._admission.items()}
+        out["expiry"] = self._expiry.stats()
         out["ssd"].update(rows_stored=sum(self.backend.count(n) for n in self.tables),
                           disk_bytes=self.backend.disk_bytes())
         return out
@@ -675,8 +736,10 @@ class TierStore:
             return
         for pf in list(self._prefetchers):  # abandoned or still running pipelines: stop them
             pf._stop_for_store()
+        self._expiry.close()
         try:
             self.flush()
+            self._expiry.finish()  # rows below durable ttl cutoffs the deleter did not reach
         finally:
             self._closed = True
             self.writeback.close()
@@ -728,6 +791,16 @@ class TierStore:
         return restore(dest, path, **open_kwargs)
 
     # internals --------------------------------------------------------------------------
+    def _admit(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
+        """Count `ids` for admission; the admitted mask over them, or None when all are."""
+        adm = self._admission.get(tab.spec.name)
+        return None if adm is None else adm.count(ids)
+
+    def _admitted(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
+        """The admitted mask over `ids` without counting them, or None when all are."""
+        adm = self._admission.get(tab.spec.name)
+        return None if adm is None else adm.admitted_mask(ids)
+
     def _record(self, table: str, ids: torch.Tensor) -> None:
         """Append the requested ids to the access trace, when recording."""
         if self._recorder is not None:
@@ -935,6 +1008,8 @@ class TierStore:
             st.hits += nfound
             st.misses += nneed - nfound
             st.bytes_read += nfound * (spec.row_dim + 1) * 4
+        if self._expiry.cutoffs:  # rows stamped below their table's expiry cutoff read as missing
+            data, found = self._expiry.stale_mask(tab.index, data, found, spec.stamp_col)
         nfound = int(np.count_nonzero(found))
         if nfound < n:
             lazy = ~found

@@ -273,13 +273,27 @@ class LmdbBackend:
             return [k.decode() for k, _ in txn.cursor()]
 
     # tables -------------------------------------------------------------------------------
+    def open_named(self, name: bytes, *, create: bool, **flags: bool) -> object:
+        """A named database's handle; never call it inside a transaction of this thread.
+
+        py-lmdb's `open_db` without a transaction begins its own write transaction while holding
+        the GIL: if another thread holds LMDB's writer lock and needs the GIL to finish (the
+        write-behind writer, the ttl deleter), both wait forever. `begin` waits for the writer
+        lock with the GIL released, so the handle is opened inside a transaction begun here.
+        A read-only handle takes no writer lock.
+        """
+        if self.readonly:
+            return self.env.open_db(name, create=create, **flags)
+        with self.env.begin(write=True) as txn:
+            return self.env.open_db(name, txn=txn, create=create, **flags)
+
     def open_tables(self, names: list[str]) -> None:
         """Create (or open) the named databases of these tables."""
         for table in names:
             if table not in self._dbs:
                 try:
-                    self._dbs[table] = self.env.open_db(f"t:{table}".encode(),
-                                                        create=not self.readonly)
+                    self._dbs[table] = self.open_named(f"t:{table}".encode(),
+                                                       create=not self.readonly)
                 except lmdb.NotFoundError:
                     continue
                 except lmdb.Error as exc:
@@ -395,7 +409,7 @@ class LmdbBackend:
     def log_db(self, name: bytes) -> object:
         """The write-behind log's database handle in the current environment (opened on demand)."""
         if self._log_db is None:
-            self._log_db = self.env.open_db(name, create=not self.readonly)
+            self._log_db = self.open_named(name, create=not self.readonly)
         return self._log_db
 
     def append_log(self, db: object, keys: list[bytes], vals: list[bytes]) -> int:
@@ -624,7 +638,7 @@ class LmdbBackend:
                 if table in self._dbs:
                     out[name] = self._dbs[table]
             else:  # not ours: copied as is
-                out[name] = self.env.open_db(name, create=False)
+                out[name] = self.open_named(name, create=False)
         return out
 
     def estimate_compact_bytes(self) -> int:

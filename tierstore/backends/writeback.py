@@ -219,6 +219,7 @@ class WriteBehind:
                 if sink is None:  # the store is gone (garbage-collected without close)
                     return
                 written = sink(tabs, rows, payload) if len(live) else 0
+                sink = None  # not kept while idle: an abandoned store must stay collectable
             except BaseException as exc:  # kept; callers see it; the batch is retried
                 with self._cv:
                     self.error = exc

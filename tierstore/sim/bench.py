@@ -15,6 +15,7 @@ import torch
 from ..errors import ConfigError, TierstoreError
 from ..policies import POLICIES, make_policy
 from ..traces import TRACE_FORMATS, load_trace
+from .admission import admit_trace
 from .exact import EXACT, simulate
 from .tier import simulate_tier
 
@@ -176,6 +177,8 @@ def build_parser(prog: str = "tierstore bench-policies") -> argparse.ArgumentPar
     ap.add_argument("--json", default=None, help="write the records as a JSON list here")
     ap.add_argument("--plot", default=None, help="write a miss-ratio plot (PNG) here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--admission", default=None,
+                    help="feature admission before the caches, e.g. 'count:2' (docs/admission.md)")
     return ap
 
 
@@ -209,6 +212,11 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     trace = load_trace(args.trace, args.trace_dtype, args.limit)
     ids, n_keys = trace.dense()
+    adm = admit_trace(args.admission, ids, args.batch_size)
+    if adm is not None:  # the caches see only admitted requests; the rest need no row
+        ids = adm.ids
+        print(f"admission {adm.spec}: {ids.size} of {adm.requests} requests admitted, rows "
+              f"stored {adm.rows_stored} instead of {adm.distinct}")
     n = ids.size
     print(f"trace {trace.name}: {n} requests, {n_keys} distinct keys, "
           f"{len(trace.table_names)} table(s); loaded in {time.perf_counter() - t0:.1f}s")
@@ -237,6 +245,8 @@ def _run(args: argparse.Namespace) -> int:
                "requests": n, "distinct": n_keys, "misses": int(misses),
                "miss_ratio": misses / n if n else 0.0, "seconds": secs,
                "requests_per_s": n / secs if secs > 0 else float("inf")}
+        if adm is not None:
+            rec.update(adm.fields(int(misses)))
         if mode == "tier":
             rec["batch_size"] = args.batch_size
             if POLICIES[pol.partition(":")[0]].name == "lookahead":
