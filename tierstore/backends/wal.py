@@ -94,13 +94,14 @@ class WriteLog:
         widths = self.widths[tabs]
         sizes = np.unique(widths)
         for w in sizes.tolist():  # one entry size per row width (usually one for all tables)
-            sel = np.flatnonzero(widths == w) if len(sizes) > 1 else np.arange(n)
-            r = rows[sel].astype(np.int64)
+            one = len(sizes) == 1  # the usual case: no row selection, no gathered copies
+            sel = np.arange(n) if one else np.flatnonzero(widths == w)
+            r = np.ascontiguousarray(rows if one else rows[sel], dtype=np.int64)
             ent = np.empty((len(sel), HEADER // 4 + w + 1), dtype=np.uint32)  # header | words | check
-            ent[:, 0] = self.ids[tabs[sel]]
+            ent[:, 0] = self.ids[tabs if one else tabs[sel]]
             ent[:, 1] = 0
-            ent[:, 2:4] = r.astype("<i8").view(np.uint32).reshape(-1, 2)
-            ent[:, 4 : 4 + w] = payload[sel, :w].view(np.uint32)
+            ent[:, 2:4] = r.view(np.uint32).reshape(-1, 2)
+            ent[:, 4 : 4 + w] = (payload[:, :w] if one else payload[sel, :w]).view(np.uint32)
             ent[:, 4 + w] = row_checks(r, ent[:, 4 : 4 + w])
             order.append(sel)
             vals += ent.view(np.uint8).view(f"V{ent.shape[1] * 4}").ravel().tolist()
