@@ -74,3 +74,18 @@ def test_bench_prefetch_smoke(tmp_path):
     for r in recs:
         assert _positive(r["samples_per_s"]) and r["stall_ms_per_step"] >= 0
     assert (tmp_path / "prefetch.png").stat().st_size > 0
+
+
+def test_bench_writeback_smoke(tmp_path):
+    from bench import writeback as bench_writeback
+
+    rc = bench_writeback.main(["--quick", "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    recs = _load(tmp_path / "writeback.json")
+    cases = {r["case"]: r for r in recs}
+    assert set(cases) == {"raw_append", "raw_update", "log_append", "steady_uniform", "steady_zipf",
+                          "get_pylmdb", "get_pages"}
+    for r in recs:
+        assert _positive(r["rows_per_s"]) and r["rows"] > 0
+    assert cases["get_pages"]["found"] == cases["get_pylmdb"]["found"] == cases["get_pages"]["rows"]
+    assert cases["log_append"]["appended"] == cases["log_append"]["rows"]

@@ -1,0 +1,192 @@
+"""SSD-tier throughput of the write-behind path and of reads, with py-lmdb floors measured in the
+same run: `python -m bench.writeback`.
+
+One store of `--tables` x `--rows` populated rows (dim 64 + row-wise Adagrad: 66-word records,
+272 bytes with the checksum). Measured, each as rows/s over `--rows-per-case` rows:
+
+- `raw_append`: py-lmdb alone, `MDB_APPEND` of sequential keys into a fresh database (the floor
+  of a sequential log);
+- `raw_update`: py-lmdb alone, one key-sorted `putmulti` of random stored keys (the floor of the
+  merge: a random B-tree update per row);
+- `log_append`: the store's writer sink (`_write_rows`) while the write-behind log has room: the
+  rate at which write-backs become durable-on-commit;
+- `steady_uniform` / `steady_zipf`: the same sink for long enough that the log merges into the
+  tables again and again (uniform keys: no row is rewritten while in the log; Zipf(1.05): hot
+  rows are);
+- `get_pylmdb` / `get_pages`: sorted random reads of stored rows through py-lmdb's `txn.get`
+  and through the compiled page reader (`backends/pages.py`), both verifying checksums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from tierstore import RowWiseAdagrad, TableSpec, TierStore
+from tierstore.backends.lmdb_backend import encode_keys
+from tierstore.backends.record import seal
+
+from .common import OUT_DIR, bar_plot, save, table
+
+DIM = 64
+
+
+def _store(work: Path, tables: int, rows: int, seed: int) -> TierStore:
+    specs = [TableSpec(f"t{i}", rows, DIM, optimizer=RowWiseAdagrad(0.01)) for i in range(tables)]
+    store = TierStore(work / "store", specs, device_capacity=0, host_capacity=0)
+    rng = np.random.default_rng(seed)
+    w = specs[0].row_dim
+    for s in specs:
+        for lo in range(0, rows, 1 << 18):
+            ids = np.arange(lo, min(lo + (1 << 18), rows), dtype=np.int64)
+            store.backend.put({s.name: (ids, rng.standard_normal((len(ids), w), dtype=np.float32))})
+    store.backend.sync()
+    return store
+
+
+def _rate(n: int, seconds: float) -> float:
+    return n / seconds if seconds > 0 else float("nan")
+
+
+def raw_cases(work: Path, rows: int, n: int, seed: int) -> list[dict]:
+    """py-lmdb alone on a populated table of format-v2 records: append and random-update floors."""
+    rng = np.random.default_rng(seed)
+    w = DIM + 2
+    env = lmdb.open(str(work / "raw"), map_size=64 << 30, max_dbs=4, sync=False, metasync=False,
+                    readahead=False, writemap=True)
+    table = env.open_db(b"t")
+    for lo in range(0, rows, 1 << 18):
+        ids = np.arange(lo, min(lo + (1 << 18), rows), dtype=np.int64)
+        vals = seal(ids, rng.standard_normal((len(ids), w), dtype=np.float32))
+        with env.begin(write=True, db=table) as txn:
+            txn.cursor().putmulti(zip(encode_keys(ids), vals.view(f"V{vals.shape[1]}").ravel().tolist()),
+                                  append=True)
+    ids = np.sort(rng.choice(rows, n, replace=False))
+    vals = seal(ids, rng.standard_normal((n, w), dtype=np.float32))
+    vals = vals.view(f"V{vals.shape[1]}").ravel().tolist()
+    log = env.open_db(b"log")
+    keys = encode_keys(np.arange(n))
+    t0 = time.perf_counter()
+    with env.begin(write=True, db=log) as txn:
+        txn.cursor().putmulti(zip(keys, vals), append=True)
+    t1 = time.perf_counter()
+    with env.begin(write=True, db=table) as txn:
+        txn.cursor().putmulti(zip(encode_keys(ids), vals))
+    t2 = time.perf_counter()
+    env.close()
+    return [{"case": "raw_append", "rows": n, "rows_per_s": _rate(n, t1 - t0)},
+            {"case": "raw_update", "rows": n, "rows_per_s": _rate(n, t2 - t1)}]
+
+
+def writer_case(store: TierStore, name: str, n: int, batch: int, alpha: float | None,
+                seed: int) -> dict:
+    """Feed `n` rows through the writer's sink in ring-sized batches of distinct keys."""
+    rng = np.random.default_rng(seed)
+    tables, rows = len(store.tables), next(iter(store.tables.values())).spec.num_rows
+    log = store.log
+    appended0, merged0 = log.rows_appended, log.rows_merged
+    done, t = 0, 0.0
+    while done < n:
+        tabs = rng.integers(0, tables, batch)
+        ids = (rng.zipf(alpha, batch) - 1) % rows if alpha else rng.integers(0, rows, batch)
+        _, first = np.unique(tabs * rows + ids, return_index=True)
+        tabs, ids = tabs[first], ids[first]
+        pay = rng.standard_normal((len(ids), store.width), dtype=np.float32)
+        t0 = time.perf_counter()
+        store._write_rows(tabs, ids, pay)
+        t += time.perf_counter() - t0
+        done += len(ids)
+    return {"case": name, "rows": done, "rows_per_s": _rate(done, t),
+            "appended": log.rows_appended - appended0, "merged": log.rows_merged - merged0}
+
+
+def read_cases(store: TierStore, n: int, seed: int) -> list[dict]:
+    """Sorted random reads of stored rows through py-lmdb and through the page reader."""
+    rng = np.random.default_rng(seed)
+    spec = next(iter(store.tables.values())).spec
+    be = store.backend
+    ids = rng.choice(spec.num_rows, n, replace=False)
+    out = []
+    pages = be._pages
+    every = np.arange(spec.num_rows)
+    for case, reader in (("get_pylmdb", None), ("get_pages", pages)):
+        be._pages = reader
+        for lo in range(0, len(every), 1 << 18):  # every page mapped: the steady state of a long run
+            be.get(spec.name, every[lo : lo + (1 << 18)], spec.row_dim)
+        t0 = time.perf_counter()
+        _, found = be.get(spec.name, ids, spec.row_dim)
+        out.append({"case": case, "rows": n, "rows_per_s": _rate(n, time.perf_counter() - t0),
+                    "found": int(found.sum())})
+    be._pages = pages
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.writeback", description=__doc__.splitlines()[0])
+    ap.add_argument("--tables", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=1_000_000, help="stored rows per table")
+    ap.add_argument("--rows-per-case", type=int, default=300_000)
+    ap.add_argument("--steady", type=int, default=3_000_000, help="rows fed in each steady case")
+    ap.add_argument("--batch", type=int, default=50_000, help="rows per writer batch")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a short run: 2 x 50k rows")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tables, args.rows, args.rows_per_case, args.steady, args.batch = 2, 50_000, 20_000, 60_000, 5_000
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench_writeback_", dir=args.workdir))
+    try:
+        recs = raw_cases(work, args.rows, args.rows_per_case, args.seed)
+        store = _store(work, args.tables, args.rows, args.seed)
+        try:
+            store.writeback.drain()
+            room = store.log.capacity * 3 // 4 - store.log.size - args.batch
+            recs.append(writer_case(store, "log_append", max(args.batch, min(args.rows_per_case, room)),
+                                    args.batch, None, args.seed))
+            recs.append(writer_case(store, "steady_uniform", args.steady, args.batch, None, args.seed + 1))
+            recs.append(writer_case(store, "steady_zipf", args.steady, args.batch, 1.05, args.seed + 2))
+            recs += read_cases(store, args.rows_per_case, args.seed)
+            log_capacity = store.log.capacity
+        finally:
+            store.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base = {r["case"]: r["rows_per_s"] for r in recs}
+    for r in recs:
+        floor = "raw_append" if r["case"] in ("log_append",) else \
+            "raw_update" if r["case"].startswith("steady") else "get_pylmdb"
+        r["vs_floor"] = r["rows_per_s"] / base[floor] if r["case"] not in ("raw_append", "raw_update") \
+            else None
+        r["floor"] = floor if r["vs_floor"] is not None else None
+    print(table(recs, [("case", "case", ""), ("rows", "rows", ",d"), ("rows_per_s", "rows/s", ",.0f"),
+                       ("floor", "floor", ""), ("vs_floor", "vs floor", ".2f"),
+                       ("merged", "merged", ",d")]))
+    meta = {"bench": "writeback", "argv": sys.argv[1:] if argv is None else argv, "tables": args.tables,
+            "rows": args.rows, "record_bytes": (DIM + 2) * 4 + 4, "log_capacity": log_capacity}
+    path = save("writeback", recs, meta, args.out)
+    print(f"wrote {path}")
+    if not args.no_plot:
+        png = Path(args.out or OUT_DIR) / "writeback.png"
+        bar_plot(png, [r["case"] for r in recs], {"M rows/s": [r["rows_per_s"] / 1e6 for r in recs]},
+                 "M rows/s", "SSD tier throughput (write-behind sink, reads) and py-lmdb floors",
+                 target=1.0)
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
