@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -174,7 +175,8 @@ class TierStore:
         # the batch in use, as the prefetch pipeline staged it: (consumer thread id,
         # {table: (sorted rows, device slots)}); its rows stay pinned until the pipeline's release
         self._staged: tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]] = (0, {})
-        self._pending_hits: list[torch.Tensor] = []  # device hits of lock-free gathers, not yet told
+        # device hits of lock-free gathers, not yet told (a deque: append and popleft are atomic)
+        self._pending_hits: collections.deque[torch.Tensor] = collections.deque()
         self.prefetch_stats = PrefetchStats()
         self._last_sources = (0, 0, 0)
         self._marks: np.ndarray | None = None  # scratch for `_distinct_resident`, one per device slot
@@ -319,12 +321,11 @@ class TierStore:
 
         Their rows are pinned, so no victim choice could have used the hits in between.
         """
-        if self._pending_hits:
-            hits, self._pending_hits = self._pending_hits, []
-            dev = self.device_tier
-            for slots in hits:
-                dev.count_lookups(slots.numel(), slots.numel())
-                dev.touch(slots)
+        hits, dev = self._pending_hits, self.device_tier
+        while hits:
+            slots = hits.popleft()
+            dev.count_lookups(slots.numel(), slots.numel())
+            dev.touch(slots)
 
     def _pinned_slots(self, tab: _Table, uniq: torch.Tensor) -> torch.Tensor | None:
         """Device slots of `uniq` from the batch the pipeline staged for this thread, or None.
