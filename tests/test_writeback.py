@@ -166,3 +166,68 @@ def test_kill_with_a_full_ring_loses_nothing_acknowledged(tmp_path, kill_after):
     for row in range(50):
         assert any(torch.equal(got[row], st[row]) for st in states.values()), row
     assert np.isfinite(got.numpy()).all()
+
+
+def _leave_a_log(path, version_rows: dict[int, int]) -> dict[int, torch.Tensor]:
+    """A store whose writer appended rows to the log but never merged them (as after a kill):
+    returns the rows' logged payloads."""
+    from tierstore.backends import wal
+
+    s = ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+    s.flush()
+    w = s.width
+    rows = np.array(sorted(version_rows), dtype=np.int64)
+    pay = np.zeros((len(rows), w), dtype=np.float32)
+    pay[:, : SPEC.dim] = np.array([version_rows[r] for r in rows], dtype=np.float32)[:, None]
+    with s.writeback._cv:
+        s.log.append(np.zeros(len(rows), dtype=np.int64), rows, pay)
+    assert s.log.size == len(rows) and len(s.log._chunks) >= 1
+    s.writeback.close()  # the writer stops: the log stays as a kill would leave it
+    s.backend.sync()
+    s.backend.close()
+    s._closed = True
+    return {int(r): torch.from_numpy(pay[i, : SPEC.dim]) for i, r in enumerate(rows)}, wal
+
+
+def test_a_log_left_behind_is_replayed_on_open_chunks_and_one_row_values(tmp_path):
+    """Chunked log values and the one-row values of logs written before chunks both replay."""
+    path = tmp_path / "s"
+    want, wal = _leave_a_log(path, {r: float(r) + 0.5 for r in range(0, 9000, 3)})
+    import lmdb as _lmdb
+
+    env = _lmdb.open(str(path), max_dbs=4096, subdir=True)
+    db = env.open_db(wal.LOG_DB)
+    with env.begin(write=True, db=db) as txn:  # one older-format entry past the chunks
+        rec = np.zeros(SPEC.row_dim, dtype=np.float32)
+        rec[: SPEC.dim] = 7.25
+        from tierstore.backends.record import seal
+
+        body = seal(np.array([5]), rec[None, :])[0].tobytes()
+        head = np.array([wal.table_id("t"), 0], dtype=np.uint32).tobytes() + \
+            np.array([5], dtype="<i8").tobytes()
+        txn.put((10**9).to_bytes(8, "big"), head + body, append=True)
+    env.close()
+    want[5] = torch.full((SPEC.dim,), 7.25)
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        assert s.log.size == 0  # replayed and emptied
+        ids = torch.tensor(sorted(want))
+        got = s.read("t", ids)
+        for i, r in enumerate(ids.tolist()):
+            assert torch.equal(got[i], want[r]), r
+
+
+def test_a_damaged_log_chunk_is_reported(tmp_path):
+    path = tmp_path / "s"
+    _, wal = _leave_a_log(path, {r: 1.0 for r in range(100)})
+    import lmdb as _lmdb
+
+    env = _lmdb.open(str(path), max_dbs=4096, subdir=True)
+    db = env.open_db(wal.LOG_DB)
+    with env.begin(write=True, db=db) as txn:
+        key, val = next(iter(txn.cursor()))
+        bad = bytearray(val)
+        bad[8:12] = (len(bad)).to_bytes(4, "little")  # a count that does not fit the value
+        txn.put(key, bytes(bad))
+    env.close()
+    with pytest.raises(ts.StoreCorruptError):
+        ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)

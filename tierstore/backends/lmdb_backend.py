@@ -417,7 +417,7 @@ class LmdbBackend:
         total = sum(map(len, vals)) + 8 * len(keys)
         self._ensure_room(total)
         self._wrote = True
-        self._check_space(len(keys) // 8 + 1)
+        self._check_space(total // 4096 + len(keys) + 1)  # pages: values this large overflow
         while True:
             try:
                 with self.env.begin(write=True, db=db) as txn:
@@ -428,35 +428,18 @@ class LmdbBackend:
             except lmdb.Error as exc:
                 self._raise_io(exc)
 
-    def read_log(self, db: object, first: bytes, n: int) -> tuple[list[bytes], list[bytes]]:
-        """The `n` log entries from key `first` on: (keys, values)."""
-        with self.reading(), self.env.begin(db=db) as txn:
-            cur = txn.cursor()
-            if not cur.set_key(first):
-                return [], []
-            items = list(islice(cur.iternext(keys=True, values=True), n))
-        return [k for k, _ in items], [v for _, v in items]
-
-    def log_values(self, name: bytes, seqs: np.ndarray) -> list | None:
-        """Log values of sequence numbers `seqs` grouped by size, read through the page reader:
-        [(positions, uint8 [k, size])]; None when it cannot (then use `read_log`/`get_log`)."""
-        pages = self._pages if self.map_resident is None else None
-        if pages is None or len(seqs) == 0:
-            return None
+    def log_chunks(self, db: object, keys: list[bytes], use: Callable[[list], object]) -> object:
+        """`use(values)` of log keys inside one read transaction (values are zero-copy buffers of
+        the map, valid only inside `use`; None where absent: merged meanwhile); returns its result."""
         with self.reading():
             try:
-                with self.env.begin() as txn:  # pins the snapshot the pages belong to
-                    return pages.values_by_size(txn.get(name), seqs.astype(np.uint64))
+                with self.env.begin(db=db, buffers=True) as txn:
+                    return use([txn.get(k) for k in keys])
             except lmdb.Error as exc:
                 self._raise_io(exc)
 
-    def get_log(self, db: object, keys: list[bytes]) -> list:
-        """Values of log keys (None where absent: merged meanwhile)."""
-        with self.reading(), self.env.begin(db=db) as txn:
-            return list(map(txn.get, keys))
-
     def delete_log(self, db: object, keys: list[bytes]) -> None:
-        """Delete merged log entries in one transaction."""
+        """Delete merged log chunks in one transaction."""
         self._wrote = True
         try:
             with self.env.begin(write=True, db=db) as txn:

@@ -205,33 +205,3 @@ class PageReader:
             if status != SHORT_MAP:
                 return None
         return None
-
-    def values_by_size(self, record: bytes | None, keys: np.ndarray
-                       ) -> list[tuple[np.ndarray, np.ndarray]] | None:
-        """Every key's value, grouped by size: [(positions in `keys`, uint8 [k, size])], or None
-        (use py-lmdb) when a key is absent or a page is unexpected; same transaction rule."""
-        if record is None or len(record) != _DB_RECORD.size:
-            return None
-        root = _DB_RECORD.unpack(record)[-1]
-        if root == P_INVALID:
-            return None
-        offs = np.empty(len(keys), dtype=np.int64)
-        lens = np.empty(len(keys), dtype=np.int64)
-        for remap in (False, True):
-            mem = self._mapping(remap)
-            if mem is None:
-                return None
-            status = find_spans(mem, self.psize, root, keys, offs, lens)
-            if status == SHORT_MAP:
-                continue
-            if status != OK or (offs < 0).any():
-                return None
-            groups = []
-            sizes = np.unique(lens)
-            for size in sizes.tolist():
-                pick = np.flatnonzero(lens == size) if len(sizes) > 1 else np.arange(len(keys))
-                out = np.empty((len(pick), size), dtype=np.uint8)
-                gather_spans(mem, offs, pick, out)
-                groups.append((pick, out))
-            return groups
-        return None

@@ -1,17 +1,23 @@
 """The write-behind log: rows appended in arrival order to a log database inside the LMDB env.
 
 The writer thread appends each batch it takes from the write-behind ring to the database
-`__tierstore_log__` under increasing 8-byte sequence keys (`MDB_APPEND`: full pages, no random
-B-tree update), then folds the oldest part of the log into the tables in large key-sorted
-batches (`merge`), so each leaf page of a table absorbs many rows at once.
+`__tierstore_log__` (`MDB_APPEND`: full pages, no random B-tree update), then folds the oldest
+part of the log into the tables in large key-sorted batches (`merge`), so each leaf page of a
+table absorbs many rows at once.
 
-A log value is `table id (u32, crc32 of the table name) | 0 (u32) | row id (i64) | record`, the
-record being the table's stored row format (row words and checksum, `record.py`). An in-memory
-hash index maps each (table, row) with a version in the log to the sequence number of its newest
-version; it holds at most `capacity` entries (the log is merged before it holds more), so its
-memory is bounded by the log's size. On open, a log left by a crash is merged into the tables
-before anything else (`replay`): appends are committed transactions, so the log holds whole
-rows only; a merge that was cut short is simply done again (rows are idempotent).
+Every row has a sequence number. The log stores rows in *chunks*: one LMDB value of up to
+`CHUNK_ROWS` consecutive rows of one entry size, under the 8-byte big-endian sequence number of
+its first row. A chunk is `CHUNK_MAGIC | entry size (u32) | count (u32) | 0 (u32)` and then
+`count` entries of `table id (u32, crc32 of the table name) | 0 (u32) | row id (i64) | record`,
+the record being the table's stored row format (row words and checksum, `record.py`). Chunks
+make an append, a merge's read and its delete a handful of LMDB calls and byte copies instead of
+one Python object and B-tree operation per row (values this large live in LMDB's overflow pages,
+written whole). An in-memory hash index maps each (table, row) with a version in the log to the
+sequence number of its newest version; it holds at most `capacity` entries (the log is merged
+before it holds more), so its memory is bounded by the log's size. On open, a log left by a
+crash is merged into the tables before anything else (`replay`, which also reads the one-row
+values of logs written before chunks): appends are committed transactions, so the log holds
+whole chunks only; a merge that was cut short is simply done again (rows are idempotent).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from .record import open_records, row_checks
 
 LOG_DB = b"__tierstore_log__"
 HEADER = 16  # table id u32, pad u32, row id i64
+CHUNK_MAGIC = b"TSLC"
+CHUNK_HEADER = 16  # magic, entry size u32, count u32, pad u32
+CHUNK_ROWS = 4096  # rows per log value: ~1.1 MB of 66-word rows, a few hundred overflow pages
 _SEQ = np.dtype(">u8")
 
 
@@ -58,6 +67,8 @@ class WriteLog:
         self.lock = lock  # the write-behind ring's condition: guards the index
         self.next = self._last() + 1  # next sequence number
         self.merged = self.next  # sequence numbers below are merged (or were never appended)
+        # the chunks not yet merged, oldest first: first sequence number, row count, entry size
+        self._chunks = np.zeros((0, 3), dtype=np.int64)
         self.rows_appended = 0
         self.rows_merged = 0
         self.merge_seconds = 0.0
@@ -69,9 +80,13 @@ class WriteLog:
         return self.backend.log_db(LOG_DB)
 
     def _last(self) -> int:
+        """The last sequence number in the log (-1 when empty; the log is replayed before this)."""
         with self.backend.reading(), self.backend.env.begin(db=self.db) as txn:
             cur = txn.cursor()
-            return int.from_bytes(cur.key(), "big") if cur.last() else -1
+            if not cur.last():
+                return -1
+            first, val = int.from_bytes(cur.key(), "big"), cur.value()
+            return first + _chunk_count(val) - 1
 
     @property
     def size(self) -> int:
@@ -90,7 +105,8 @@ class WriteLog:
             return 0
         if self.size + n > self.capacity:
             self.merge(self.size + n - self.capacity + self.capacity // 2)
-        order, vals = [], []
+        order, keys, vals, chunks = [], [], [], []
+        seq = self.next
         widths = self.widths[tabs]
         sizes = np.unique(widths)
         for w in sizes.tolist():  # one entry size per row width (usually one for all tables)
@@ -104,11 +120,19 @@ class WriteLog:
             ent[:, 4 : 4 + w] = (payload[:, :w] if one else payload[sel, :w]).view(np.uint32)
             ent[:, 4 + w] = row_checks(r, ent[:, 4 : 4 + w])
             order.append(sel)
-            vals += ent.view(np.uint8).view(f"V{ent.shape[1] * 4}").ravel().tolist()
+            size = ent.shape[1] * 4
+            for lo in range(0, len(sel), CHUNK_ROWS):
+                part = ent[lo : lo + CHUNK_ROWS]
+                head = np.array([0, size, len(part), 0], dtype=np.uint32)
+                head[0] = np.frombuffer(CHUNK_MAGIC, dtype=np.uint32)[0]
+                keys.append(seq.to_bytes(8, "big"))
+                vals.append(head.tobytes() + part.tobytes())
+                chunks.append((seq, len(part), size))
+                seq += len(part)
         order = np.concatenate(order) if len(order) > 1 else order[0]
         tabs, rows = tabs[order], rows[order]
         seqs = np.arange(self.next, self.next + n, dtype=np.int64)
-        nbytes = self.backend.append_log(self.db, _seq_keys(seqs), vals)
+        nbytes = self.backend.append_log(self.db, keys, vals)
         with self.lock:
             tt = torch.from_numpy(np.ascontiguousarray(tabs, dtype=np.int64))
             tr = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
@@ -119,34 +143,39 @@ class WriteLog:
             slots = torch.from_numpy(seqs % self.capacity)
             self.index.add(tt, tr, slots)
             self.seq_of[slots.numpy()] = seqs
+            self._chunks = np.concatenate([self._chunks, np.array(chunks, dtype=np.int64)])
             self.next += n
         self.rows_appended += n
         return nbytes
 
     def merge(self, n: int | None = None) -> int:
-        """Fold the oldest `n` log entries (all when None) into the tables; returns bytes written."""
+        """Fold the oldest whole chunks holding at least `n` log rows (all when None) into the
+        tables; returns bytes written."""
         n = self.size if n is None else min(int(n), self.size)
         if n <= 0:
             return 0
-        lo, hi = self.merged, self.merged + n
-        seqs = np.arange(lo, hi, dtype=np.int64)
-        groups = self.backend.log_values(LOG_DB, seqs)  # compiled page reads, no per-row objects
-        if groups is None:
-            keys, vals = self.backend.read_log(self.db, _seq_keys(np.array([lo]))[0], n)
-            if len(keys) != n:
-                raise StoreCorruptError(f"write-behind log of {self.backend.path}: expected {n} "
-                                        f"entries from {lo}, found {len(keys)}")
-            entries = parse_entries(vals, self.ids, self.row_dims, self.backend.path)
-        else:
-            entries = (parse_blob(sel, blob, self.ids, self.row_dims, self.backend.path)
-                       for sel, blob in groups)
+        with self.lock:
+            chunks = self._chunks
+        take = int(np.searchsorted(np.cumsum(chunks[:, 1]), n)) + 1  # whole chunks
+        chunks = chunks[:take]
+        lo = int(chunks[0, 0])
+        hi = int(chunks[-1, 0] + chunks[-1, 1])
+        if lo != self.merged:
+            raise StoreCorruptError(f"write-behind log of {self.backend.path}: chunk at {lo}, "
+                                    f"expected {self.merged}")
+        keys = _seq_keys(chunks[:, 0])
+        blobs = self.backend.log_chunks(self.db, keys, lambda vals: [  # copied out of the map
+            _chunk_entries(v, int(c[1]), int(c[2]), self.backend.path).copy()
+            for v, c in zip(vals, chunks)])
         batches: dict[str, list] = {}
         gone = []
-        for sel, tabs, rows, recs in entries:
+        for (first, count, _), blob in zip(chunks.tolist(), blobs):
+            seqs = np.arange(first, first + count, dtype=np.int64)
+            sel, tabs, rows, recs = parse_blob(seqs, blob, self.ids, self.row_dims, self.backend.path)
             with self.lock:  # newest versions only: an older one was superseded by a later entry
                 slots = self.index.find(torch.from_numpy(tabs), torch.from_numpy(rows)).numpy()
-                newest = (slots >= 0) & (self.seq_of[np.maximum(slots, 0)] == seqs[sel])
-            gone.append((slots[newest], seqs[sel][newest]))
+                newest = (slots >= 0) & (self.seq_of[np.maximum(slots, 0)] == seqs)
+            gone.append((slots[newest], seqs[newest]))
             for t in np.unique(tabs[newest]).tolist():
                 pick = newest & (tabs == t)
                 good = recs[pick]
@@ -157,13 +186,14 @@ class WriteLog:
                   (np.concatenate([r for r, _ in parts]), np.concatenate([d for _, d in parts]))
                   for name, parts in batches.items()}
         written = self.backend.put(merged, sealed=True) if merged else 0
-        self.backend.delete_log(self.db, _seq_keys(seqs))
+        self.backend.delete_log(self.db, keys)
         with self.lock:
             for slots, sq in gone:
                 still = self.seq_of[slots] == sq  # not re-appended meanwhile
                 if still.any():
                     self.index.remove(torch.from_numpy(slots[still]))
                     self.seq_of[slots[still]] = -1
+            self._chunks = self._chunks[take:]
             self.merged = hi
         self.rows_merged += sum(len(r) for r, _ in merged.values())
         return written
@@ -181,12 +211,34 @@ class WriteLog:
     def read(self, tab: int, rows: np.ndarray, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows [n, row_dim], found [n]) of log versions; an entry merged meanwhile is not found."""
         w = self.row_dims[tab]
-        vals = self.backend.get_log(self.db, _seq_keys(seqs))
-        found = np.fromiter((v is not None for v in vals), dtype=bool, count=len(vals))
-        out = np.zeros((len(vals), w), dtype=np.float32)
+        size = HEADER + 4 * w + 4
+        out = np.zeros((len(seqs), w), dtype=np.float32)
+        found = np.zeros(len(seqs), dtype=bool)
+        with self.lock:
+            chunks = self._chunks
+        if len(seqs) == 0 or len(chunks) == 0:
+            return out, found
+        at = np.searchsorted(chunks[:, 0], seqs, side="right") - 1
+        ok = (at >= 0) & (seqs < chunks[np.maximum(at, 0), 0] + chunks[np.maximum(at, 0), 1])
+        used = np.unique(at[ok])
+        entries = np.zeros((len(seqs), size), dtype=np.uint8)
+
+        def pick(vals):  # inside the read transaction: copy just the wanted entries out
+            for c, v in zip(used.tolist(), vals):
+                if v is None:  # merged meanwhile: the table has it
+                    continue
+                mine = np.flatnonzero(ok & (at == c))
+                blob = _chunk_entries(v, int(chunks[c, 1]), int(chunks[c, 2]), self.backend.path)
+                if blob.shape[1] != size:
+                    raise StoreCorruptError(f"write-behind log of {self.backend.path}: an entry of "
+                                            f"table {self.names[tab]!r} has the wrong size")
+                entries[mine] = blob[seqs[mine] - chunks[c, 0]]
+                found[mine] = True
+
+        if len(used):
+            self.backend.log_chunks(self.db, _seq_keys(chunks[used, 0]), pick)
         if found.any():
-            blob = np.frombuffer(b"".join(v for v in vals if v is not None), dtype=np.uint8)
-            blob = blob.reshape(int(found.sum()), HEADER + 4 * w + 4)
+            blob = entries[found]
             if (blob[:, :4].copy().view(np.uint32).ravel() != self.ids[tab]).any() or \
                     (blob[:, 8:16].copy().view("<i8").ravel() != rows[found]).any():
                 raise StoreCorruptError(f"write-behind log of {self.backend.path}: an entry does not "
@@ -194,6 +246,27 @@ class WriteLog:
             out[found] = open_records(self.names[tab], rows[found], blob[:, HEADER:], w,
                                       f"store {self.backend.path}, ")
         return out, found
+
+
+def _chunk_count(val) -> int:
+    """Rows in a log value: a chunk's count, or 1 for a one-row value of an older log."""
+    head = bytes(val[:CHUNK_HEADER])
+    if head[:4] == CHUNK_MAGIC and len(head) == CHUNK_HEADER:
+        return int.from_bytes(head[8:12], "little")
+    return 1
+
+
+def _chunk_entries(val, count: int, size: int, path: object) -> np.ndarray:
+    """A chunk's entries, uint8 [count, size] (a view of `val`), checked against its header."""
+    if val is None:
+        raise StoreCorruptError(f"write-behind log of {path}: a chunk is missing")
+    arr = np.frombuffer(val, dtype=np.uint8)
+    head = arr[:CHUNK_HEADER].tobytes()
+    if head[:4] != CHUNK_MAGIC or int.from_bytes(head[4:8], "little") != size or \
+            int.from_bytes(head[8:12], "little") != count or len(arr) != CHUNK_HEADER + count * size:
+        raise StoreCorruptError(f"write-behind log of {path}: a chunk's header does not match "
+                                f"its size (damaged log)")
+    return arr[CHUNK_HEADER:].reshape(count, size)
 
 
 def parse_entries(vals: list, ids: np.ndarray, row_dims: list[int], path: object):
@@ -240,7 +313,15 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
     with backend.reading(), backend.env.begin(db=db) as txn:
         if not txn.stat(db)["entries"]:
             return 0
-        vals = [bytes(v) for v in txn.cursor().iternext(keys=False, values=True)]
+        vals = []  # one bytes per row, in log order (chunks expanded)
+        for v in txn.cursor().iternext(keys=False, values=True):
+            v = bytes(v)
+            if v[:4] == CHUNK_MAGIC:
+                size, count = int.from_bytes(v[4:8], "little"), int.from_bytes(v[8:12], "little")
+                blob = _chunk_entries(v, count, size, backend.path)
+                vals += blob.view(f"V{size}").ravel().tolist()
+            else:  # a one-row value (logs written before chunks)
+                vals.append(v)
     ids = np.array([table_id(n) for n in names], dtype=np.uint32)
     keyed = []
     for sel, tabs, rows, recs in parse_entries(vals, ids, row_dims, backend.path):
