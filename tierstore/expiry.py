@@ -63,24 +63,24 @@ def purge_caches(store: TierStore, cutoffs: dict[int, int]) -> int:
     """Drop cached rows of tables {index: cutoff} whose stamp is below the cutoff; returns rows.
 
     Dirty or not: an older copy below is older still, so it is stale too and reads as missing.
+    One vectorized pass over each tier's occupied slots, whatever the number of tables.
     """
+    tables = store._by_index
+    cut = torch.full((len(tables),), -(2**31), dtype=torch.int64)  # no cutoff move: keep
+    for t, c in cutoffs.items():
+        cut[t] = c
+    cols = torch.tensor([t.spec.stamp_col for t in tables], dtype=torch.int64)
     dropped = 0
     for tier in (store.device_tier, store.host_tier):
         if tier.size == 0:
             continue
         slots = torch.nonzero(tier.occupied).flatten()
-        tabs, _ = tier.index.keys(slots)
-        tabs = tabs.to(slots.device)
-        for t, cutoff in cutoffs.items():
-            mine = slots[tabs == t]
-            if mine.numel() == 0:
-                continue
-            col = store._by_index[t].spec.stamp_col
-            stamps = tier.slab[mine, col].contiguous().view(torch.int32)
-            dead = mine[stamps < cutoff]
-            if dead.numel():
-                tier.remove(dead)
-                dropped += int(dead.numel())
+        tabs = tier.index.keys(slots)[0].to(slots.device)
+        stamps = tier.slab[slots, cols.to(slots.device)[tabs]].contiguous().view(torch.int32)
+        dead = slots[stamps.to(torch.int64) < cut.to(slots.device)[tabs]]
+        if dead.numel():
+            tier.remove(dead)
+            dropped += int(dead.numel())
     return dropped
 
 
