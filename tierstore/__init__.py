@@ -8,7 +8,9 @@ from .errors import (
     InvalidGradientError,
     InvalidIdsError,
     OutOfSpaceError,
+    ReadOnlyError,
     ShapeError,
+    SnapshotUnavailableError,
     StoreClosedError,
     StoreCorruptError,
     StoreLockedError,
@@ -30,8 +32,17 @@ __all__ = [
     "TierstoreError", "UnknownTableError", "InvalidIdsError", "ShapeError", "ConfigError",
     "ConfigMismatchError", "StoreLockedError", "StoreCorruptError", "OutOfSpaceError",
     "StoreClosedError", "CapacityError", "InvalidGradientError", "StoreNotFoundError",
+    "ReadOnlyError", "SnapshotUnavailableError",
 ]
 
 from .module import TieredEmbeddingBag, TieredEmbeddingBagCollection  # noqa: E402
 
 __all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection"]
+
+from .sequence import JaggedEmbeddings, TieredEmbedding, TieredEmbeddingCollection  # noqa: E402
+
+__all__ += ["TieredEmbedding", "TieredEmbeddingCollection", "JaggedEmbeddings"]
+
+from .serving import ReadOnlyStore  # noqa: E402
+
+__all__ += ["ReadOnlyStore"]

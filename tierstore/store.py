@@ -254,10 +254,13 @@ class TierStore:
              host_capacity: int | str = "512MiB", policy: str = "lru",
              device: torch.device | str | None = None, map_limit: int | str | None = None,
              readonly: bool = False, write_buffer: int | str | None = None) -> TierStore:
-        """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none)."""
-        if readonly:  # read-only serving handles (issue 16) are not merged yet
-            raise ConfigError("read-only handles are not available in this version of tierstore; "
-                              "open the store for writing (one writer at a time)")
+        """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none).
+
+        `readonly=True` returns a `tierstore.serving.ReadOnlyStore` (any process, while a writer
+        has the store open; only `host_capacity`, `policy` and `device` apply).
+        """
+        if readonly:  # a serving handle on the writer's last flush: docs/serving.md
+            return _open_readonly(path, host_capacity, policy, device)
         specs, seed = stored_config(path)
         return cls(path, specs, device_capacity=device_capacity, host_capacity=host_capacity,
                    policy=policy, seed=seed, device=device, map_limit=map_limit,
@@ -475,7 +478,7 @@ class TierStore:
                 self._write_down(rows.to(torch.device("cpu")))
                 tier.dirty[slots] = False
         with self._quiesce_writer():  # drain the ring, fold the whole log into the tables
-            pass
+            self.backend.publish()  # readers (tierstore.serving) now see this flush
         self._save_clock()
         self.backend.sync()
 
@@ -920,6 +923,16 @@ class TierStore:
             data[rest] = mdata
             found[rest] = mfound
         return data, found
+
+
+def _open_readonly(path: str | os.PathLike, host_capacity: int | str, policy: str,
+                   device: torch.device | str | None) -> Any:
+    """`TierStore.open(path, readonly=True)`: a ReadOnlyStore on the store or quantized export."""
+    from .serving import ReadOnlyStore
+
+    if not (Path(path) / DATA_NAME).is_file():
+        raise StoreNotFoundError(f"no tierstore store at {path} (no {DATA_NAME})")
+    return ReadOnlyStore(path, host_capacity=host_capacity, policy=policy, device=device)
 
 
 def _proc_status() -> dict[str, int]:
