@@ -74,7 +74,8 @@ def test_writes_raise_read_only_error(store_path):
         before = reader.read("t", ALL)
         for call in (lambda: reader.apply("t", torch.tensor([1]), torch.ones(1, DIM)),
                      lambda: reader.apply_unique("t", torch.tensor([1]), torch.ones(1, DIM)),
-                     lambda: reader.gather("t", torch.tensor([1])), reader.flush,
+                     lambda: reader.gather("t", torch.tensor([1])), reader.flush, reader.advance,
+                     reader.compact,
                      lambda: reader.checkpoint(store_path.parent / "ck")):
             with pytest.raises(ts.ReadOnlyError):
                 call()
@@ -269,15 +270,23 @@ def test_offline_compaction_never_breaks_a_reader(store_path):
 
 
 def test_tierstore_open_readonly(store_path):
-    if not hasattr(ts.TierStore, "open"):
-        pytest.skip("TierStore.open is added by another change")
+    gen = torch.Generator().manual_seed(9)
+    with pytest.raises(ts.StoreNotFoundError):
+        ts.TierStore.open(store_path, readonly=True)
     with _writer(store_path) as store:
         store.flush()
         want = store.read("t", ALL)
         with ts.TierStore.open(store_path, readonly=True, host_capacity=100) as reader:
+            assert isinstance(reader, ReadOnlyStore)
+            assert reader.host_tier.capacity == 100  # its own host cache
             assert torch.equal(reader.read("t", ALL).cpu(), want)
             with pytest.raises(ts.ReadOnlyError):
                 reader.apply("t", torch.tensor([0]), torch.ones(1, DIM))
+            _train(store, gen)
+            assert torch.equal(reader.read("t", ALL), want)
+            store.flush()
+            assert reader.refresh()
+            assert torch.equal(reader.read("t", ALL), store.read("t", ALL))
 
 
 def _run_reader_against_writer(tmp_path: Path, steps: int, compact_at: int) -> None:
@@ -288,7 +297,7 @@ def _run_reader_against_writer(tmp_path: Path, steps: int, compact_at: int) -> N
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "F 1"  # the store exists and has a flush
-        reader = ReadOnlyStore(store, host_capacity=500, device="cpu", timeout=60)
+        reader = ts.TierStore.open(store, readonly=True, host_capacity=500, device="cpu")
         seen: list[tuple[int, np.ndarray]] = []
         rows = torch.arange(3000)
         deadline = time.monotonic() + 120

@@ -321,6 +321,10 @@ class ReadOnlyStore:
         """Refused: a read-only handle has nothing to write."""
         self._refuse("flush()")
 
+    def advance(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: the store clock is the writer's."""
+        self._refuse("advance()")
+
     def checkpoint(self, *args: Any, **kwargs: Any) -> NoReturn:
         """Refused: checkpoint the writer's store instead."""
         self._refuse("checkpoint()")
