@@ -269,6 +269,40 @@ def test_offline_compaction_never_breaks_a_reader(store_path):
         reader.close()
 
 
+def test_readers_in_one_process_share_an_environment_and_make_way_for_a_writer(store_path):
+    """py-lmdb allows one environment per store in a process: readers share one, and a writer
+    (or any handle) opening the store takes it over; the readers go on on new snapshots."""
+    gen = torch.Generator().manual_seed(10)
+    with _writer(store_path) as store:
+        _train(store, gen)
+        store.flush()
+        first = store.read("t", ALL)
+    a = ts.TierStore.open(store_path, readonly=True, device="cpu")
+    b = ts.TierStore.open(store_path, readonly=True, device="cpu")
+    try:
+        assert torch.equal(a.read("t", ALL), first) and torch.equal(b.read("t", ALL), first)
+        b.close()
+        assert torch.equal(a.read("t", ALL), first)  # b's close left a's environment open
+        b = ts.TierStore.open(store_path, readonly=True, device="cpu")
+        with ts.TierStore.open(store_path, device="cpu", write_buffer=8,  # reads the specs too
+                               device_capacity=16, host_capacity=32) as store:
+            assert torch.equal(a.read("t", ALL), first)  # reopened on the same published state
+            _train(store, gen)
+            store.flush()
+            assert a.refresh() and b.refresh()
+            assert a.stats()["borrowed_env"] and b.stats()["borrowed_env"]
+            assert torch.equal(a.read("t", ALL), store.read("t", ALL))
+            assert torch.equal(b.read("t", ALL), store.read("t", ALL))
+            second = store.read("t", ALL)
+        a.refresh()  # the writer closed: a shared environment again
+        assert not a.stats()["borrowed_env"]
+        assert torch.equal(a.read("t", ALL), second)
+        assert torch.equal(b.read("t", ALL), second)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_tierstore_open_readonly(store_path):
     gen = torch.Generator().manual_seed(9)
     with pytest.raises(ts.StoreNotFoundError):

@@ -160,10 +160,9 @@ class LmdbBackend:
             # set by the store: a context in which no background thread writes (the writer is
             # drained and held), so a compaction cannot lose a write made to the old file
             self.quiesce = nullcontext
-        if not self.readonly:  # py-lmdb allows one environment per file in a process
-            from .snapshot import release_readers
+        from .snapshot import release_readers  # py-lmdb: one environment per file in a process
 
-            release_readers(self.path)
+        release_readers(self.path)
         wm = self.map_resident is None if WRITEMAP is None else WRITEMAP
         self.writemap = wm and not self.readonly
         try:

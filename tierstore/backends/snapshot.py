@@ -6,11 +6,17 @@ transaction: an MVCC snapshot that later commits do not change. A row is the val
 published at its last flush: the undo value `u:<table>[row]` when the writer overwrote it since
 (an empty undo value: not stored at the flush), else `t:<table>[row]` (see publish.py).
 
-Inside the writer's own process py-lmdb refuses a second environment on the same files, so the
-reader borrows the writer's; the writer's map growth, compaction or close then invalidates the
-snapshot, and `get` raises `SnapshotLostError` (the caller begins a new snapshot). In another
-process a snapshot survives the writer's map growth (`MDB_MAP_RESIZED` is adopted at the next
-`begin`) and compaction (the old file stays mapped until `begin` sees a new inode and reopens).
+py-lmdb allows one environment per store directory in a process, so:
+- readers in a process without a writer of the store share one read-only environment
+  (`_SharedEnv`); a reader that finds it stale (a compaction renamed a new file in) reopens it
+  for all of them, and the others begin a new snapshot at their next call;
+- a reader in the writer's process borrows the writer's environment, with the database handles
+  the writer's publisher opened up front (opening one would take a write transaction and wait for
+  the background writer). The writer's map growth, compaction or close then invalidates the
+  snapshot, and `get` raises `SnapshotLostError` (the caller begins a new snapshot).
+
+In another process a snapshot survives the writer's map growth (`MDB_MAP_RESIZED` is adopted at
+the next `begin`) and compaction (the old file stays mapped until `begin` sees a new inode).
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import operator
 import os
 import threading
 import weakref
-from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
@@ -35,7 +40,6 @@ from .record import open_records
 
 LOCK_FILE = "lock.mdb"
 _RETRIES = 50
-_READERS: weakref.WeakSet = weakref.WeakSet()
 
 
 class SnapshotLostError(TierstoreError):
@@ -64,23 +68,70 @@ def _ino(path: Path) -> int:
         return -1
 
 
-def release_readers(path: Path) -> None:
-    """Close the environments readers in this process opened on `path` (a writer opens it).
+def _inos(path: Path) -> tuple[int, int]:
+    return _ino(path / DATA_NAME), _ino(path / LOCK_FILE)
 
-    py-lmdb allows one environment per file in a process; those readers borrow the writer's
-    environment from their next call on (their snapshot is lost: SnapshotLostError).
+
+class _SharedEnv:
+    """The read-only environment of one store directory, shared by this process's readers of it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.mu = threading.RLock()  # every use of the environment and of its users' txns
+        self.env = None
+        self.inos = (-1, -1)
+        self.gen = 0  # bumped at each (re)open
+        self.users: weakref.WeakSet = weakref.WeakSet()
+
+    def stale(self) -> bool:
+        """Whether the environment is closed or no longer the store's current data file."""
+        return self.env is None or _ino(self.path / DATA_NAME) != self.inos[0]
+
+    def reopen(self) -> None:
+        """(Re)open the environment; the users' snapshots are lost (they begin new ones)."""
+        self.close()
+        for _ in range(_RETRIES):
+            before = _inos(self.path)
+            try:
+                env = lmdb.open(str(self.path), readonly=True, lock=True, subdir=True,
+                                max_dbs=4096, readahead=False)
+            except lmdb.Error as exc:
+                raise StoreCorruptError(f"cannot open LMDB store at {self.path}: {exc}") from exc
+            if _inos(self.path) == before:  # not swapped by a compaction while opening
+                self.env, self.inos = env, before
+                self.gen += 1
+                return
+            env.close()
+        raise StoreCorruptError(f"{self.path}: its files keep changing; cannot open a snapshot")
+
+    def close(self) -> None:
+        """Abort every user's snapshot and close the environment."""
+        for user in list(self.users):
+            user._lose()
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+
+
+_SHARED: dict[str, _SharedEnv] = {}
+_SHARED_MU = threading.Lock()
+
+
+def _key(path: Path) -> str:
+    return os.path.realpath(path)
+
+
+def release_readers(path: Path) -> None:
+    """Close this process's shared reader environment on `path` (a handle opens it for itself).
+
+    py-lmdb allows one environment per directory in a process; those readers borrow the
+    writer's environment (or reopen their own) at their next call, on a new snapshot.
     """
-    for reader in list(_READERS):
-        if reader.env is None or reader._backend is not None:
-            continue
-        try:
-            same = os.path.samefile(reader.path, path)
-        except OSError:
-            continue
-        if same:
-            with reader._mu:  # waits for a read in flight on that environment
-                reader._detach()
-                reader.reopens += 1
+    with _SHARED_MU:
+        share = _SHARED.pop(_key(path), None)
+    if share is not None:
+        with share.mu:
+            share.close()
 
 
 def _live_writer(path: Path):
@@ -109,52 +160,71 @@ class SnapshotReader:
         self.env = None
         self.reopens = 0  # snapshots lost to a compaction / remap / writer open or close
         self._backend = None  # the in-process writer whose environment is borrowed
-        self._inos = (-1, -1)
+        self._share: _SharedEnv | None = None  # or the process's shared read-only environment
+        self._gen = 0
         self._txn = None
         self._dbs: dict[str, object] = {}
         self._undo: dict[str, object] = {}
-        self._mu = threading.RLock()  # one call at a time; a writer opening here waits for it
         self._attach()
-        _READERS.add(self)
 
     # environment -------------------------------------------------------------------------
+    def _guard(self):
+        """The lock under which this reader uses its environment."""
+        return self._backend.reading() if self._backend is not None else self._share.mu
+
     def _attach(self) -> None:
-        """Borrow the in-process writer's environment, or open our own read-only one."""
+        """Borrow the in-process writer's environment, or join (opening) the shared one."""
         self._backend = _live_writer(self.path)
         if self._backend is not None:
             self.env = self._backend.env
             return
-        for _ in range(_RETRIES):
-            before = (_ino(self.path / DATA_NAME), _ino(self.path / LOCK_FILE))
+        with _SHARED_MU:
+            share = _SHARED.get(_key(self.path))
+            if share is None:
+                share = _SHARED[_key(self.path)] = _SharedEnv(self.path)
+            with share.mu:
+                if share.stale():
+                    share.reopen()
+                share.users.add(self)
+                self._share, self.env, self._gen = share, share.env, share.gen
+
+    def _lose(self) -> None:
+        """The shared environment is being closed (caller holds its lock): drop our snapshot."""
+        if self._txn is not None:
             try:
-                env = lmdb.open(str(self.path), readonly=True, lock=True, subdir=True,
-                                max_dbs=4096, readahead=False)
-            except lmdb.Error as exc:
-                raise StoreCorruptError(f"cannot open LMDB store at {self.path}: {exc}") from exc
-            after = (_ino(self.path / DATA_NAME), _ino(self.path / LOCK_FILE))
-            if before == after:  # not swapped by a compaction while opening
-                self.env, self._inos = env, after
-                return
-            env.close()
-        raise StoreCorruptError(f"{self.path}: its files keep changing; cannot open a snapshot")
+                self._txn.abort()
+            except lmdb.Error:
+                pass
+            self._txn = None
+            self.reopens += 1
+        self._dbs, self._undo = {}, {}
 
     def _detach(self) -> None:
-        self._abort()
-        if self.env is not None and self._backend is None:
-            self.env.close()
-        self.env, self._backend = None, None
+        if self._backend is not None:
+            self._abort()
+        elif self._share is not None:
+            share = self._share
+            with _SHARED_MU, share.mu:  # the order `_attach` takes them in
+                self._abort()
+                share.users.discard(self)
+                if not share.users:
+                    if _SHARED.get(_key(self.path)) is share:
+                        del _SHARED[_key(self.path)]
+                    share.close()
+        self.env, self._backend, self._share = None, None, None
         self._dbs, self._undo = {}, {}
 
     def _stale(self) -> bool:
         """Whether the environment is no longer the store's current one."""
         if self._backend is not None:
             return self._backend.env is not self.env
-        return (_ino(self.path / DATA_NAME), _ino(self.path / LOCK_FILE)) != self._inos
+        share = self._share
+        return share is None or share.gen != self._gen or share.stale() or \
+            _live_writer(self.path) is not None
 
     def _abort(self) -> None:
         if self._txn is not None:
-            guard = self._backend.reading() if self._backend is not None else nullcontext()
-            with guard:  # never abort while the writer remaps the borrowed environment
+            with self._guard():  # never abort while the writer remaps the borrowed environment
                 try:
                     self._txn.abort()
                 except lmdb.Error:
@@ -164,10 +234,6 @@ class SnapshotReader:
     # snapshots ---------------------------------------------------------------------------
     def begin(self) -> Snapshot:
         """Start a new read transaction (releasing the previous one); what it sees."""
-        with self._mu:
-            return self._begin_retry()
-
-    def _begin_retry(self) -> Snapshot:
         for _ in range(_RETRIES):
             if self.env is None or self._stale():
                 if self.env is not None:
@@ -178,19 +244,23 @@ class SnapshotReader:
             try:
                 return self._begin()
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)  # adopt the size another process grew the map to
+                with self._guard():
+                    if self._share is not None and self.env is self._share.env:
+                        self.env.set_mapsize(0)  # adopt the size another process grew the map to
             except lmdb.Error:
-                self._detach()  # a borrowed environment that was remapped or closed
+                self._detach()  # an environment that was remapped or closed meanwhile
                 self.reopens += 1
         raise SnapshotLostError(f"{self.path}: cannot begin a snapshot")
 
     def _begin(self) -> Snapshot:
-        if self._backend is not None:
-            with self._backend.reading():  # the writer's map growth waits for this
+        with self._guard():  # the writer's map growth (or another reader's reopen) waits for this
+            if self._backend is not None:
                 if self._backend.env is not self.env:  # reopened or closed meanwhile: retry
                     raise lmdb.Error("the writer's environment changed")
                 return self._begin_in(self.env, self._borrowed_handles)
-        return self._begin_in(self.env, self._own_handles)
+            if self._share.env is not self.env:
+                raise lmdb.Error("the shared environment was reopened")
+            return self._begin_in(self.env, self._own_handles)
 
     def _borrowed_handles(self, env, names: set[bytes]) -> dict[bytes, object]:
         """The writer's handles, opened before its background writer ran (publish.py).
@@ -206,7 +276,7 @@ class SnapshotReader:
 
     @staticmethod
     def _own_handles(env, names: set[bytes]) -> dict[bytes, object]:
-        """Handles opened on our own read-only environment (a read transaction: never waits)."""
+        """Handles opened on a read-only environment (a read transaction: never waits)."""
         # without a txn: py-lmdb keeps the handle (cached per name) past its own short txn
         return {n: env.open_db(n, create=False) for n in names if _wanted(n)}
 
@@ -244,27 +314,21 @@ class SnapshotReader:
         `width` is the stored row's float32 columns (a store's `row_dim`); every record's
         checksum is verified (`StoreCorruptError` on damage).
         """
-        with self._mu:
-            return self._get(table, rows, width)
-
-    def _get(self, table: str, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-        if self._txn is None:
-            raise SnapshotLostError("no snapshot: call begin() first")
         n = len(rows)
         out = np.zeros((n, width), dtype=np.float32)
         found = np.zeros(n, dtype=bool)
-        db = self._dbs.get(table)
-        if n == 0 or db is None:
-            return out, found
         order = np.argsort(rows, kind="stable")
         keys = encode_keys(rows[order])
-        undo = self._undo.get(table)
+        if self._txn is None or (self._backend is None and self._share is None):
+            raise SnapshotLostError("no snapshot: call begin() first")
         try:
-            if self._backend is not None:
-                with self._backend.reading():  # the writer's map growth waits for this read
-                    vals = self._read(db, undo, keys)
-            else:  # our file is either the current one or one a compaction replaced (unwritten)
-                vals = self._read(db, undo, keys)
+            with self._guard():  # the writer's map growth (or another reader's reopen) waits
+                if self._txn is None:  # lost meanwhile (a reader of this process reopened)
+                    raise SnapshotLostError(f"{self.path}: snapshot lost (reopened)")
+                db = self._dbs.get(table)
+                if n == 0 or db is None:
+                    return out, found
+                vals = self._read(db, self._undo.get(table), keys)
         except lmdb.Error as exc:
             self.reopens += 1
             self._abort()
@@ -302,5 +366,4 @@ class SnapshotReader:
 
     def close(self) -> None:
         """Release the snapshot and the environment."""
-        with self._mu:
-            self._detach()
+        self._detach()
