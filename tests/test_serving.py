@@ -278,12 +278,12 @@ def test_readers_in_one_process_share_an_environment_and_make_way_for_a_writer(s
         store.flush()
         first = store.read("t", ALL)
     a = ts.TierStore.open(store_path, readonly=True, device="cpu")
-    b = ts.TierStore.open(store_path, readonly=True, device="cpu")
+    b = ts.TierStore.open(store_path, readonly=True, device="cpu", host_capacity=1000)
     try:
         assert torch.equal(a.read("t", ALL), first) and torch.equal(b.read("t", ALL), first)
         b.close()
         assert torch.equal(a.read("t", ALL), first)  # b's close left a's environment open
-        b = ts.TierStore.open(store_path, readonly=True, device="cpu")
+        b = ts.TierStore.open(store_path, readonly=True, device="cpu", host_capacity=1000)
         with ts.TierStore.open(store_path, device="cpu", write_buffer=8,  # reads the specs too
                                device_capacity=16, host_capacity=32) as store:
             assert torch.equal(a.read("t", ALL), first)  # reopened on the same published state

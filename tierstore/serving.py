@@ -129,7 +129,6 @@ class ReadOnlyStore:
             width = max(t.spec.dim for t in self._tables.values())
             cap = parse_capacity(host_capacity, width * 4)
             self.host_tier = SlabTier("host", cap, width, policy, "cpu")
-            self._policy = policy
         except BaseException:
             self._reader.close()
             self._unregister()
@@ -189,8 +188,10 @@ class ReadOnlyStore:
         self._snap = snap
         if changed:
             self._generation += 1
-            self.host_tier = SlabTier("host", self.host_tier.capacity, self.width,
-                                      self._policy, "cpu")
+            cache = self.host_tier  # emptied in place: reallocating a large cache costs seconds
+            held = torch.nonzero(cache.occupied).flatten()
+            if held.numel():
+                cache.remove(held)
         return changed
 
     # public API -----------------------------------------------------------------------------

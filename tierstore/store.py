@@ -251,16 +251,19 @@ class TierStore:
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, device_capacity: int | str = "64MiB",
-             host_capacity: int | str = "512MiB", policy: str = "lru",
+             host_capacity: int | str | None = None, policy: str = "lru",
              device: torch.device | str | None = None, map_limit: int | str | None = None,
              readonly: bool = False, write_buffer: int | str | None = None) -> TierStore:
         """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none).
 
         `readonly=True` returns a `tierstore.serving.ReadOnlyStore` (any process, while a writer
-        has the store open; only `host_capacity`, `policy` and `device` apply).
+        has the store open; only `host_capacity`, `policy` and `device` apply). `host_capacity`
+        defaults to 512MiB for a writer and 64MiB (weights only) for a read-only handle.
         """
         if readonly:  # a serving handle on the writer's last flush: docs/serving.md
-            return _open_readonly(path, host_capacity, policy, device)
+            return _open_readonly(path, "64MiB" if host_capacity is None else host_capacity,
+                                  policy, device)
+        host_capacity = "512MiB" if host_capacity is None else host_capacity
         specs, seed = stored_config(path)
         return cls(path, specs, device_capacity=device_capacity, host_capacity=host_capacity,
                    policy=policy, seed=seed, device=device, map_limit=map_limit,
