@@ -303,6 +303,27 @@ def test_readers_in_one_process_share_an_environment_and_make_way_for_a_writer(s
         b.close()
 
 
+def test_sequence_modules_serve_from_a_read_only_handle(store_path):
+    """Inference through TieredEmbedding(Collection) on a reader; training through it is refused."""
+    gen = torch.Generator().manual_seed(11)
+    with _writer(store_path) as store:
+        _train(store, gen)
+        store.flush()
+        with ts.TierStore.open(store_path, readonly=True, device="cpu") as reader:
+            ids = torch.tensor([[0, 5, 399], [7, 7, 3]])
+            emb = ts.TieredEmbedding(reader, "t", padding_idx=3)
+            out = emb(ids)
+            want = store.read("t", ids.reshape(-1)).reshape(2, 3, DIM)
+            want[1, 2] = 0
+            assert torch.equal(out, want)
+            with pytest.raises(ts.ReadOnlyError):
+                out.sum().backward()
+            ec = ts.TieredEmbeddingCollection(reader, {"x": "t"})
+            got = ec(["x"], torch.tensor([1, 2, 3]), torch.tensor([2, 1]))["x"]
+            assert torch.equal(got.values(), store.read("t", torch.tensor([1, 2, 3])))
+            assert torch.equal(got.lengths(), torch.tensor([2, 1]))
+
+
 def test_tierstore_open_readonly(store_path):
     gen = torch.Generator().manual_seed(9)
     with pytest.raises(ts.StoreNotFoundError):

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from . import validate
 from .backends.lmdb_backend import DATA_NAME, LOCK_NAME
 from .backends.publish import READERS_LOCK
 from .backends.slab import Rows, SlabTier
@@ -39,6 +40,7 @@ from .initializers import name_key
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _POLL_S = 0.002
+_LOST_RETRIES = 5
 
 
 def writer_alive(path: Path) -> bool:
@@ -134,6 +136,7 @@ class ReadOnlyStore:
             self._unregister()
             raise
         self.width = width
+        self.feature_tables: dict[str, str | None] = {}  # as TierStore's (sequence collections)
         self.refreshes = 0
         self._generation = 0  # bumped when the cache is dropped for a new state
         self._reopens_seen = self._reader.reopens
@@ -245,12 +248,16 @@ class ReadOnlyStore:
 
     def _fetch(self, tab: _Table, rows: np.ndarray) -> torch.Tensor:
         """Weights [m, dim] of rows from the snapshot (lazy init where not stored)."""
-        try:
-            payload, found = self._reader.get(tab.spec.name, rows, tab.stored_width)
-        except SnapshotLostError:
-            # the writer in this process remapped, compacted or closed: a new snapshot
-            self._renew()
-            payload, found = self._reader.get(tab.spec.name, rows, tab.stored_width)
+        for attempt in range(_LOST_RETRIES):
+            try:
+                payload, found = self._reader.get(tab.spec.name, rows, tab.stored_width)
+                break
+            except SnapshotLostError:
+                # the writer in this process remapped, compacted or closed (or another reader
+                # of this process reopened the shared environment): a new snapshot
+                if attempt == _LOST_RETRIES - 1:
+                    raise
+                self._renew()
         out = tab.decode(payload)
         if not found.all():
             lazy = ~found
@@ -354,6 +361,7 @@ class ReadOnlyStore:
                 ids = torch.as_tensor(np.asarray(ids))
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise InvalidIdsError(f"ids must be an integer tensor: {exc}") from exc
+        validate.not_meta(ids, "ids", InvalidIdsError)
         if ids.dtype not in _INT_DTYPES:
             raise InvalidIdsError(f"ids must be an integer tensor, got dtype {ids.dtype}")
         if ids.dim() != 1:
