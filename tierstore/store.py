@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 import numpy as np
@@ -41,6 +41,9 @@ from .fused import pool as fused_pool
 from .index import dedup, sort_unique
 from .initializers import name_key
 from .stats import PrefetchStats, SsdStats
+
+if TYPE_CHECKING:
+    from .serving import ReadOnlyStore
 
 FORMAT_VERSION = 2  # 2: rows carry a last-update stamp column and a checksum word
 CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
@@ -253,7 +256,8 @@ class TierStore:
     def open(cls, path: str | os.PathLike, *, device_capacity: int | str = "64MiB",
              host_capacity: int | str | None = None, policy: str = "lru",
              device: torch.device | str | None = None, map_limit: int | str | None = None,
-             readonly: bool = False, write_buffer: int | str | None = None) -> TierStore:
+             readonly: bool = False, write_buffer: int | str | None = None
+             ) -> TierStore | ReadOnlyStore:
         """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none).
 
         `readonly=True` returns a `tierstore.serving.ReadOnlyStore` (any process, while a writer
@@ -929,7 +933,7 @@ class TierStore:
 
 
 def _open_readonly(path: str | os.PathLike, host_capacity: int | str, policy: str,
-                   device: torch.device | str | None) -> Any:
+                   device: torch.device | str | None) -> ReadOnlyStore:
     """`TierStore.open(path, readonly=True)`: a ReadOnlyStore on the store or quantized export."""
     from .serving import ReadOnlyStore
 
