@@ -182,6 +182,18 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(tmp_path):
         assert torch.equal(store.read("a", torch.arange(20)), before)
 
 
+def test_non_finite_gradient_is_refused_and_changes_nothing(tmp_path):
+    spec = ts.TableSpec("t", N, DIM, optimizer=ts.Adagrad(0.1))
+    with ts.TierStore(tmp_path / "s", [spec], device_capacity=8, host_capacity=16,
+                      device="cpu") as store:
+        emb = ts.TieredEmbedding(store, "t")
+        before = store.read("t", torch.arange(N))
+        out = emb(torch.tensor([[1, 2], [2, 9]]))
+        with pytest.raises(ts.InvalidGradientError):
+            (out * torch.tensor(float("nan"))).sum().backward()
+        assert torch.equal(store.read("t", torch.arange(N)), before)
+
+
 def test_negative_padding_idx_and_empty_input(tmp_path):
     with ts.TierStore(tmp_path / "s", [ts.TableSpec("a", 20, 2)], device="cpu",
                       device_capacity=8, host_capacity=8) as store:
