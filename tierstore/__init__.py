@@ -9,7 +9,9 @@ from .errors import (
     InvalidGradientError,
     InvalidIdsError,
     OutOfSpaceError,
+    ReadOnlyError,
     ShapeError,
+    SnapshotUnavailableError,
     StoreClosedError,
     StoreCorruptError,
     StoreLockedError,
@@ -31,8 +33,17 @@ __all__ = [
     "TierstoreError", "UnknownTableError", "InvalidIdsError", "ShapeError", "ConfigError",
     "ConfigMismatchError", "StoreLockedError", "StoreCorruptError", "OutOfSpaceError",
     "StoreClosedError", "CapacityError", "InvalidGradientError", "StoreNotFoundError",
+    "ReadOnlyError", "SnapshotUnavailableError",
 ]
 
 from .module import TieredEmbeddingBag, TieredEmbeddingBagCollection  # noqa: E402
 
 __all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection"]
+
+from .sequence import JaggedEmbeddings, TieredEmbedding, TieredEmbeddingCollection  # noqa: E402
+
+__all__ += ["TieredEmbedding", "TieredEmbeddingCollection", "JaggedEmbeddings"]
+
+from .serving import ReadOnlyStore  # noqa: E402
+
+__all__ += ["ReadOnlyStore"]

@@ -90,6 +90,17 @@ def _export(args: argparse.Namespace) -> int:
     from .distributed.repartition import export_sharded, sharded_plan_of
     from .export import export_store
 
+    if args.dtype != "float32":
+        from .quantize import export_quantized
+
+        m = export_quantized(args.src, args.dest, args.dtype, overwrite=args.overwrite)
+        for t in m["tables"]:
+            print(f"{t['name']}: {t['rows']} rows, {t['bytes_per_row']} bytes/row "
+                  f"({t['float32_bytes_per_row']} as float32)")
+        print(f"exported {args.dtype} weights to {args.dest}: {m['bytes'] / 2**20:.1f} MiB "
+              f"in {m['seconds']:.1f} s")
+        return 0
+
     sharded = sharded_plan_of(args.src) is not None  # every shard of a sharded store/checkpoint
     m = (export_sharded if sharded else export_store)(
         args.src, args.dest, level=args.level, shuffle=not args.no_shuffle,
@@ -166,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shuffle", action="store_true", help="do not byte-shuffle floats")
     p.add_argument("--shard-size", default="32MiB", help="raw bytes per shard")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dest")
+    p.add_argument("--dtype", choices=("float32", "int8", "int4"), default="float32",
+                   help="float32: the full portable dump (weights and optimizer state); int8/int4: "
+                        "row-wise quantized weights for inference (serve with a read-only store)")
     p.set_defaults(func=_export)
     p = sub.add_parser("import", help="build a new store from an export", formatter_class=fmt)
     p.add_argument("src")

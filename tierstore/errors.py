@@ -59,3 +59,11 @@ class InvalidGradientError(TierstoreError, ValueError):
 
 class StoreNotFoundError(TierstoreError, FileNotFoundError):
     """No tierstore store at the given path (for `TierStore.open`, which needs an existing one)."""
+
+
+class ReadOnlyError(TierstoreError):
+    """A write (apply, flush, checkpoint...) through a read-only handle."""
+
+
+class SnapshotUnavailableError(TierstoreError):
+    """A read-only handle found no flushed state to read within its timeout."""

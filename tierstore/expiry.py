@@ -122,6 +122,8 @@ def delete_stale(backend: Any, spec: TableSpec, ids: np.ndarray, cutoff: int) ->
             return 0
         stamps = np.frombuffer(b"".join(vals[i][col: col + 4] for i in here), dtype="<i4")
         dead = [keys[here[j]] for j in np.flatnonzero(stamps < cutoff).tolist()]
+        if dead and getattr(backend, "publisher", None) is not None:
+            backend.publisher.before_commit(txn, [(db, dead)])  # readers keep their flush's rows
         deque(map(txn.delete, dead), maxlen=0)
     return len(dead)
 

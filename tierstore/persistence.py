@@ -552,8 +552,8 @@ def restore(dest: str | os.PathLike, path: str | os.PathLike, **open_kwargs: Any
         try:
             want = manifest["files"][DATA]
             _copy_verified(src, tmp, int(want["bytes"]), str(want["sha256"]))
-            os.replace(tmp, path / DATA)
-            (path / "lock.mdb").unlink(missing_ok=True)  # reader table of the replaced file
+            (path / "lock.mdb").unlink(missing_ok=True)  # reader table of the replaced file, first
+            os.replace(tmp, path / DATA)  # (a reader never pairs the new file with the old table)
             fsync_dir(path)
         except OSError as exc:
             raise os_error(exc, f"cannot restore into {path}") from exc

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 import numpy as np
@@ -44,6 +44,9 @@ from .fused import pool as fused_pool
 from .index import dedup, sort_unique
 from .initializers import name_key
 from .stats import PrefetchStats, SsdStats
+
+if TYPE_CHECKING:
+    from .serving import ReadOnlyStore
 
 FORMAT_VERSION = 2  # 2: rows carry a last-update stamp column and a checksum word
 CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
@@ -274,13 +277,20 @@ class TierStore:
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, device_capacity: int | str = "64MiB",
-             host_capacity: int | str = "512MiB", policy: str = "lru",
+             host_capacity: int | str | None = None, policy: str = "lru",
              device: torch.device | str | None = None, map_limit: int | str | None = None,
-             readonly: bool = False, write_buffer: int | str | None = None) -> TierStore:
-        """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none)."""
-        if readonly:  # read-only serving handles (issue 16) are not merged yet
-            raise ConfigError("read-only handles are not available in this version of tierstore; "
-                              "open the store for writing (one writer at a time)")
+             readonly: bool = False, write_buffer: int | str | None = None
+             ) -> TierStore | ReadOnlyStore:
+        """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none).
+
+        `readonly=True` returns a `tierstore.serving.ReadOnlyStore` (any process, while a writer
+        has the store open; only `host_capacity`, `policy` and `device` apply). `host_capacity`
+        defaults to 512MiB for a writer and 64MiB (weights only) for a read-only handle.
+        """
+        if readonly:  # a serving handle on the writer's last flush: docs/serving.md
+            return _open_readonly(path, "64MiB" if host_capacity is None else host_capacity,
+                                  policy, device)
+        host_capacity = "512MiB" if host_capacity is None else host_capacity
         specs, seed = stored_config(path)
         return cls(path, specs, device_capacity=device_capacity, host_capacity=host_capacity,
                    policy=policy, seed=seed, device=device, map_limit=map_limit,
@@ -634,7 +644,7 @@ class TierStore:
                 self._write_down(rows.to(torch.device("cpu")))
                 tier.dirty[slots] = False
         with self._quiesce_writer():  # drain the ring, fold the whole log into the tables
-            pass
+            self.backend.publish()  # readers (tierstore.serving) now see this flush
         for adm in self._admission.values():  # the sketches go down with the rows they gate
             adm.save(self.backend)
         self._expiry.save(self.backend)  # and the expiry cutoffs
@@ -1121,6 +1131,16 @@ class TierStore:
             data[rest] = mdata
             found[rest] = mfound
         return data, found
+
+
+def _open_readonly(path: str | os.PathLike, host_capacity: int | str, policy: str,
+                   device: torch.device | str | None) -> ReadOnlyStore:
+    """`TierStore.open(path, readonly=True)`: a ReadOnlyStore on the store or quantized export."""
+    from .serving import ReadOnlyStore
+
+    if not (Path(path) / DATA_NAME).is_file():
+        raise StoreNotFoundError(f"no tierstore store at {path} (no {DATA_NAME})")
+    return ReadOnlyStore(path, host_capacity=host_capacity, policy=policy, device=device)
 
 
 def _proc_status() -> dict[str, int]:

@@ -25,6 +25,7 @@ import numpy as np
 from .._kernels import HAVE_NUMBA
 from ..errors import OutOfSpaceError, StoreCorruptError, StoreLockedError, TierstoreError
 from .pages import PageReader
+from .publish import Publisher
 from .record import CHECK_BYTES, open_records, seal
 
 META_DB = b"__tierstore_meta__"
@@ -153,6 +154,7 @@ class LmdbBackend:
         self._dbs: dict[str, object] = {}
         self._copy_thread: threading.Thread | None = None
         self.env = None
+        self.publisher: Publisher | None = None  # keeps flushed states readable (serving)
         self._open_env()
 
     def _open_env(self) -> None:
@@ -164,6 +166,9 @@ class LmdbBackend:
             # set by the store: a context in which no background thread writes (the writer is
             # drained and held), so a compaction cannot lose a write made to the old file
             self.quiesce = nullcontext
+        from .snapshot import release_readers  # py-lmdb: one environment per file in a process
+
+        release_readers(self.path)
         wm = self.map_resident is None if WRITEMAP is None else WRITEMAP
         self.writemap = wm and not self.readonly
         try:
@@ -197,6 +202,10 @@ class LmdbBackend:
                     f"it from a checkpoint (TierStore.restore) or remove the directory")
             if not self._marked and not self.readonly and self.meta_keys():
                 self.mark_stored()  # a store made before the mark existed
+            if not self.readonly:
+                if self.publisher is not None:
+                    self.publisher.close()
+                self.publisher = Publisher(self.path, self.env, self._meta, META_DB)
         except StoreCorruptError:
             self.close()
             raise
@@ -294,6 +303,8 @@ class LmdbBackend:
                 try:
                     self._dbs[table] = self.open_named(f"t:{table}".encode(),
                                                        create=not self.readonly)
+                    if self.publisher is not None:
+                        self.publisher.attach(table, self._dbs[table])
                 except lmdb.NotFoundError:
                     continue
                 except lmdb.Error as exc:
@@ -454,6 +465,8 @@ class LmdbBackend:
         while True:
             try:
                 with self.env.begin(write=True) as txn:
+                    if self.publisher is not None:
+                        self.publisher.before_commit(txn, parts)
                     for db, keys, vals, unique in parts:
                         cur = txn.cursor(db=db)
                         # zip feeds putmulti lazily: no list of (key, value) tuples is built
@@ -465,6 +478,23 @@ class LmdbBackend:
                 return
             except lmdb.MapFullError:
                 self._grow(total)
+            except lmdb.Error as exc:
+                self._raise_io(exc)
+
+    def publish(self) -> int | None:
+        """Mark the rows written so far as the published (flushed) state for readers; the epoch."""
+        if self.publisher is None or not self.publisher.changed:
+            return None
+        self._ensure_room(4096)
+        self._wrote = True
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    epoch = self.publisher.publish(txn)
+                self.publisher.committed()
+                return epoch
+            except lmdb.MapFullError:
+                self._grow(4096)
             except lmdb.Error as exc:
                 self._raise_io(exc)
 
@@ -604,6 +634,9 @@ class LmdbBackend:
                     except OSError:
                         pass
             self.env = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
         self._release_lock()
 
     # compaction and resident map pages ---------------------------------------------------
@@ -670,8 +703,10 @@ class LmdbBackend:
                 self.env.close()
                 self.env = None
                 self._dbs = {}
+                # the old file's reader table goes first: a reader opening meanwhile pairs the old
+                # file (no longer written) or the new one with a fresh table (docs/serving.md)
+                (self.path / "lock.mdb").unlink(missing_ok=True)
                 os.replace(tmp / DATA_NAME, self.path / DATA_NAME)
-                (self.path / "lock.mdb").unlink(missing_ok=True)  # reader table of the old file
                 fsync_path(self.path)
             except lmdb.Error as exc:
                 self._raise_io(exc)

@@ -1,0 +1,167 @@
+"""Row-wise int8/int4 quantized export for inference, readable by `ReadOnlyStore`.
+
+Each row of weights (no optimizer state) is stored as `[scale f32 | bias f32 | codes]`, with
+`bias` the row's minimum, `scale` = (max - min) / (2**bits - 1) and codes = round((w - bias) /
+scale) (int4: two codes per byte, low nibble first), padded to whole float32 columns. A value
+reads back as `bias + scale * code`: at most scale / 2 from the original. The export is an LMDB
+environment (`data.mdb`, the same key layout as a store) with a `quantized` metadata record and a
+`manifest.json` (written last), so `ReadOnlyStore(dir)` serves it directly. Rows the source
+never stored are not exported; they read as their deterministic init, as in the store.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import lmdb
+import numpy as np
+import torch
+
+from .backends.lmdb_backend import META_DB, encode_keys, fsync_path
+from .backends.record import CHECK_BYTES, seal
+from .config import TableSpec
+from .errors import ConfigError, ConfigMismatchError
+from .persistence import check_new_dir, os_error, publish_dir, staging_dir, write_json_atomic
+
+if TYPE_CHECKING:
+    from .store import TierStore
+
+QUANT_FORMAT = "tierstore-quantized"
+QUANT_VERSION = 1
+BITS = {"int8": 8, "int4": 4}
+_CHUNK = 65536
+
+
+def _check_dtype(dtype: str) -> int:
+    if dtype not in BITS:
+        raise ConfigError(f"quantized dtype must be one of {sorted(BITS)}, got {dtype!r}")
+    return BITS[dtype]
+
+
+def code_bytes(dim: int, dtype: str) -> int:
+    """Bytes of one row's codes."""
+    bits = _check_dtype(dtype)
+    return dim if bits == 8 else (dim + 1) // 2
+
+
+def stored_width(dim: int, dtype: str) -> int:
+    """Float32 columns per stored row: scale, bias and the codes padded to 4 bytes."""
+    return 2 + (code_bytes(dim, dtype) + 3) // 4
+
+
+def quantize(w: np.ndarray, dtype: str) -> np.ndarray:
+    """Rows [n, dim] float32 -> stored rows [n, stored_width] float32 (bytes in float32 columns)."""
+    bits = _check_dtype(dtype)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    n, dim = w.shape
+    levels = (1 << bits) - 1
+    lo = w.min(axis=1) if dim else np.zeros(n, np.float32)
+    hi = w.max(axis=1) if dim else np.zeros(n, np.float32)
+    scale = ((hi - lo) / np.float32(levels)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    codes = np.clip(np.rint((w - lo[:, None]) / safe[:, None]), 0, levels).astype(np.uint8)
+    if bits == 4:
+        if dim % 2:
+            codes = np.pad(codes, ((0, 0), (0, 1)))
+        codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    width = stored_width(dim, dtype)
+    out = np.zeros((n, width * 4), dtype=np.uint8)
+    out[:, 0:4] = scale.view(np.uint8).reshape(n, 4)
+    out[:, 4:8] = lo.astype(np.float32).view(np.uint8).reshape(n, 4)
+    out[:, 8 : 8 + codes.shape[1]] = codes
+    return out.view(np.float32)
+
+
+def dequantize(stored: np.ndarray, dim: int, dtype: str) -> np.ndarray:
+    """Stored rows [n, stored_width] -> float32 weights [n, dim]."""
+    bits = _check_dtype(dtype)
+    raw = np.ascontiguousarray(stored, dtype=np.float32).view(np.uint8)
+    n = raw.shape[0]
+    scale = raw[:, 0:4].copy().view(np.float32).reshape(n)
+    bias = raw[:, 4:8].copy().view(np.float32).reshape(n)
+    codes = raw[:, 8 : 8 + code_bytes(dim, dtype)]
+    if bits == 4:
+        codes = np.stack([codes & 0x0F, codes >> 4], axis=2).reshape(n, -1)[:, :dim]
+    return (bias[:, None] + scale[:, None] * codes.astype(np.float32)).astype(np.float32)
+
+
+def export_quantized(src: TierStore | str | os.PathLike, dest: str | os.PathLike, dtype: str, *,
+                     overwrite: bool = False) -> dict:
+    """Write every table's weights row-wise quantized to `dest`; returns the manifest."""
+    import json
+
+    from .export import MANIFEST, _source
+    from .store import FORMAT_VERSION
+
+    _check_dtype(dtype)
+    dest = Path(dest)
+    check_new_dir(dest, overwrite, "export destination")
+    t0 = time.perf_counter()
+    with _source(src) as (backend, txn):
+        meta = backend.snapshot_meta(txn)
+        store_meta = meta.get("store") or {}
+        if store_meta.get("format_version") != FORMAT_VERSION:
+            raise ConfigMismatchError(
+                f"store format version {store_meta.get('format_version')!r}; this tierstore "
+                f"exports version {FORMAT_VERSION}")
+        specs = [TableSpec.from_config(v) for k, v in sorted(meta.items())
+                 if k.startswith("table:")]
+        need = 1 << 24
+        for spec in specs:
+            need += backend.snapshot_count(txn, spec.name) * \
+                (24 + CHECK_BYTES + 4 * stored_width(spec.dim, dtype))
+        try:
+            staging = staging_dir(dest)
+        except OSError as exc:
+            raise os_error(exc, f"cannot create export {dest}") from exc
+        try:
+            env = lmdb.open(str(staging), map_size=2 * need, max_dbs=len(specs) + 2, subdir=True,
+                            lock=False, sync=False, metasync=False, readahead=False)
+            tables = []
+            try:
+                widths = {s.name: stored_width(s.dim, dtype) for s in specs}
+                records = {"store": store_meta, "quantized": {"dtype": dtype, "widths": widths}}
+                records.update({f"table:{s.name}": s.to_config() for s in specs})
+                mdb = env.open_db(META_DB, create=True)
+                with env.begin(write=True, db=mdb) as w:
+                    for k, v in records.items():
+                        w.put(k.encode(), json.dumps(v, sort_keys=True).encode())
+                for spec in specs:
+                    db = env.open_db(f"t:{spec.name}".encode(), create=True)
+                    rows = 0
+                    for ids, payload in backend.iter_rows(spec.name, spec.row_dim, txn, _CHUNK):
+                        cols = torch.from_numpy(np.array(payload[:, : spec.weight_cols]))  # own, writable
+                        weights = spec.codec.decode(cols, spec.dim).numpy()
+                        blob = seal(ids, quantize(weights, dtype))  # checksummed, as a store's rows
+                        vals = blob.view(f"V{blob.shape[1]}").ravel().tolist()
+                        it = zip(encode_keys(ids), vals)
+                        while items := list(islice(it, 8192)):
+                            with env.begin(write=True, db=db) as w:
+                                w.cursor().putmulti(items, append=True)
+                        rows += len(ids)
+                    per_row = 4 * widths[spec.name] + CHECK_BYTES  # with the checksum
+                    tables.append({"name": spec.name, "rows": rows, "dim": spec.dim,
+                                   "bytes_per_row": per_row,
+                                   "float32_bytes_per_row": 4 * spec.dim + CHECK_BYTES})
+                env.sync(True)
+            finally:
+                env.close()
+            fsync_path(staging / "data.mdb")
+            manifest = {"format": QUANT_FORMAT, "version": QUANT_VERSION, "dtype": dtype,
+                        "seed": int(store_meta.get("seed", 0)), "created_unix": time.time(),
+                        "tables": tables, "bytes": (staging / "data.mdb").stat().st_size,
+                        "seconds": time.perf_counter() - t0}
+            write_json_atomic(staging / MANIFEST, manifest)
+            publish_dir(staging, dest)
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise os_error(exc, f"cannot write export {dest}") from exc
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return manifest

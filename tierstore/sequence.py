@@ -1,0 +1,209 @@
+"""Unpooled (sequence) embeddings over the tiered store: TieredEmbedding and TieredEmbeddingCollection.
+
+One embedding per id, no pooling: `nn.Embedding`'s and TorchRec's `EmbeddingCollection`'s
+conventions. The backward pass runs the table's fused optimizer in place, exactly as the bag
+modules do (each id is a bag of one), so results are bit-identical for every placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import validate
+from .errors import ConfigError, InvalidIdsError, ReadOnlyError, ShapeError
+from .module import _unpack_jagged
+from .store import TierStore
+
+
+class _TieredLookup(torch.autograd.Function):
+    """Rows of flat ids (one output row per id); backward applies the fused optimizer in place."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, store: TierStore, table: str,
+                ids: torch.Tensor) -> torch.Tensor:
+        with store._exclusive():  # no lock-free bag update of these rows is running
+            tab = store._table(table)
+            ids = store._ids(tab, ids)
+            store._record(table, ids)
+            g = store._gather(tab, ids)
+        ctx.store, ctx.table, ctx.gathered = store, table, g
+        return g.weights.index_select(0, g.inverse.to(g.weights.device))
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        store, g = ctx.store, ctx.gathered
+        ctx.gathered = None
+        n = g.inverse.numel()
+        if n:
+            with store._exclusive():
+                store._live()
+                tab = store._table(ctx.table)
+                grad_out = validate.bag_gradients(tab.spec, grad_out, None)  # NaN/Inf; clip
+                # each id is a bag of one: gradients are summed per row in input order
+                store._apply_bags(tab, g, torch.arange(n), grad_out.contiguous(), None, "sum")
+        return None, None, None, None
+
+
+class _ReadOnlyLookup(torch.autograd.Function):
+    """Rows of flat ids from a read-only handle (inference); backward raises ReadOnlyError."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, store: Any, table: str,
+                ids: torch.Tensor) -> torch.Tensor:
+        ctx.path = store.path
+        return store.read(table, ids)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        raise ReadOnlyError(f"store {ctx.path} is open read-only: training through it is not allowed")
+
+
+def _lookup(store: TierStore, table: str, ids: torch.Tensor) -> torch.Tensor:
+    """[n, dim] rows of 1-D ids through the autograd function (a leaf anchor triggers backward)."""
+    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+    if getattr(store, "readonly", False):  # a ReadOnlyStore: serve the published rows
+        return _ReadOnlyLookup.apply(anchor, store, table, ids)
+    return _TieredLookup.apply(anchor, store, table, ids)
+
+
+def _dim(store: TierStore, table: str) -> int:
+    store._table(table)  # raises UnknownTableError / StoreClosedError
+    return store.table_specs[table].dim
+
+
+class TieredEmbedding(nn.Module):
+    """Like torch.nn.Embedding over one store table; backward updates rows in the store.
+
+    Ids of any shape give `[..., dim]`. Positions holding `padding_idx` read as zeros and their
+    row gets no update (a negative `padding_idx` counts from `num_rows`, as in nn.Embedding).
+    """
+
+    def __init__(self, store: TierStore, table: str, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.embedding_dim = _dim(store, table)
+        self.num_embeddings = store.table_specs[table].num_rows
+        if padding_idx is not None:
+            if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) or \
+                    not -self.num_embeddings <= padding_idx < self.num_embeddings:
+                raise ConfigError(f"padding_idx must be an int in [-{self.num_embeddings}, "
+                                  f"{self.num_embeddings}), got {padding_idx!r}")
+            if padding_idx < 0:
+                padding_idx += self.num_embeddings
+        self.store = store
+        self.table = table
+        self.padding_idx = padding_idx
+        self.features = {table: table}  # for Prefetcher(module, ...): batches keyed by table
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Embeddings `[*input.shape, dim]` with nn.Embedding's conventions."""
+        if not isinstance(input, torch.Tensor):
+            raise InvalidIdsError("input must be an integer tensor")
+        flat = input.reshape(-1)
+        out_shape = (*input.shape, self.embedding_dim)
+        if self.padding_idx is None:
+            return _lookup(self.store, self.table, flat).reshape(out_shape)
+        keep = flat != self.padding_idx
+        if bool(keep.all()):
+            return _lookup(self.store, self.table, flat).reshape(out_shape)
+        pos = torch.nonzero(keep).flatten()
+        rows = _lookup(self.store, self.table, flat.index_select(0, pos))
+        out = rows.new_zeros((flat.numel(), self.embedding_dim))
+        out = out.index_copy(0, pos.to(out.device), rows)  # differentiable: padding gets no grad
+        return out.reshape(out_shape)
+
+
+class JaggedEmbeddings:
+    """One feature's sequence embeddings: values [n_ids, dim] and lengths [batch] (JaggedTensor-like)."""
+
+    def __init__(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
+        self._values = values
+        self._lengths = lengths
+
+    def values(self) -> torch.Tensor:
+        """The embeddings of every id of the feature, sample after sample: [n_ids, dim]."""
+        return self._values
+
+    def lengths(self) -> torch.Tensor:
+        """Ids per sample: [batch] int64."""
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        """Start of each sample's rows in `values()`, plus the total: [batch + 1] int64."""
+        out = torch.zeros(self._lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(self._lengths, 0, out=out[1:])
+        return out
+
+    def split(self) -> list[torch.Tensor]:
+        """Per-sample [length, dim] tensors."""
+        return list(torch.split(self._values, self._lengths.tolist()))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:  # `values, lengths = out[feature]`
+        return iter((self._values, self._lengths))
+
+    def __repr__(self) -> str:
+        return f"JaggedEmbeddings(values={tuple(self._values.shape)}, lengths={self._lengths.numel()})"
+
+
+class TieredEmbeddingCollection(nn.Module):
+    """Many sequence features over store tables, TorchRec EmbeddingCollection style.
+
+    `features` maps feature name -> table name (or is a list of table names, one feature
+    each). Input: keys, values, lengths (or offsets), feature-major, or a KeyedJaggedTensor.
+    Output: {feature: JaggedEmbeddings(values [n_ids, dim], lengths [batch])}. Features sharing a
+    table share one gather and one optimizer step per batch.
+    """
+
+    def __init__(self, store: TierStore, features: Mapping[str, str] | Sequence[str]) -> None:
+        super().__init__()
+        if isinstance(features, Mapping):
+            feats = dict(features)
+        else:
+            feats = dict(f if isinstance(f, (tuple, list)) else (f, f) for f in features)
+        if not feats:
+            raise ConfigError("features must not be empty")
+        for feature, table in feats.items():
+            store._table(table)
+            known = store.feature_tables.setdefault(feature, table)
+            if known != table:
+                store.feature_tables[feature] = None  # two collections disagree: no default
+        self.store = store
+        self.features = feats
+        self.feature_names = list(feats)
+        self.dims = {f: store.table_specs[t].dim for f, t in feats.items()}
+        self._by_table: dict[str, list[str]] = {}
+        for f, t in feats.items():
+            self._by_table.setdefault(t, []).append(f)
+
+    def forward(self, keys: Any, values: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None, offsets: torch.Tensor | None = None
+                ) -> dict[str, JaggedEmbeddings]:
+        """{feature: JaggedEmbeddings} for every feature of this collection."""
+        keys, values, lengths, _ = _unpack_jagged(keys, values, lengths, offsets, None)
+        if len(keys) == 0 or lengths.numel() % len(keys):
+            raise ShapeError("lengths must hold one entry per (feature, sample)")
+        missing = [f for f in self.feature_names if f not in keys]
+        if missing:
+            raise ShapeError(f"input lacks features {missing}")
+        batch = lengths.numel() // len(keys)
+        starts = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=starts[1:])
+        kpos = {k: i for i, k in enumerate(keys)}
+        out: dict[str, JaggedEmbeddings] = {}
+        for table, feats in self._by_table.items():
+            spans = []
+            for f in feats:
+                i = kpos[f]
+                spans.append((int(starts[i * batch]), int(starts[(i + 1) * batch])))
+            ids = torch.cat([values[lo:hi] for lo, hi in spans])
+            rows = _lookup(self.store, table, ids)
+            at = 0
+            for f, (lo, hi) in zip(feats, spans):
+                i = kpos[f]
+                out[f] = JaggedEmbeddings(rows[at : at + hi - lo],
+                                          lengths[i * batch : (i + 1) * batch])
+                at += hi - lo
+        return {f: out[f] for f in self.feature_names}
