@@ -703,7 +703,8 @@ class TierStore:
         out["prefetch"] = self.prefetch_stats.as_dict()
         log = self.log
         out["writeback"] = {**self.writeback.stats(), "log_rows": log.size,
-                            "log_appended": log.rows_appended, "log_merged": log.rows_merged}
+                            "log_appended": log.rows_appended, "log_merged": log.rows_merged,
+                            "log_chunks": log.chunks_appended}
         if self._admission:
             out["admission"] = {n: a.stats() for n, a in self._admission.items()}
         out["expiry"] = self._expiry.stats()

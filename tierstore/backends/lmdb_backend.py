@@ -381,7 +381,7 @@ class LmdbBackend:
         rows is one transaction; larger ones are not atomic (flush() syncs after all of them).
         Rows beyond a table's last key are appended (`MDB_APPEND`: full pages).
         """
-        total = sum(len(r) * (8 + (p.shape[1] if sealed else p.shape[1] * 4 + CHECK_BYTES))
+        total = sum(len(r) * (8 + (p.shape[1] * p.itemsize if sealed else p.shape[1] * 4 + CHECK_BYTES))
                     for r, p in batches.values())
         if total == 0:
             return 0

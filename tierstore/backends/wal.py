@@ -70,6 +70,7 @@ class WriteLog:
         # the chunks not yet merged, oldest first: first sequence number, row count, entry size
         self._chunks = np.zeros((0, 3), dtype=np.int64)
         self.rows_appended = 0
+        self.chunks_appended = 0
         self.rows_merged = 0
         self.merge_seconds = 0.0
         self.append_seconds = 0.0
@@ -146,6 +147,7 @@ class WriteLog:
             self._chunks = np.concatenate([self._chunks, np.array(chunks, dtype=np.int64)])
             self.next += n
         self.rows_appended += n
+        self.chunks_appended += len(chunks)
         return nbytes
 
     def merge(self, n: int | None = None) -> int:
