@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import dataclasses
 import functools
 import os
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,11 +22,13 @@ import torch
 from . import admission as _adm
 from . import expiry as _exp
 from . import validate
-from ._kernels import HAVE_NUMBA, SLOT_BITS
+from ._kernels import HAVE_NUMBA
 from .backends.lmdb_backend import DATA_NAME, LmdbBackend, lmdb_error
-from .backends.slab import Rows, SlabTier
+from .backends.slab import SlabTier
 from .backends.wal import WriteLog, replay
 from .backends.writeback import WriteBehind
+from .bagpaths import BagPaths, Gathered
+from .cascade import TierCascade
 from .config import TableSpec, parse_capacity, parse_size
 from .errors import (
     ConfigError,
@@ -39,11 +39,11 @@ from .errors import (
     StoreNotFoundError,
     UnknownTableError,
 )
-from .fused import BatchUpdate, bag_positions
-from .fused import pool as fused_pool
-from .index import dedup, sort_unique
+from .fused import BatchUpdate
 from .initializers import name_key
+from .pinned import PinnedSteps
 from .stats import PrefetchStats, SsdStats
+from .stored_rows import StoredRows
 
 if TYPE_CHECKING:
     from .serving import ReadOnlyStore
@@ -51,8 +51,8 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 2  # 2: rows carry a last-update stamp column and a checksum word
 CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
 # bytes per write-behind ring row besides its payload: the ring's index and bookkeeping, and the
-# log index (4 log entries per ring row)
-WB_SLOT_OVERHEAD = 160
+# log index (LOG_RINGS = 8 log entries per ring row, ~30 B each)
+WB_SLOT_OVERHEAD = 280
 FLUSH_CHUNK = 65536  # rows per LMDB transaction when flushing
 LOG_RINGS = 8  # the write-behind log holds up to this many rings of rows; its older half is merged at 3/4
 LAST_OPEN = "last_open"  # metadata record: the table specs of the latest open, per table
@@ -68,18 +68,6 @@ def _close_open_stores() -> None:
         except Exception:
             pass
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-@dataclass(frozen=True)
-class Gathered:
-    """A batch's rows for training: sorted unique ids, inverse map, and their embeddings."""
-
-    unique: torch.Tensor  # int64 [u], sorted (unsorted only inside the module's resident fast path)
-    inverse: torch.Tensor  # int64 [n], ids == unique[inverse]
-    weights: torch.Tensor  # float32 [u, dim] on the store's device
-    slots: torch.Tensor | None = None  # device-tier slots of `unique` when all were resident
-    generation: int = -1  # the device tier's generation when `slots` was taken
-    pinned: bool = False  # `slots` hold rows the prefetch pipeline pinned for this batch
 
 
 @dataclass
@@ -134,7 +122,7 @@ def _mismatch(stored: TableSpec, given: TableSpec) -> list[str]:
     return out
 
 
-class TierStore:
+class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
     """Embedding rows over three tiers (device cache, host cache, LMDB) with fused optimizers.
 
     Upper tiers are exclusive write-back caches: a row lives in at most one cache tier, with a
@@ -297,114 +285,6 @@ class TierStore:
                    write_buffer=write_buffer)
 
     # validation -----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _exclusive(self):
-        """The store lock, with no lock-free update of pinned rows running (they wait outside)."""
-        with self._lock:
-            with self._compute:
-                self._barrier += 1
-                while self._inflight:
-                    self._compute.wait()
-            try:
-                self._drain_hits()
-                yield
-            finally:
-                with self._compute:
-                    self._barrier -= 1
-
-    def _begin_unlocked(self) -> bool:
-        """Start a lock-free update of pinned rows; False while a locked operation holds them."""
-        with self._compute:
-            if self._barrier or self._closed:
-                return False
-            self._inflight += 1
-            return True
-
-    def _end_unlocked(self) -> None:
-        with self._compute:
-            self._inflight -= 1
-            if not self._inflight:
-                self._compute.notify_all()
-
-    def _drain_hits(self) -> None:
-        """Count and tell the device policy the hits of lock-free gathers (store lock held).
-
-        Their rows are pinned, so no victim choice could have used the hits in between.
-        """
-        hits, dev = self._pending_hits, self.device_tier
-        while hits:
-            slots = hits.popleft()
-            dev.count_lookups(slots.numel(), slots.numel())
-            dev.touch(slots)
-
-    def _pinned_slots(self, tab: _Table, uniq: torch.Tensor) -> torch.Tensor | None:
-        """Device slots of `uniq` from the batch the pipeline staged for this thread, or None.
-
-        Lock-free: the rows were looked up under the lock when staged and are pinned until the
-        pipeline releases the batch (from this same thread), so they cannot move; each slot's
-        pin and index entry are still checked, and any doubt returns None (the locked path).
-        """
-        owner, staged = self._staged
-        got = staged.get(tab.spec.name)
-        if got is None or owner != threading.get_ident():
-            return None
-        rows, slots = got
-        u = uniq.numpy()
-        pos = np.minimum(np.searchsorted(rows, u), len(rows) - 1)
-        if not np.array_equal(rows[pos], u):
-            return None
-        s = slots[pos]
-        return torch.from_numpy(s) if self._still_pinned(tab, u, s) else None
-
-    def _still_pinned(self, tab: _Table, rows: np.ndarray, slots: np.ndarray) -> bool:
-        """Whether every device slot is pinned and still holds its row (read without the lock)."""
-        dev = self.device_tier
-        if len(slots) == 0 or slots.min() < 0 or not (dev.pins.numpy()[slots] > 0).all():
-            return False
-        entry = dev.index.table.numpy()[dev.index.pos_of.numpy()[slots]]
-        return bool(np.array_equal(entry[:, 1], rows) and
-                    np.array_equal(entry[:, 0], (tab.index << SLOT_BITS) | slots))
-
-    def _pool_pinned(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
-                     psw: torch.Tensor | None, mode: str, need_weights: bool
-                     ) -> tuple[torch.Tensor, Gathered] | None:
-        """`_pool_forward` without the store lock for a batch the pipeline pinned, else None."""
-        dev = self.device_tier
-        if (not self.fused or dev.device.type != "cpu" or ids.numel() == 0
-                or self._recorder is not None or tab.spec.codec.packed):
-            return None
-        uniq, inv = dedup(ids)
-        if not self._begin_unlocked():  # first: no locked operation may move rows from here on
-            return None
-        try:
-            dslots = self._pinned_slots(tab, uniq)
-            if dslots is None:
-                return None
-            psw = None if psw is None else psw.detach().to("cpu", torch.float32)
-            out = fused_pool(dev.slab, dslots, inv, offsets, tab.spec.dim, psw, mode == "mean")
-            weights = tab.spec.codec.gather(dev.slab, dslots, tab.spec.dim) if need_weights \
-                else torch.empty(0, tab.spec.dim)
-        finally:
-            self._end_unlocked()
-        self._pending_hits.append(dslots)
-        self.prefetch_stats.lock_free_bags += 1
-        return out, Gathered(uniq, inv, weights, dslots, dev.generation, pinned=True)
-
-    def _apply_pinned(self, tab: _Table, g: Gathered, offsets: torch.Tensor,
-                      grad_out: torch.Tensor, psw: torch.Tensor | None, mode: str) -> bool:
-        """`_apply_bags` without the store lock when `g`'s rows are still pinned; False otherwise."""
-        if not g.pinned or g.slots is None:
-            return False
-        if not self._begin_unlocked():  # first: no locked operation may move rows from here on
-            return False
-        try:
-            if not self._still_pinned(tab, g.unique.numpy(), g.slots.numpy()):
-                return False
-            self._apply_bags(tab, g, offsets, grad_out, psw, mode)
-        finally:
-            self._end_unlocked()
-        return True
-
     def _live(self) -> None:
         if self._closed:
             raise StoreClosedError(f"store {self.path} is closed")
@@ -552,84 +432,6 @@ class TierStore:
         inverse, offsets, grad_out, psw = validate.bags(tab.spec, unique, inverse, offsets,
                                                         grad_out, per_sample_weights, mode)
         self._apply_bags(tab, Gathered(unique, inverse, grad_out[:0]), offsets, grad_out, psw, mode)
-
-    def _pool_forward(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
-                      psw: torch.Tensor | None, mode: str, need_weights: bool
-                      ) -> tuple[torch.Tensor, Gathered]:
-        """Pooled embeddings of bags over validated ids, and what the backward needs.
-
-        With the numba kernels on a CPU store, bags are pooled straight from the device slab
-        when every row is resident (no copy), otherwise from the gathered payloads: the same
-        kernel, the same bits. Elsewhere, `F.embedding_bag` over the gathered rows.
-        """
-        dim = tab.spec.dim
-        dev = self.device_tier
-        mean = mode == "mean"
-        if not (self.fused and dev.device.type == "cpu"):
-            g = self._gather(tab, ids)
-            w = g.weights.to(self.device)
-            out = torch.nn.functional.embedding_bag(
-                g.inverse.to(w.device), w, offsets.to(w.device), mode=mode,
-                per_sample_weights=None if psw is None else psw.to(w.device, w.dtype))
-            return out, g
-        if ids.numel() == 0:
-            return torch.zeros(offsets.numel(), dim), self._gather(tab, ids)
-        uniq, inv = dedup(ids)
-        psw = None if psw is None else psw.detach().to("cpu", torch.float32)
-        dslots = self._resident_slots(tab, uniq)
-        codec = tab.spec.codec
-        if dslots is not None:  # `uniq` may stay unsorted: only these slots are touched
-            if codec.packed:  # 16-bit weights: pool their float32 values
-                weights = codec.gather(dev.slab, dslots, dim)
-                out = fused_pool(weights, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
-            else:  # straight from the slab, no copy
-                out = fused_pool(dev.slab, dslots, inv, offsets, dim, psw, mean)
-                weights = codec.gather(dev.slab, dslots, dim) if need_weights else torch.empty(0, dim)
-            return out, Gathered(uniq, inv, weights, dslots, dev.generation)
-        uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
-        payload = self._access(tab, uniq, None)
-        weights = codec.decode(payload, dim).contiguous() if codec.packed else payload
-        out = fused_pool(weights, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
-        return out, Gathered(uniq, inv, weights[:, :dim], self._last_dslots, dev.generation)
-
-    def _apply_bags(self, tab: _Table, g: Gathered, offsets: torch.Tensor, grad_out: torch.Tensor,
-                    per_sample_weights: torch.Tensor | None, mode: str) -> None:
-        """`apply_bags` on trusted input from `gather`; reuses its device slots when still valid."""
-        unique, inverse = g.unique, g.inverse
-        n = inverse.numel()
-        grad_out = grad_out.detach().to("cpu", torch.float32)
-        if unique.numel() == 0 or n == 0:
-            return
-        offsets = offsets.to("cpu", torch.int64)
-        inverse = inverse.to("cpu", torch.int64)
-        dev = self.device_tier
-        in_place = g.slots is not None and (g.pinned or g.generation == dev.generation)
-        if not in_place and unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
-            unique, inverse = sort_unique(unique, inverse)  # the cascade works in key order
-        bag_of, lengths = bag_positions(offsets, n)
-        scale = None
-        if mode == "mean":
-            scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag_of)
-        if per_sample_weights is not None:
-            psw = per_sample_weights.detach().to("cpu", torch.float32).reshape(-1)
-            scale = psw if scale is None else scale * psw
-        mask = self._admitted(tab, unique)  # counted by the forward / gather
-        if mask is not None:  # drop the positions of rows not admitted (updates discarded)
-            unique, inverse, (bag_of, scale) = _adm.filter_positions(mask, unique, inverse,
-                                                                     bag_of, scale)
-            if unique.numel() == 0:
-                return
-            if in_place:  # (unreachable: counts only grow) the cascade works in key order
-                unique, inverse = sort_unique(unique, inverse)
-                in_place = False
-        update = BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(), inverse, grad_out,
-                             bag_of, scale, self.fused, tab.spec.dtype)
-        if in_place:
-            update.apply(dev.slab, g.slots)  # rows still where gather found them: update in place
-            self._stamp(tab, dev.slab, g.slots)
-            dev.dirty[g.slots] = True
-            return
-        self._access(tab, unique, update)
 
     @_locked
     def flush(self) -> None:
@@ -818,320 +620,21 @@ class TierStore:
         if self._recorder is not None:
             self._recorder.record(table, ids)
 
-    def _gather(self, tab: _Table, ids: torch.Tensor) -> Gathered:
-        if ids.numel() == 0:
-            empty = torch.empty(0, dtype=torch.int64)
-            return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
-        uniq, inv = sort_unique(*dedup(ids))
-        payload = self._access(tab, uniq, None)
-        return Gathered(uniq, inv, tab.spec.codec.decode(payload, tab.spec.dim), self._last_dslots,
-                        self.device_tier.generation)
 
-    def _resident_slots(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor | None:
-        """Device slots of `ids` if every one is device-resident (counted as hits), else None."""
-        dev = self.device_tier
-        if ids.numel() == 0 or dev.capacity == 0:
-            return None
-        slots = dev.lookup(tab.tix.to(dev.device), ids.to(dev.device),
-                           count=False)
-        if not bool((slots >= 0).all()):
-            return None
-        dev.count_lookups(ids.numel(), ids.numel())
-        dev.touch(slots)
-        return slots
 
-    def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
-                count: bool = True, dslots: torch.Tensor | None = None,
-                pin: bool = False) -> torch.Tensor | None:
-        """Locate sorted unique rows, optionally update them, and promote them to the device tier.
 
-        `dslots` are the rows' device slots when the caller has just looked them up. Returns
-        the payloads [u, width] when reading (`update` is None), else None. With `pin` (prefetch
-        staging) the rows are pinned where they land and nothing is read or returned.
-        """
-        dev = self.device_tier
-        n = uniq.numel()
-        if dslots is None:
-            dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
-        dhit = dslots >= 0
-        nd = int(dhit.sum())
-        if nd < n:  # rows will move: room in the write-behind ring for the victims, or fail now
-            self.writeback.reserve(n - nd)
-        if count:
-            dev.count_lookups(n, nd)
-        if nd == n:
-            self._last_sources = (n, 0, 0)
-            self._last_dslots = dslots
-            dev.touch(dslots)
-            if pin:
-                dev.pin(dslots, 1)
-                return None
-            if update is None:
-                return dev.read(dslots)
-            update.apply(dev.slab, dslots)  # in place in the device slab
-            self._stamp(tab, dev.slab, dslots)
-            dev.mark_dirty(dslots)
-            return None
-        self._last_dslots = None
-        if nd:
-            hit_idx = torch.nonzero(dhit).flatten()
-            hit_slots = dslots.index_select(0, hit_idx)
-            miss = torch.nonzero(~dhit).flatten().cpu()
-            miss_rows = uniq.index_select(0, miss)
-            hit_idx = hit_idx.cpu()
-        else:  # nothing device-resident: the misses are the whole batch, in order
-            hit_slots = dslots[:0]
-            miss, miss_rows = None, uniq
-        m = n - nd
-        mpay, mdirty, mpins, nh = self._fetch_misses(tab, miss_rows, count)
-        self._last_sources = (nd, nh, m - nh)
-        if pin:  # the pins travel with the rows into whichever tier takes them
-            dev.touch(hit_slots)
-            dev.pin(hit_slots, 1)
-            mpins = torch.ones(m, dtype=torch.int32) if mpins is None else mpins + 1
-            self._place(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins), protect=hit_slots)
-            return None
-        if nd:  # assemble the whole batch: device hits and the rows fetched from below
-            payload = torch.empty((n, self.width), dtype=torch.float32)
-            payload.index_copy_(0, hit_idx, dev.read(hit_slots).cpu())
-            payload.index_copy_(0, miss, mpay)
-            dev.touch(hit_slots)
-        else:
-            payload = mpay
-        if update is not None:
-            update.apply(payload, torch.arange(n))
-            payload[:, tab.spec.stamp_col] = self._clock_value()
-            if nd:
-                dev.write(hit_slots, payload.index_select(0, hit_idx))
-                mpay = payload.index_select(0, miss)
-            mdirty = torch.ones(m, dtype=torch.bool)
-        self._place(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins), protect=hit_slots)
-        return None if update is not None else payload.to(self.device, non_blocking=True)
 
-    def _fetch_misses(self, tab: _Table, rows: torch.Tensor, count: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-        """Take device-missed rows out of the host tier or load them from LMDB.
 
-        Returns (payload [m, width], dirty [m], pins [m] or None, host hits); host hits leave
-        the host tier (the caches are exclusive).
-        """
-        host = self.host_tier
-        m = rows.numel()
-        hslots = host.lookup(tab.tix, rows, count=False)
-        hhit = hslots >= 0
-        nh = int(hhit.sum())
-        if count:
-            host.count_lookups(m, nh)
-        if nh == 0:
-            return self._load(tab, rows), torch.zeros(m, dtype=torch.bool), None, 0
-        if nh == m:
-            moved = host.remove(hslots)
-            return moved.payload, moved.dirty, moved.pins, nh
-        hidx = torch.nonzero(hhit).flatten()
-        cidx = torch.nonzero(~hhit).flatten()
-        moved = host.remove(hslots.index_select(0, hidx))
-        payload = torch.empty((m, self.width), dtype=torch.float32)
-        payload.index_copy_(0, hidx, moved.payload)
-        payload.index_copy_(0, cidx, self._load(tab, rows.index_select(0, cidx)))
-        dirty = torch.zeros(m, dtype=torch.bool).index_copy_(0, hidx, moved.dirty)
-        pins = torch.zeros(m, dtype=torch.int32).index_copy_(0, hidx, moved.pins)
-        return payload, dirty, pins, nh
 
-    def _distinct_resident(self, slots: torch.Tensor) -> torch.Tensor | None:
-        """`arange(n)` when every device lookup hit and no slot repeats (no id repeated), else None."""
-        n = slots.numel()
-        if slots.device.type != "cpu":
-            srt = torch.sort(slots).values
-            ok = bool(srt[0] >= 0) and not bool((srt[1:] == srt[:-1]).any())
-            return torch.arange(n) if ok else None
-        s = slots.numpy()
-        if s.min() < 0:
-            return None
-        # a mark per device slot: each position writes its number; a repeated slot keeps one
-        if self._marks is None:
-            self._marks = np.empty(self.device_tier.capacity, dtype=np.int32)
-        pos = np.arange(n)
-        self._marks[s] = pos
-        return torch.from_numpy(pos) if np.array_equal(self._marks[s], pos) else None
 
-    # prefetch support (called by tierstore.prefetch with the store lock held) ------------
-    def _stage(self, tab: _Table, uniq: torch.Tensor) -> tuple[int, int, int]:
-        """Bring sorted unique rows up the hierarchy and pin them; returns (device, host, ssd)."""
-        self._access(tab, uniq, None, count=False, pin=True)
-        return self._last_sources
 
-    def _pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:
-        """Add `delta` to the prefetch pins of those rows wherever they are cached."""
-        tabs = tab.tix
-        for tier in (self.device_tier, self.host_tier):
-            slots = tier.lookup(tabs.to(tier.device), uniq.to(tier.device), count=False)
-            tier.pin(slots[slots >= 0], delta)
 
-    def _hint(self, tab: _Table, rows: torch.Tensor, next_use: torch.Tensor) -> None:
-        """Tell look-ahead policies the next known use (batch number) of cached rows."""
-        tabs = tab.tix
-        for tier in (self.device_tier, self.host_tier):
-            if not tier.policy.wants_future:
-                continue
-            slots = tier.lookup(tabs.to(tier.device), rows.to(tier.device), count=False)
-            found = slots >= 0
-            tier.policy.on_future(slots[found], next_use.to(tier.device)[found])
 
-    def _load(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
-        """Rows cached nowhere: from the write-behind ring, a read-ahead buffer, or LMDB; [n, width].
 
-        Rows never written are lazily initialized. The ring holds the newest version of every
-        row written back recently; a read-ahead buffer holds rows the prefetch pipeline read from
-        LMDB when they were in no cache and not in the ring, valid while every row written
-        since is still in the ring (so any newer version would have been found there).
-        """
-        spec = tab.spec
-        rows_np = rows.numpy()
-        n = len(rows_np)
-        data = np.zeros((n, spec.row_dim), dtype=np.float32)
-        found = np.zeros(n, dtype=bool)
-        known = np.zeros(n, dtype=bool)
-        if n and self.writeback.tail:
-            hit, wdata = self.writeback.lookup(tab.index, rows)
-            if wdata.shape[0]:
-                h = hit.numpy()
-                data[h] = wdata[:, : spec.row_dim].numpy()
-                found |= h
-                known |= h
-        ahead = self._readahead.get(spec.name)
-        if ahead and not known.all():
-            self._read_ahead(ahead, rows_np, data, found, known)
-        need = ~known
-        nneed = int(np.count_nonzero(need))
-        if nneed:
-            t0 = time.perf_counter()
-            part = rows_np if nneed == n else rows_np[need]
-            got, gfound = self._read_stored(tab, part)
-            side = "training" if threading.current_thread() is threading.main_thread() else "background"
-            self.io_seconds[side] += time.perf_counter() - t0
-            if nneed == n:
-                data, found = (got if got.flags.writeable else got.copy()), gfound
-            else:
-                data[need] = got
-                found[need] = gfound
-            nfound = int(np.count_nonzero(gfound))
-            st = self.ssd_stats
-            st.lookups += nneed
-            st.hits += nfound
-            st.misses += nneed - nfound
-            st.bytes_read += nfound * (spec.row_dim + 1) * 4
-        if self._expiry.cutoffs:  # rows stamped below their table's expiry cutoff read as missing
-            data, found = self._expiry.stale_mask(tab.index, data, found, spec.stamp_col)
-        nfound = int(np.count_nonzero(found))
-        if nfound < n:
-            lazy = ~found
-            init = spec.init(tab.key, rows_np[lazy], spec.dim)
-            data[lazy, : spec.weight_cols] = spec.codec.encode(torch.from_numpy(init)).numpy() \
-                if spec.codec.packed else init
-        out = torch.from_numpy(data)
-        if spec.row_dim < self.width:  # narrower table: zero tail columns
-            out = torch.nn.functional.pad(out, (0, self.width - spec.row_dim))
-        return out
 
-    def _read_ahead(self, buffers: list, rows_np: np.ndarray, data: np.ndarray, found: np.ndarray,
-                    known: np.ndarray) -> None:
-        """Fill rows not yet known from the prefetch pipeline's still-current read-ahead buffers."""
-        wb = self.writeback
-        for since, brows, bdata, bfound in buffers:
-            if not wb.still_current(since):
-                continue
-            pos = np.searchsorted(brows, rows_np)
-            pos[pos >= len(brows)] = 0
-            match = (brows[pos] == rows_np) & ~known if len(brows) else np.zeros_like(known)
-            if match.any():
-                src = pos[match]
-                data[match] = bdata[src]
-                found[match] = bfound[src]
-                known |= match
-                k, f = int(np.count_nonzero(match)), int(np.count_nonzero(bfound[src]))
-                st = self.ssd_stats  # read from LMDB by the pipeline's threads, counted at use
-                st.lookups += k
-                st.hits += f
-                st.misses += k - f
-                self.prefetch_stats.rows_read_ahead += int(np.count_nonzero(match))
-            if known.all():
-                return
 
-    def _add_read_ahead(self, table: str, since: int, rows: np.ndarray, data: np.ndarray,
-                        found: np.ndarray, keep: int) -> None:
-        """Register rows the prefetch pipeline read from LMDB (sorted); keeps the newest `keep` buffers."""
-        bufs = self._readahead.setdefault(table, [])
-        bufs.append((since, rows, data, found))
-        del bufs[:-keep]
 
-    def _place(self, moving: Rows, protect: torch.Tensor) -> None:
-        """Insert rows into the device tier; victims and overflow cascade to host, then LMDB.
 
-        Only dirty rows leave the host tier for LMDB: a clean row is already there (or is its
-        lazy init), so the bottom tier drops clean victims without copying them.
-        """
-        if len(moving) == 0:
-            return
-        host = self.host_tier
-        k, evicted = self.device_tier.insert(moving, protect=protect, keep_clean=host.capacity > 0)
-        down = [p for p in (evicted, moving.take(slice(k, None)) if k < len(moving) else None)
-                if p is not None and len(p)]
-        if not down:
-            return
-        spill_in = Rows.cat([p.to(torch.device("cpu")) for p in down])
-        k2, spill = host.insert(spill_in, keep_clean=False)
-        parts = [] if spill is None else [spill]
-        if k2 < len(spill_in):
-            rest = spill_in.take(slice(k2, None))
-            if bool(rest.dirty.any()):
-                parts.append(rest.take(rest.dirty))
-        if parts:
-            self._write_down(Rows.cat(parts))
-
-    def _write_down(self, rows: Rows) -> None:
-        """Hand dirty rows (any tables) to the write-behind ring; its writer thread writes them to LMDB."""
-        if len(rows) == 0:
-            return
-        self.writeback.put(rows)
-        self.ssd_stats.writebacks += len(rows)
-
-    def _write_rows(self, tabs: np.ndarray, rows: np.ndarray, payload: np.ndarray) -> int:
-        """The writer thread's sink: append rows to the write-behind log, merge it when it is large."""
-        log = self.log
-        written = log.append(tabs, rows, payload)
-        if log.size >= log.capacity * 3 // 4:  # fold the older half into the tables, sorted
-            written += log.merge(log.capacity // 2)
-        self.ssd_stats.bytes_written += written
-        return written
-
-    @contextlib.contextmanager
-    def _quiesce_writer(self):
-        """Drain the write-behind ring, merge the log, and keep the writer idle inside the block."""
-        self.writeback.drain()
-        with self.writeback._cv:
-            self.ssd_stats.bytes_written += self.log.merge()
-            yield
-
-    def _read_stored(self, tab: _Table, rows_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Stored rows (log first, then the table): (rows [n, row_dim], found [n]); any thread."""
-        spec = tab.spec
-        seqs = self.log.lookup(tab.index, torch.from_numpy(rows_np))
-        inlog = seqs >= 0
-        if not inlog.any():
-            return self.backend.get(spec.name, rows_np, spec.row_dim)
-        data = np.zeros((len(rows_np), spec.row_dim), dtype=np.float32)
-        found = np.zeros(len(rows_np), dtype=bool)
-        ldata, lfound = self.log.read(tab.index, rows_np[inlog], seqs[inlog])
-        idx = np.flatnonzero(inlog)
-        data[idx[lfound]] = ldata[lfound]
-        found[idx[lfound]] = True
-        rest = np.flatnonzero(~inlog)
-        rest = np.concatenate([rest, idx[~lfound]]) if (~lfound).any() else rest
-        if len(rest):  # merged meanwhile entries are in the table by now
-            mdata, mfound = self.backend.get(spec.name, rows_np[rest], spec.row_dim)
-            data[rest] = mdata
-            found[rest] = mfound
-        return data, found
 
 
 def _open_readonly(path: str | os.PathLike, host_capacity: int | str, policy: str,

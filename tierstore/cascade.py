@@ -1,0 +1,194 @@
+"""TierStore's tier cascade: find rows in the device and host tiers, move them, write victims back."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .backends.slab import Rows
+from .fused import BatchUpdate
+
+if TYPE_CHECKING:
+    from .store import _Table
+
+
+class TierCascade:
+    """Rows move up to the device tier on use; victims cascade to the host tier and the write-behind ring."""
+
+    def _resident_slots(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor | None:
+        """Device slots of `ids` if every one is device-resident (counted as hits), else None."""
+        dev = self.device_tier
+        if ids.numel() == 0 or dev.capacity == 0:
+            return None
+        slots = dev.lookup(tab.tix.to(dev.device), ids.to(dev.device),
+                           count=False)
+        if not bool((slots >= 0).all()):
+            return None
+        dev.count_lookups(ids.numel(), ids.numel())
+        dev.touch(slots)
+        return slots
+
+    def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
+                count: bool = True, dslots: torch.Tensor | None = None,
+                pin: bool = False) -> torch.Tensor | None:
+        """Locate sorted unique rows, optionally update them, and promote them to the device tier.
+
+        `dslots` are the rows' device slots when the caller has just looked them up. Returns
+        the payloads [u, width] when reading (`update` is None), else None. With `pin` (prefetch
+        staging) the rows are pinned where they land and nothing is read or returned.
+        """
+        dev = self.device_tier
+        n = uniq.numel()
+        if dslots is None:
+            dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
+        dhit = dslots >= 0
+        nd = int(dhit.sum())
+        if nd < n:  # rows will move: room in the write-behind ring for the victims, or fail now
+            self.writeback.reserve(n - nd)
+        if count:
+            dev.count_lookups(n, nd)
+        if nd == n:
+            self._last_sources = (n, 0, 0)
+            self._last_dslots = dslots
+            dev.touch(dslots)
+            if pin:
+                dev.pin(dslots, 1)
+                return None
+            if update is None:
+                return dev.read(dslots)
+            update.apply(dev.slab, dslots)  # in place in the device slab
+            self._stamp(tab, dev.slab, dslots)
+            dev.mark_dirty(dslots)
+            return None
+        self._last_dslots = None
+        if nd:
+            hit_idx = torch.nonzero(dhit).flatten()
+            hit_slots = dslots.index_select(0, hit_idx)
+            miss = torch.nonzero(~dhit).flatten().cpu()
+            miss_rows = uniq.index_select(0, miss)
+            hit_idx = hit_idx.cpu()
+        else:  # nothing device-resident: the misses are the whole batch, in order
+            hit_slots = dslots[:0]
+            miss, miss_rows = None, uniq
+        m = n - nd
+        mpay, mdirty, mpins, nh = self._fetch_misses(tab, miss_rows, count)
+        self._last_sources = (nd, nh, m - nh)
+        if pin:  # the pins travel with the rows into whichever tier takes them
+            dev.touch(hit_slots)
+            dev.pin(hit_slots, 1)
+            mpins = torch.ones(m, dtype=torch.int32) if mpins is None else mpins + 1
+            self._place(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins), protect=hit_slots)
+            return None
+        if nd:  # assemble the whole batch: device hits and the rows fetched from below
+            payload = torch.empty((n, self.width), dtype=torch.float32)
+            payload.index_copy_(0, hit_idx, dev.read(hit_slots).cpu())
+            payload.index_copy_(0, miss, mpay)
+            dev.touch(hit_slots)
+        else:
+            payload = mpay
+        if update is not None:
+            update.apply(payload, torch.arange(n))
+            payload[:, tab.spec.stamp_col] = self._clock_value()
+            if nd:
+                dev.write(hit_slots, payload.index_select(0, hit_idx))
+                mpay = payload.index_select(0, miss)
+            mdirty = torch.ones(m, dtype=torch.bool)
+        self._place(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins), protect=hit_slots)
+        return None if update is not None else payload.to(self.device, non_blocking=True)
+
+    def _fetch_misses(self, tab: _Table, rows: torch.Tensor, count: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """Take device-missed rows out of the host tier or load them from LMDB.
+
+        Returns (payload [m, width], dirty [m], pins [m] or None, host hits); host hits leave
+        the host tier (the caches are exclusive).
+        """
+        host = self.host_tier
+        m = rows.numel()
+        hslots = host.lookup(tab.tix, rows, count=False)
+        hhit = hslots >= 0
+        nh = int(hhit.sum())
+        if count:
+            host.count_lookups(m, nh)
+        if nh == 0:
+            return self._load(tab, rows), torch.zeros(m, dtype=torch.bool), None, 0
+        if nh == m:
+            moved = host.remove(hslots)
+            return moved.payload, moved.dirty, moved.pins, nh
+        hidx = torch.nonzero(hhit).flatten()
+        cidx = torch.nonzero(~hhit).flatten()
+        moved = host.remove(hslots.index_select(0, hidx))
+        payload = torch.empty((m, self.width), dtype=torch.float32)
+        payload.index_copy_(0, hidx, moved.payload)
+        payload.index_copy_(0, cidx, self._load(tab, rows.index_select(0, cidx)))
+        dirty = torch.zeros(m, dtype=torch.bool).index_copy_(0, hidx, moved.dirty)
+        pins = torch.zeros(m, dtype=torch.int32).index_copy_(0, hidx, moved.pins)
+        return payload, dirty, pins, nh
+
+    def _distinct_resident(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """`arange(n)` when every device lookup hit and no slot repeats (no id repeated), else None."""
+        n = slots.numel()
+        if slots.device.type != "cpu":
+            srt = torch.sort(slots).values
+            ok = bool(srt[0] >= 0) and not bool((srt[1:] == srt[:-1]).any())
+            return torch.arange(n) if ok else None
+        s = slots.numpy()
+        if s.min() < 0:
+            return None
+        # a mark per device slot: each position writes its number; a repeated slot keeps one
+        if self._marks is None:
+            self._marks = np.empty(self.device_tier.capacity, dtype=np.int32)
+        pos = np.arange(n)
+        self._marks[s] = pos
+        return torch.from_numpy(pos) if np.array_equal(self._marks[s], pos) else None
+
+    def _place(self, moving: Rows, protect: torch.Tensor) -> None:
+        """Insert rows into the device tier; victims and overflow cascade to host, then LMDB.
+
+        Only dirty rows leave the host tier for LMDB: a clean row is already there (or is its
+        lazy init), so the bottom tier drops clean victims without copying them.
+        """
+        if len(moving) == 0:
+            return
+        host = self.host_tier
+        k, evicted = self.device_tier.insert(moving, protect=protect, keep_clean=host.capacity > 0)
+        down = [p for p in (evicted, moving.take(slice(k, None)) if k < len(moving) else None)
+                if p is not None and len(p)]
+        if not down:
+            return
+        spill_in = Rows.cat([p.to(torch.device("cpu")) for p in down])
+        k2, spill = host.insert(spill_in, keep_clean=False)
+        parts = [] if spill is None else [spill]
+        if k2 < len(spill_in):
+            rest = spill_in.take(slice(k2, None))
+            if bool(rest.dirty.any()):
+                parts.append(rest.take(rest.dirty))
+        if parts:
+            self._write_down(Rows.cat(parts))
+
+    def _write_down(self, rows: Rows) -> None:
+        """Hand dirty rows (any tables) to the write-behind ring; its writer thread writes them to LMDB."""
+        if len(rows) == 0:
+            return
+        self.writeback.put(rows)
+        self.ssd_stats.writebacks += len(rows)
+
+    def _write_rows(self, tabs: np.ndarray, rows: np.ndarray, payload: np.ndarray) -> int:
+        """The writer thread's sink: append rows to the write-behind log, merge it when it is large."""
+        log = self.log
+        written = log.append(tabs, rows, payload)
+        if log.size >= log.capacity * 3 // 4:  # fold the older half into the tables, sorted
+            written += log.merge(log.capacity // 2)
+        self.ssd_stats.bytes_written += written
+        return written
+
+    @contextlib.contextmanager
+    def _quiesce_writer(self):
+        """Drain the write-behind ring, merge the log, and keep the writer idle inside the block."""
+        self.writeback.drain()
+        with self.writeback._cv:
+            self.ssd_stats.bytes_written += self.log.merge()
+            yield

@@ -1,0 +1,153 @@
+"""TierStore's prefetch support: staging and pinning, and training on pinned slots without the lock."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ._kernels import SLOT_BITS
+from .bagpaths import Gathered
+from .fused import pool as fused_pool
+from .index import dedup
+
+if TYPE_CHECKING:
+    from .store import _Table
+
+
+class PinnedSteps:
+    """Staging (tierstore.prefetch, store lock held) and the lock-free path of a staged batch."""
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """The store lock, with no lock-free update of pinned rows running (they wait outside)."""
+        with self._lock:
+            with self._compute:
+                self._barrier += 1
+                while self._inflight:
+                    self._compute.wait()
+            try:
+                self._drain_hits()
+                yield
+            finally:
+                with self._compute:
+                    self._barrier -= 1
+
+    def _begin_unlocked(self) -> bool:
+        """Start a lock-free update of pinned rows; False while a locked operation holds them."""
+        with self._compute:
+            if self._barrier or self._closed:
+                return False
+            self._inflight += 1
+            return True
+
+    def _end_unlocked(self) -> None:
+        with self._compute:
+            self._inflight -= 1
+            if not self._inflight:
+                self._compute.notify_all()
+
+    def _drain_hits(self) -> None:
+        """Count and tell the device policy the hits of lock-free gathers (store lock held).
+
+        Their rows are pinned, so no victim choice could have used the hits in between.
+        """
+        hits, dev = self._pending_hits, self.device_tier
+        while hits:
+            slots = hits.popleft()
+            dev.count_lookups(slots.numel(), slots.numel())
+            dev.touch(slots)
+
+    def _pinned_slots(self, tab: _Table, uniq: torch.Tensor) -> torch.Tensor | None:
+        """Device slots of `uniq` from the batch the pipeline staged for this thread, or None.
+
+        Lock-free: the rows were looked up under the lock when staged and are pinned until the
+        pipeline releases the batch (from this same thread), so they cannot move; each slot's
+        pin and index entry are still checked, and any doubt returns None (the locked path).
+        """
+        owner, staged = self._staged
+        got = staged.get(tab.spec.name)
+        if got is None or owner != threading.get_ident():
+            return None
+        rows, slots = got
+        u = uniq.numpy()
+        pos = np.minimum(np.searchsorted(rows, u), len(rows) - 1)
+        if not np.array_equal(rows[pos], u):
+            return None
+        s = slots[pos]
+        return torch.from_numpy(s) if self._still_pinned(tab, u, s) else None
+
+    def _still_pinned(self, tab: _Table, rows: np.ndarray, slots: np.ndarray) -> bool:
+        """Whether every device slot is pinned and still holds its row (read without the lock)."""
+        dev = self.device_tier
+        if len(slots) == 0 or slots.min() < 0 or not (dev.pins.numpy()[slots] > 0).all():
+            return False
+        entry = dev.index.table.numpy()[dev.index.pos_of.numpy()[slots]]
+        return bool(np.array_equal(entry[:, 1], rows) and
+                    np.array_equal(entry[:, 0], (tab.index << SLOT_BITS) | slots))
+
+    def _pool_pinned(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
+                     psw: torch.Tensor | None, mode: str, need_weights: bool
+                     ) -> tuple[torch.Tensor, Gathered] | None:
+        """`_pool_forward` without the store lock for a batch the pipeline pinned, else None."""
+        dev = self.device_tier
+        if (not self.fused or dev.device.type != "cpu" or ids.numel() == 0
+                or self._recorder is not None or tab.spec.codec.packed):
+            return None
+        uniq, inv = dedup(ids)
+        if not self._begin_unlocked():  # first: no locked operation may move rows from here on
+            return None
+        try:
+            dslots = self._pinned_slots(tab, uniq)
+            if dslots is None:
+                return None
+            psw = None if psw is None else psw.detach().to("cpu", torch.float32)
+            out = fused_pool(dev.slab, dslots, inv, offsets, tab.spec.dim, psw, mode == "mean")
+            weights = tab.spec.codec.gather(dev.slab, dslots, tab.spec.dim) if need_weights \
+                else torch.empty(0, tab.spec.dim)
+        finally:
+            self._end_unlocked()
+        self._pending_hits.append(dslots)
+        self.prefetch_stats.lock_free_bags += 1
+        return out, Gathered(uniq, inv, weights, dslots, dev.generation, pinned=True)
+
+    def _apply_pinned(self, tab: _Table, g: Gathered, offsets: torch.Tensor,
+                      grad_out: torch.Tensor, psw: torch.Tensor | None, mode: str) -> bool:
+        """`_apply_bags` without the store lock when `g`'s rows are still pinned; False otherwise."""
+        if not g.pinned or g.slots is None:
+            return False
+        if not self._begin_unlocked():  # first: no locked operation may move rows from here on
+            return False
+        try:
+            if not self._still_pinned(tab, g.unique.numpy(), g.slots.numpy()):
+                return False
+            self._apply_bags(tab, g, offsets, grad_out, psw, mode)
+        finally:
+            self._end_unlocked()
+        return True
+
+    # staging (called by tierstore.prefetch with the store lock held) ---------------------
+    def _stage(self, tab: _Table, uniq: torch.Tensor) -> tuple[int, int, int]:
+        """Bring sorted unique rows up the hierarchy and pin them; returns (device, host, ssd)."""
+        self._access(tab, uniq, None, count=False, pin=True)
+        return self._last_sources
+
+    def _pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:
+        """Add `delta` to the prefetch pins of those rows wherever they are cached."""
+        tabs = tab.tix
+        for tier in (self.device_tier, self.host_tier):
+            slots = tier.lookup(tabs.to(tier.device), uniq.to(tier.device), count=False)
+            tier.pin(slots[slots >= 0], delta)
+
+    def _hint(self, tab: _Table, rows: torch.Tensor, next_use: torch.Tensor) -> None:
+        """Tell look-ahead policies the next known use (batch number) of cached rows."""
+        tabs = tab.tix
+        for tier in (self.device_tier, self.host_tier):
+            if not tier.policy.wants_future:
+                continue
+            slots = tier.lookup(tabs.to(tier.device), rows.to(tier.device), count=False)
+            found = slots >= 0
+            tier.policy.on_future(slots[found], next_use.to(tier.device)[found])

@@ -1,0 +1,125 @@
+"""TierStore's rows cached nowhere: from the write-behind ring, read-ahead buffers, the log or LMDB."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .store import _Table
+
+
+class StoredRows:
+    """The read path below the caches (any thread for `_read_stored`; the rest with the store lock)."""
+
+    def _load(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
+        """Rows cached nowhere: from the write-behind ring, a read-ahead buffer, or LMDB; [n, width].
+
+        Rows never written are lazily initialized. The ring holds the newest version of every
+        row written back recently; a read-ahead buffer holds rows the prefetch pipeline read from
+        LMDB when they were in no cache and not in the ring, valid while every row written
+        since is still in the ring (so any newer version would have been found there).
+        """
+        spec = tab.spec
+        rows_np = rows.numpy()
+        n = len(rows_np)
+        data = np.zeros((n, spec.row_dim), dtype=np.float32)
+        found = np.zeros(n, dtype=bool)
+        known = np.zeros(n, dtype=bool)
+        if n and self.writeback.tail:
+            hit, wdata = self.writeback.lookup(tab.index, rows)
+            if wdata.shape[0]:
+                h = hit.numpy()
+                data[h] = wdata[:, : spec.row_dim].numpy()
+                found |= h
+                known |= h
+        ahead = self._readahead.get(spec.name)
+        if ahead and not known.all():
+            self._read_ahead(ahead, rows_np, data, found, known)
+        need = ~known
+        nneed = int(np.count_nonzero(need))
+        if nneed:
+            t0 = time.perf_counter()
+            part = rows_np if nneed == n else rows_np[need]
+            got, gfound = self._read_stored(tab, part)
+            side = "training" if threading.current_thread() is threading.main_thread() else "background"
+            self.io_seconds[side] += time.perf_counter() - t0
+            if nneed == n:
+                data, found = (got if got.flags.writeable else got.copy()), gfound
+            else:
+                data[need] = got
+                found[need] = gfound
+            nfound = int(np.count_nonzero(gfound))
+            st = self.ssd_stats
+            st.lookups += nneed
+            st.hits += nfound
+            st.misses += nneed - nfound
+            st.bytes_read += nfound * (spec.row_dim + 1) * 4
+        if self._expiry.cutoffs:  # rows stamped below their table's expiry cutoff read as missing
+            data, found = self._expiry.stale_mask(tab.index, data, found, spec.stamp_col)
+        nfound = int(np.count_nonzero(found))
+        if nfound < n:
+            lazy = ~found
+            init = spec.init(tab.key, rows_np[lazy], spec.dim)
+            data[lazy, : spec.weight_cols] = spec.codec.encode(torch.from_numpy(init)).numpy() \
+                if spec.codec.packed else init
+        out = torch.from_numpy(data)
+        if spec.row_dim < self.width:  # narrower table: zero tail columns
+            out = torch.nn.functional.pad(out, (0, self.width - spec.row_dim))
+        return out
+
+    def _read_ahead(self, buffers: list, rows_np: np.ndarray, data: np.ndarray, found: np.ndarray,
+                    known: np.ndarray) -> None:
+        """Fill rows not yet known from the prefetch pipeline's still-current read-ahead buffers."""
+        wb = self.writeback
+        for since, brows, bdata, bfound in buffers:
+            if not wb.still_current(since):
+                continue
+            pos = np.searchsorted(brows, rows_np)
+            pos[pos >= len(brows)] = 0
+            match = (brows[pos] == rows_np) & ~known if len(brows) else np.zeros_like(known)
+            if match.any():
+                src = pos[match]
+                data[match] = bdata[src]
+                found[match] = bfound[src]
+                known |= match
+                k, f = int(np.count_nonzero(match)), int(np.count_nonzero(bfound[src]))
+                st = self.ssd_stats  # read from LMDB by the pipeline's threads, counted at use
+                st.lookups += k
+                st.hits += f
+                st.misses += k - f
+                self.prefetch_stats.rows_read_ahead += int(np.count_nonzero(match))
+            if known.all():
+                return
+
+    def _add_read_ahead(self, table: str, since: int, rows: np.ndarray, data: np.ndarray,
+                        found: np.ndarray, keep: int) -> None:
+        """Register rows the prefetch pipeline read from LMDB (sorted); keeps the newest `keep` buffers."""
+        bufs = self._readahead.setdefault(table, [])
+        bufs.append((since, rows, data, found))
+        del bufs[:-keep]
+
+    def _read_stored(self, tab: _Table, rows_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Stored rows (log first, then the table): (rows [n, row_dim], found [n]); any thread."""
+        spec = tab.spec
+        seqs = self.log.lookup(tab.index, torch.from_numpy(rows_np))
+        inlog = seqs >= 0
+        if not inlog.any():
+            return self.backend.get(spec.name, rows_np, spec.row_dim)
+        data = np.zeros((len(rows_np), spec.row_dim), dtype=np.float32)
+        found = np.zeros(len(rows_np), dtype=bool)
+        ldata, lfound = self.log.read(tab.index, rows_np[inlog], seqs[inlog])
+        idx = np.flatnonzero(inlog)
+        data[idx[lfound]] = ldata[lfound]
+        found[idx[lfound]] = True
+        rest = np.flatnonzero(~inlog)
+        rest = np.concatenate([rest, idx[~lfound]]) if (~lfound).any() else rest
+        if len(rest):  # merged meanwhile entries are in the table by now
+            mdata, mfound = self.backend.get(spec.name, rows_np[rest], spec.row_dim)
+            data[rest] = mdata
+            found[rest] = mfound
+        return data, found
