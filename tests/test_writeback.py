@@ -231,3 +231,28 @@ def test_a_damaged_log_chunk_is_reported(tmp_path):
     env.close()
     with pytest.raises(ts.StoreCorruptError):
         ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+
+
+def test_background_merges_run_beside_appends_and_flushes(tmp_path):
+    """The log merger thread folds the log into the tables while the writer appends, reads and
+    flushes go on: every read equals the model, and flush() waits for a merge in progress."""
+    specs = [SPEC]
+    model = DictStore(specs)
+    with ts.TierStore(tmp_path / "s", specs, device_capacity=4, host_capacity=4, device="cpu",
+                      write_buffer=8) as s:
+        for i in range(120):
+            ids = torch.randint(0, 400, (16,), generator=torch.Generator().manual_seed(i))
+            s.apply("t", ids, _grads(len(ids), i))
+            model.apply("t", ids, _grads(len(ids), i))
+            if i % 7 == 0:
+                probe = torch.randint(0, 400, (32,), generator=torch.Generator().manual_seed(10**4 + i))
+                assert torch.equal(s.read("t", probe), model.read("t", probe))
+            if i % 40 == 39:
+                s.flush()
+                assert s.log.size == 0
+        st = s.stats()["writeback"]
+        assert st["log_background_merges"] > 0 and st["log_merged"] > 0
+        every = torch.arange(400)
+        assert torch.equal(s.read("t", every), model.read("t", every))
+    with ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=4, host_capacity=4) as s:
+        assert torch.equal(s.read("t", every), model.read("t", every))

@@ -177,18 +177,22 @@ class TierCascade:
         self.ssd_stats.writebacks += len(rows)
 
     def _write_rows(self, tabs: np.ndarray, rows: np.ndarray, payload: np.ndarray) -> int:
-        """The writer thread's sink: append rows to the write-behind log, merge it when it is large."""
+        """The writer thread's sink: append rows to the write-behind log; wake the merger when large."""
         log = self.log
-        written = log.append(tabs, rows, payload)
-        if log.size >= log.capacity * 3 // 4:  # fold the older half into the tables, sorted
-            written += log.merge(log.capacity // 2)
+        written = log.append(tabs, rows, payload)  # merges inline only when the log is full
+        if log.wants_merge():  # the merger folds the older half into the tables, sorted
+            log.request_merge()
         self.ssd_stats.bytes_written += written
         return written
+
+    def _add_written(self, nbytes: int) -> None:
+        """Count bytes the background merger wrote."""
+        self.ssd_stats.bytes_written += nbytes
 
     @contextlib.contextmanager
     def _quiesce_writer(self):
         """Drain the write-behind ring, merge the log, and keep the writer idle inside the block."""
         self.writeback.drain()
-        with self.writeback._cv:
+        with self.log.merging, self.writeback._cv:  # no background merge runs meanwhile
             self.ssd_stats.bytes_written += self.log.merge()
             yield

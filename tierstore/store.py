@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import functools
 import os
@@ -211,7 +212,8 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
         self.writeback = WriteBehind(wcap, width, self._write_rows, name=f"tierstore-writer:{self.path.name}")
         self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], LOG_RINGS * wcap,
                             self.writeback._cv)
-        self.backend.quiesce = self._quiesce_writer
+        self.backend.quiesce = _weak_context(self._quiesce_writer)  # the merger holds the backend
+        self.log.start_merger(self._add_written)
         clock = self.backend.get_meta("clock") or {}
         self.clock = int(clock.get("value", 0))  # logical clock (store.advance), stamped on updates
         self._clock_saved = self.clock
@@ -506,7 +508,8 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
         log = self.log
         out["writeback"] = {**self.writeback.stats(), "log_rows": log.size,
                             "log_appended": log.rows_appended, "log_merged": log.rows_merged,
-                            "log_chunks": log.chunks_appended}
+                            "log_chunks": log.chunks_appended,
+                            "log_background_merges": log.background_merges}
         if self._admission:
             out["admission"] = {n: a.stats() for n, a in self._admission.items()}
         out["expiry"] = self._expiry.stats()
@@ -556,6 +559,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
             self._expiry.finish()  # rows below durable ttl cutoffs the deleter did not reach
         finally:
             self._closed = True
+            self.log.stop_merger()
             self.writeback.close()
             self._readahead.clear()
             self.backend.close()
@@ -645,6 +649,17 @@ def _open_readonly(path: str | os.PathLike, host_capacity: int | str, policy: st
     if not (Path(path) / DATA_NAME).is_file():
         raise StoreNotFoundError(f"no tierstore store at {path} (no {DATA_NAME})")
     return ReadOnlyStore(path, host_capacity=host_capacity, policy=policy, device=device)
+
+
+def _weak_context(method):
+    """A context factory calling a bound method held weakly (a no-op context once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def context():
+        m = ref()
+        return m() if m is not None else contextlib.nullcontext()
+
+    return context
 
 
 def _proc_status() -> dict[str, int]:

@@ -22,7 +22,11 @@ whole chunks only; a merge that was cut short is simply done again (rows are ide
 
 from __future__ import annotations
 
+import threading
+import time
+import weakref
 import zlib
+from collections.abc import Callable
 
 import lmdb
 import numpy as np
@@ -71,6 +75,14 @@ class WriteLog:
         self._chunks = np.zeros((0, 3), dtype=np.int64)
         self.rows_appended = 0
         self.chunks_appended = 0
+        # one merge at a time (the background merger, the writer when the log is full, a flush);
+        # reentrant: a flush holds it around its own merge (lock order: merging, then `lock`)
+        self.merging = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._merger: threading.Thread | None = None
+        self.merge_error: BaseException | None = None  # the background merger's last failure
+        self.background_merges = 0
         self.rows_merged = 0
         self.merge_seconds = 0.0
         self.append_seconds = 0.0
@@ -150,9 +162,60 @@ class WriteLog:
         self.chunks_appended += len(chunks)
         return nbytes
 
+    # the background merger ------------------------------------------------------------
+    def start_merger(self, on_written: Callable[[int], None]) -> None:
+        """Start a thread that merges the older half whenever the log is 3/4 full, so the writer
+        keeps appending (and the ring keeps draining) during a merge. `on_written(bytes)` is held
+        weakly when it is a bound method: an abandoned store is not kept alive."""
+        ref = weakref.WeakMethod(on_written) if hasattr(on_written, "__self__") else (lambda: on_written)
+        self._merger = threading.Thread(target=self._merge_loop, args=(ref,), daemon=True,
+                                        name="tierstore-log-merger")
+        self._merger.start()
+
+    def wants_merge(self) -> bool:
+        """Whether the log is full enough for its older half to be merged."""
+        return self.size >= self.capacity * 3 // 4
+
+    def request_merge(self) -> None:
+        """Wake the background merger (or do nothing when there is none: the caller merges)."""
+        self._wake.set()
+
+    def stop_merger(self) -> None:
+        """Stop the background merger (after its current merge) and wait for it."""
+        self._stop = True
+        self._wake.set()
+        if self._merger is not None and self._merger is not threading.current_thread():
+            self._merger.join()
+        self._merger = None
+
+    def _merge_loop(self, on_written) -> None:
+        while not self._stop:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            if on_written() is None:  # the store was dropped without close()
+                return
+            while not self._stop and self.wants_merge():
+                sink = on_written()
+                if sink is None:  # the store is gone
+                    return
+                try:
+                    written = self.merge(self.capacity // 2)
+                except BaseException as exc:  # kept; the writer's own merge raises it to callers
+                    self.merge_error = exc
+                    time.sleep(0.2)
+                    break
+                self.merge_error = None
+                self.background_merges += 1
+                sink(written)
+                del sink
+
     def merge(self, n: int | None = None) -> int:
         """Fold the oldest whole chunks holding at least `n` log rows (all when None) into the
-        tables; returns bytes written."""
+        tables; returns bytes written. One merge runs at a time (`merging`)."""
+        with self.merging:
+            return self._merge(n)
+
+    def _merge(self, n: int | None) -> int:
         n = self.size if n is None else min(int(n), self.size)
         if n <= 0:
             return 0
