@@ -24,7 +24,7 @@ class Gathered:
     inverse: torch.Tensor  # int64 [n], ids == unique[inverse]
     weights: torch.Tensor  # float32 [u, dim] on the store's device
     slots: torch.Tensor | None = None  # device-tier slots of `unique` when all were resident
-    generation: int = -1  # the device tier's generation when `slots` was taken
+    generation: int = -1  # the device tier's generation (its pin epoch when `pinned`) at the gather
     pinned: bool = False  # `slots` hold rows the prefetch pipeline pinned for this batch
 
 

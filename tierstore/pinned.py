@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ._kernels import SLOT_BITS
 from .bagpaths import Gathered
 from .fused import pool as fused_pool
 from .index import dedup
@@ -31,6 +30,7 @@ class PinnedSteps:
                     self._compute.wait()
             try:
                 self._drain_hits()
+                self._drain_unpins()
                 yield
             finally:
                 with self._compute:
@@ -50,6 +50,15 @@ class PinnedSteps:
             if not self._inflight:
                 self._compute.notify_all()
 
+    def _drain_unpins(self) -> None:
+        """Drop the pins of batches the pipeline released lock-free (store lock held)."""
+        pending = self._pending_unpins
+        while pending:
+            table, uniq = pending.popleft()
+            tab = self.tables.get(table)
+            if tab is not None:
+                self._pin(tab, uniq, -1)
+
     def _drain_hits(self) -> None:
         """Count and tell the device policy the hits of lock-free gathers (store lock held).
 
@@ -65,12 +74,13 @@ class PinnedSteps:
         """Device slots of `uniq` from the batch the pipeline staged for this thread, or None.
 
         Lock-free: the rows were looked up under the lock when staged and are pinned until the
-        pipeline releases the batch (from this same thread), so they cannot move; each slot's
-        pin and index entry are still checked, and any doubt returns None (the locked path).
+        pipeline releases the batch (from this same thread), so they cannot move: eviction never
+        takes a pinned row, and anything else that removes one, or drops pins wholesale, bumps
+        the device tier's `pin_epoch`, which must still be the one seen at staging.
         """
-        owner, staged = self._staged
+        owner, staged, epoch = self._staged
         got = staged.get(tab.spec.name)
-        if got is None or owner != threading.get_ident():
+        if got is None or owner != threading.get_ident() or epoch != self.device_tier.pin_epoch:
             return None
         rows, slots = got
         u = uniq.numpy()
@@ -78,16 +88,7 @@ class PinnedSteps:
         if not np.array_equal(rows[pos], u):
             return None
         s = slots[pos]
-        return torch.from_numpy(s) if self._still_pinned(tab, u, s) else None
-
-    def _still_pinned(self, tab: _Table, rows: np.ndarray, slots: np.ndarray) -> bool:
-        """Whether every device slot is pinned and still holds its row (read without the lock)."""
-        dev = self.device_tier
-        if len(slots) == 0 or slots.min() < 0 or not (dev.pins.numpy()[slots] > 0).all():
-            return False
-        entry = dev.index.table.numpy()[dev.index.pos_of.numpy()[slots]]
-        return bool(np.array_equal(entry[:, 1], rows) and
-                    np.array_equal(entry[:, 0], (tab.index << SLOT_BITS) | slots))
+        return None if len(s) == 0 or s.min() < 0 else torch.from_numpy(s)
 
     def _pool_pinned(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
                      psw: torch.Tensor | None, mode: str, need_weights: bool
@@ -112,7 +113,7 @@ class PinnedSteps:
             self._end_unlocked()
         self._pending_hits.append(dslots)
         self.prefetch_stats.lock_free_bags += 1
-        return out, Gathered(uniq, inv, weights, dslots, dev.generation, pinned=True)
+        return out, Gathered(uniq, inv, weights, dslots, dev.pin_epoch, pinned=True)
 
     def _apply_pinned(self, tab: _Table, g: Gathered, offsets: torch.Tensor,
                       grad_out: torch.Tensor, psw: torch.Tensor | None, mode: str) -> bool:
@@ -122,7 +123,7 @@ class PinnedSteps:
         if not self._begin_unlocked():  # first: no locked operation may move rows from here on
             return False
         try:
-            if not self._still_pinned(tab, g.unique.numpy(), g.slots.numpy()):
+            if g.generation != self.device_tier.pin_epoch:  # a pinned row left since the gather
                 return False
             self._apply_bags(tab, g, offsets, grad_out, psw, mode)
         finally:

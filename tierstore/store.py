@@ -166,7 +166,10 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
         self._barrier = 0
         # the batch in use, as the prefetch pipeline staged it: (consumer thread id,
         # {table: (sorted rows, device slots)}); its rows stay pinned until the pipeline's release
-        self._staged: tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]] = (0, {})
+        self._staged: tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], int] = (0, {}, -1)
+        # batches released by the pipeline without the lock: their pins drop at the next locked
+        # section (staging or any store call), after their hits are told
+        self._pending_unpins: collections.deque = collections.deque()
         # device hits of lock-free gathers, not yet told (a deque: append and popleft are atomic)
         self._pending_hits: collections.deque[torch.Tensor] = collections.deque()
         self.prefetch_stats = PrefetchStats()

@@ -82,6 +82,9 @@ class SlabTier:
         self._nfree = self.capacity
         self.stats = TierStats()
         self.generation = 0  # bumped whenever a slot changes owner (insert or release)
+        # bumped whenever a pinned row leaves (remove) or pins are dropped wholesale: a batch's
+        # staged slots stay valid while this is unchanged (victims are never pinned)
+        self.pin_epoch = 0
         self.gather_pins = False  # True: the CUDA way of reading pins (tests force it on CPU)
         self._protect_scratch: np.ndarray | None = None
         self._protected = np.empty(0, dtype=np.int64)
@@ -129,6 +132,8 @@ class SlabTier:
     def remove(self, slots: torch.Tensor) -> Rows:
         """Take rows out of the tier (to move them elsewhere); returns them with dirty bits."""
         out = self._take(slots, self.dirty.index_select(0, slots))
+        if out.pins is not None and bool((out.pins > 0).any()):
+            self.pin_epoch += 1
         self._release(slots)
         return out
 

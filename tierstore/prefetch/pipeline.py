@@ -159,7 +159,8 @@ class Prefetcher:
         self._consumed = step
         stats.batches += 1
         # this thread's forward and backward may use the batch's pinned slots without the lock
-        self.store._staged = (threading.get_ident(), self._slots.pop(step, {}))
+        st = self._slots.pop(step, None)
+        self.store._staged = (threading.get_ident(), st[0], st[1]) if st else (0, {}, -1)
         return batch
 
     def _raise_worker_error(self) -> None:
@@ -178,15 +179,19 @@ class Prefetcher:
         if ids is None:
             return
         store = self.store
-        store._staged = (0, {})  # the batch's rows are about to lose their pins
-        with store._lock:
-            if store._closed:
-                return
-            store._drain_hits()
-            for table, uniq in ids.items():
-                tab = store._table(table)
-                store._pin(tab, uniq, -1)
-                self._hint_next_uses(tab, uniq, step)
+        store._staged = (0, {}, -1)  # the batch's rows are about to lose their pins
+        if store.device_tier.policy.wants_future or store.host_tier.policy.wants_future:
+            with store._lock:  # hints need the rows' slots now
+                if store._closed:
+                    return
+                store._drain_hits()
+                store._drain_unpins()
+                for table, uniq in ids.items():
+                    tab = store._table(table)
+                    store._pin(tab, uniq, -1)
+                    self._hint_next_uses(tab, uniq, step)
+        else:  # without the lock: the next locked section (staging, any call) drops the pins
+            store._pending_unpins.extend(ids.items())
         self._permits.release()
 
     def _hint_next_uses(self, tab: Any, uniq: torch.Tensor, step: int) -> None:
@@ -298,7 +303,9 @@ class Prefetcher:
                 return
             future = store.device_tier.policy.wants_future or store.host_tier.policy.wants_future
             store._drain_hits()
+            store._drain_unpins()
             dev = store.device_tier
+            epoch = dev.pin_epoch
             slots = {}
             for t, uniq in per_table.items():
                 d, h, s = store._stage(tabs[t], uniq)
@@ -317,7 +324,7 @@ class Prefetcher:
                 if fresh.numel():
                     store._hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
             self._window[step] = per_table
-            self._slots[step] = slots
+            self._slots[step] = (slots, epoch)
             stats.stage_seconds += time.perf_counter() - t1
 
     def _uncached(self, tab: Any, uniq: torch.Tensor) -> torch.Tensor:
@@ -366,10 +373,13 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
 
 def _unpin_all(store: TierStore, window: dict) -> None:
     """Unpin every staged batch still in `window` (under the store lock)."""
-    store._staged = (0, {})
+    store._staged = (0, {}, -1)
     with store._lock:
         steps = sorted(window)
         if not store._closed:
+            store._drain_hits()
+            store._drain_unpins()
+            store.device_tier.pin_epoch += 1  # pins dropped wholesale: staged slots are void
             for step in steps:
                 for table, uniq in window[step].items():
                     store._pin(store._table(table), uniq, -1)
