@@ -238,6 +238,16 @@ class Prefetcher:
         self.close()
 
     def _stage(self, step: int, batch: Any) -> None:
+        """Read a batch's rows ahead and stage it (both phases, one after the other)."""
+        self._finish(step, self._prepare(batch))
+
+    def _prepare(self, batch: Any) -> tuple:
+        """Phase 1: find the batch's rows no cache holds and start reading them (reader threads).
+
+        Runs while the previous batch is staged (`_run`): rows that staging brings into a cache
+        were read for nothing, and clean rows it evicts are read at staging instead (both rare
+        at a steady state, and neither changes a value: see `store._load`).
+        """
         store = self.store
         per_table = {t: torch.unique(torch.cat(parts).to("cpu", torch.int64))
                      for t, parts in _jagged_ids(self.extract(batch), self.features).items()}
@@ -265,16 +275,23 @@ class Prefetcher:
                         ringed[t] = (uniq[hit].numpy(), data[:, : tabs[t].spec.row_dim].numpy())
             else:
                 cold = {t: uniq[self._uncached(tabs[t], uniq)] for t, uniq in per_table.items()}
-        # read them ahead, in parallel and without the store lock (py-lmdb releases the GIL)
-        t0 = time.perf_counter()
+        # read them ahead, in parallel and without the store lock (page reads hold no GIL)
         futures = {}
         for t, rows in cold.items():
             arr = rows.numpy()
-            futures[t] = [self._pool.submit(store._read_stored, tabs[t], chunk)
+            futures[t] = [self._pool.submit(_timed, store._read_stored, tabs[t], chunk)
                           for chunk in np.array_split(arr, max(1, len(arr) // READ_CHUNK)) if len(chunk)]
+        return per_table, tabs, since, warm_only, ringed, cold, futures
+
+    def _finish(self, step: int, prep: tuple) -> None:
+        """Phase 2: register the rows read ahead and stage the batch (pins, hints) under the lock."""
+        store = self.store
+        per_table, tabs, since, warm_only, ringed, cold, futures = prep
+        batch_rows = sum(u.numel() for u in per_table.values())
         got = {t: [f.result() for f in fs] for t, fs in futures.items()}
         stats = store.prefetch_stats
-        stats.read_seconds += time.perf_counter() - t0
+        stats.read_seconds += sum(sec for parts in got.values() for _, sec in parts)
+        got = {t: [res for res, _ in parts] for t, parts in got.items()}
         if self.delay is not None:
             time.sleep(self.delay())
         with store._lock:
@@ -339,32 +356,56 @@ class Prefetcher:
 
 
 # lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------
+def _timed(fn, *args):
+    """(fn(*args), seconds it took): reader threads time their own work."""
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
+
+
 def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
          stop: threading.Event, ready: queue.Queue, errbox: list,
          in_source: threading.Event) -> None:
-    """The staging loop: read a batch, wait for a window slot, stage it, hand it over."""
+    """The staging loop, one batch deep: take batch i+1 from the source and start reading its
+    rows, then wait for a window slot, stage batch i and hand it over (reads overlap staging)."""
     step = -1
+    pending = None  # (step, batch, prep) read ahead, not yet staged
     try:
         while not stop.is_set():
             in_source.set()
             try:
                 batch = next(source)
             except StopIteration:
-                return
+                batch = _END
             finally:
                 in_source.clear()
-            permits.acquire()
-            if stop.is_set():
-                return
-            pf = ref()
-            if pf is None:  # abandoned: its finalizer stops the rest
-                return
-            try:
+            if batch is not _END:
+                pf = ref()
+                if pf is None:  # abandoned: its finalizer stops the rest
+                    return
+                try:
+                    nxt = (step + 1, batch, pf._prepare(batch))
+                except TierstoreError as exc:  # bad ids: raised in turn, after batch i is handed over
+                    nxt = (step + 1, batch, exc)
+                finally:
+                    del pf
                 step += 1
-                pf._stage(step, batch)
-            finally:
-                del pf  # the last reference may go here: the finalizer then runs in this thread
-            ready.put((step, batch))
+            if pending is not None:
+                permits.acquire()
+                if stop.is_set():
+                    return
+                pf = ref()
+                if pf is None:
+                    return
+                try:
+                    if isinstance(pending[2], BaseException):
+                        raise pending[2]
+                    pf._finish(pending[0], pending[2])
+                finally:
+                    del pf  # the last reference may go here: the finalizer then runs in this thread
+                ready.put((pending[0], pending[1]))
+            if batch is _END:
+                return
+            pending = nxt
     except BaseException as exc:  # surfaced to the consumer
         errbox.append(exc)
     finally:
