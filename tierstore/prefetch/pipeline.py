@@ -93,6 +93,7 @@ class Prefetcher:
         self._source = iter(batches)
         self._window: dict[int, dict[str, torch.Tensor]] = {}  # staged, unreleased batches
         self._slots: dict[int, dict] = {}  # step -> {table: (sorted rows, device slots)} when staged
+        self._warm_only = False  # the last batch's mode (warm-only batches are not read a batch early)
         self._consumed = -1
         self._closed = False
         self._errbox: list[BaseException] = []  # the staging thread's error, if any
@@ -265,6 +266,7 @@ class Prefetcher:
             # the window cannot stay cached: staging would only evict rows the running step needs,
             # so this batch gets no pins, and every row the caches may lose by then is read ahead
             warm_only = 2 * (window_rows + batch_rows) > cache_rows
+            self._warm_only = warm_only
             ringed = {}
             if warm_only:  # rows in the ring now: copy their newest version, read the rest
                 cold = {}
@@ -365,10 +367,25 @@ def _timed(fn, *args):
 def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
          stop: threading.Event, ready: queue.Queue, errbox: list,
          in_source: threading.Event) -> None:
-    """The staging loop, one batch deep: take batch i+1 from the source and start reading its
-    rows, then wait for a window slot, stage batch i and hand it over (reads overlap staging)."""
+    """The staging loop. While the window stays cached, one batch deep: take batch i+1 from the
+    source and start reading its rows, then wait for a window slot, stage batch i and hand it
+    over (reads overlap staging). In warm-only mode a batch is read ahead right before it is
+    handed over, after its window slot: its buffers must outlive the ring's turnover until use."""
     step = -1
     pending = None  # (step, batch, prep) read ahead, not yet staged
+
+    def prepare(pf, batch):
+        try:
+            return pf._prepare(batch)
+        except TierstoreError as exc:  # bad ids: raised in turn, after earlier batches
+            return exc
+
+    def finish(pf, item):
+        if isinstance(item[2], BaseException):
+            raise item[2]
+        pf._finish(item[0], item[2])
+        ready.put((item[0], item[1]))
+
     try:
         while not stop.is_set():
             in_source.set()
@@ -378,34 +395,32 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
                 batch = _END
             finally:
                 in_source.clear()
-            if batch is not _END:
-                pf = ref()
-                if pf is None:  # abandoned: its finalizer stops the rest
+            pf = ref()
+            if pf is None:  # abandoned: its finalizer stops the rest
+                return
+            try:
+                ahead = batch is not _END and not pf._warm_only
+                if ahead:
+                    step += 1
+                    nxt = (step, batch, prepare(pf, batch))
+                if pending is not None:
+                    permits.acquire()
+                    if stop.is_set():
+                        return
+                    finish(pf, pending)
+                    pending = None
+                if batch is _END:
                     return
-                try:
-                    nxt = (step + 1, batch, pf._prepare(batch))
-                except TierstoreError as exc:  # bad ids: raised in turn, after batch i is handed over
-                    nxt = (step + 1, batch, exc)
-                finally:
-                    del pf
+                if ahead:
+                    pending = nxt
+                    continue
                 step += 1
-            if pending is not None:
                 permits.acquire()
                 if stop.is_set():
                     return
-                pf = ref()
-                if pf is None:
-                    return
-                try:
-                    if isinstance(pending[2], BaseException):
-                        raise pending[2]
-                    pf._finish(pending[0], pending[2])
-                finally:
-                    del pf  # the last reference may go here: the finalizer then runs in this thread
-                ready.put((pending[0], pending[1]))
-            if batch is _END:
-                return
-            pending = nxt
+                finish(pf, (step, batch, prepare(pf, batch)))
+            finally:
+                del pf  # the last reference may go here: the finalizer then runs in this thread
     except BaseException as exc:  # surfaced to the consumer
         errbox.append(exc)
     finally:
