@@ -435,3 +435,22 @@ def test_export_import_keeps_stored_rows_visible(tmp_path):
         assert torch.equal(store.read("t", ids), want)
         assert torch.equal(store.read("t", torch.tensor([6 * STRIDE])),
                            init_rows(tmp_path, s, torch.tensor([6 * STRIDE])))
+
+
+def test_sequence_lookups_count_toward_admission(tmp_path):
+    """TieredEmbedding's forward counts sightings like the bag modules: an id seen k-1 times reads
+    as its initial row and keeps no stored row; its k-th sighting admits it."""
+    spec = ts.TableSpec("t", 10**9, 4, optimizer=ts.SGD(0.5), admission=ts.CountAdmission(min_count=3))
+    with ts.TierStore(tmp_path / "s", [spec], device_capacity=8, host_capacity=8, device="cpu") as store:
+        emb = ts.TieredEmbedding(store, "t")
+        out = emb(torch.tensor([[5, 5]]))  # two sightings of id 5 in one call
+        init = out.detach().clone()[0, 0]
+        out.sum().backward()  # not admitted yet: the update is discarded
+        store.flush()
+        assert store.backend.count("t") == 0
+        out = emb(torch.tensor([5]))  # the third sighting admits it
+        assert torch.equal(out.detach()[0], init)
+        out.sum().backward()
+        store.flush()
+        assert store.backend.count("t") == 1
+        assert torch.equal(store.read("t", torch.tensor([5]))[0], init - 0.5)  # one SGD step

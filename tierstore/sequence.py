@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import admission as _adm
 from . import validate
 from .errors import ConfigError, InvalidIdsError, ReadOnlyError, ShapeError
 from .module import _unpack_jagged
@@ -29,7 +30,8 @@ class _TieredLookup(torch.autograd.Function):
             tab = store._table(table)
             ids = store._ids(tab, ids)
             store._record(table, ids)
-            g = store._gather(tab, ids)
+            mask = store._admit(tab, ids)  # admission counts every sighting, as bags do
+            g = store._gather(tab, ids) if mask is None else _adm.gather_masked(store, tab, ids, mask)
         ctx.store, ctx.table, ctx.gathered = store, table, g
         return g.weights.index_select(0, g.inverse.to(g.weights.device))
 
