@@ -27,9 +27,7 @@ from .backends.slab import Rows, SlabTier
 from .backends.snapshot import Snapshot, SnapshotLostError, SnapshotReader
 from .config import TableSpec, parse_capacity
 from .errors import (
-    InvalidIdsError,
     ReadOnlyError,
-    ShapeError,
     SnapshotUnavailableError,
     StoreClosedError,
     StoreCorruptError,
@@ -38,7 +36,6 @@ from .errors import (
 from .index import dedup
 from .initializers import name_key
 
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _POLL_S = 0.002
 _LOST_RETRIES = 5
 
@@ -356,21 +353,4 @@ class ReadOnlyStore:
 
     @staticmethod
     def _ids(spec: TableSpec, ids: Any) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor):
-            try:
-                ids = torch.as_tensor(np.asarray(ids))
-            except (TypeError, ValueError, RuntimeError) as exc:
-                raise InvalidIdsError(f"ids must be an integer tensor: {exc}") from exc
-        validate.not_meta(ids, "ids", InvalidIdsError)
-        if ids.dtype not in _INT_DTYPES:
-            raise InvalidIdsError(f"ids must be an integer tensor, got dtype {ids.dtype}")
-        if ids.dim() != 1:
-            raise ShapeError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-        ids = ids.to(device="cpu", dtype=torch.int64)
-        if ids.numel():
-            arr = ids.numpy()
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= spec.num_rows:
-                raise InvalidIdsError(f"row id {lo if lo < 0 else hi} out of range for table "
-                                      f"{spec.name!r} (num_rows={spec.num_rows})")
-        return ids
+        return validate.row_ids(spec, ids)

@@ -68,7 +68,6 @@ def _close_open_stores() -> None:
             store.close()
         except Exception:
             pass
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 @dataclass
@@ -303,27 +302,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
                 f"unknown table {table!r}; this store has {sorted(self.tables)}") from None
 
     def _ids(self, tab: _Table, ids: Any) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor):
-            try:
-                ids = torch.as_tensor(np.asarray(ids))
-            except (TypeError, ValueError, RuntimeError) as exc:
-                raise InvalidIdsError(f"ids must be an integer tensor: {exc}") from exc
-        validate.not_meta(ids, "ids", InvalidIdsError)
-        if ids.dtype not in _INT_DTYPES:
-            raise InvalidIdsError(f"ids must be an integer tensor, got dtype {ids.dtype}")
-        if ids.dim() != 1:
-            raise ShapeError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-        if ids.dtype != torch.int64 or ids.device.type != "cpu":
-            ids = ids.to(device="cpu", dtype=torch.int64)
-        if ids.numel():
-            arr = ids.numpy()  # numpy reductions cost less per call than torch ops
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= tab.spec.num_rows:
-                bad = lo if lo < 0 else hi
-                raise InvalidIdsError(
-                    f"row id {bad} out of range for table {tab.spec.name!r} "
-                    f"(num_rows={tab.spec.num_rows})")
-        return ids
+        return validate.row_ids(tab.spec, ids)
 
     def _grads(self, tab: _Table, grads: Any, n: int) -> torch.Tensor:
         if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():

@@ -46,6 +46,29 @@ def index_tensor(t: Any, what: str) -> torch.Tensor:
     return t.to(device="cpu", dtype=torch.int64)
 
 
+def row_ids(spec: TableSpec, ids: Any) -> torch.Tensor:
+    """A table's row ids (any integer array-like, 1-D) as int64 on the CPU, each in range."""
+    if not isinstance(ids, torch.Tensor):
+        try:
+            ids = torch.as_tensor(np.asarray(ids))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InvalidIdsError(f"ids must be an integer tensor: {exc}") from exc
+    not_meta(ids, "ids", InvalidIdsError)
+    if ids.dtype not in _INT_DTYPES:
+        raise InvalidIdsError(f"ids must be an integer tensor, got dtype {ids.dtype}")
+    if ids.dim() != 1:
+        raise ShapeError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.dtype != torch.int64 or ids.device.type != "cpu":
+        ids = ids.to(device="cpu", dtype=torch.int64)
+    if ids.numel():
+        arr = ids.numpy()  # numpy reductions cost less per call than torch ops
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= spec.num_rows:
+            raise InvalidIdsError(f"row id {lo if lo < 0 else hi} out of range for table "
+                                  f"{spec.name!r} (num_rows={spec.num_rows})")
+    return ids
+
+
 if HAVE_NUMBA:
     import numba
 
