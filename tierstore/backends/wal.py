@@ -41,6 +41,7 @@ HEADER = 16  # table id u32, pad u32, row id i64
 CHUNK_MAGIC = b"TSLC"
 CHUNK_HEADER = 16  # magic, entry size u32, count u32, pad u32
 CHUNK_ROWS = 4096  # rows per log value: ~1.1 MB of 66-word rows, a few hundred overflow pages
+MERGE_ROWS = 131072  # rows per piece of a merge (sorted and written together; bounds its memory)
 _SEQ = np.dtype(">u8")
 
 
@@ -223,11 +224,23 @@ class WriteLog:
             chunks = self._chunks
         take = int(np.searchsorted(np.cumsum(chunks[:, 1]), n)) + 1  # whole chunks
         chunks = chunks[:take]
-        lo = int(chunks[0, 0])
+        if int(chunks[0, 0]) != self.merged:
+            raise StoreCorruptError(f"write-behind log of {self.backend.path}: chunk at "
+                                    f"{int(chunks[0, 0])}, expected {self.merged}")
+        # in pieces of about MERGE_ROWS rows: a merge's memory stays bounded whatever the log size
+        ends = np.searchsorted(np.cumsum(chunks[:, 1]), np.arange(MERGE_ROWS, n + MERGE_ROWS,
+                                                                  MERGE_ROWS)) + 1
+        written, start = 0, 0
+        for end in np.unique(np.minimum(ends, len(chunks))).tolist():
+            if end > start:
+                written += self._merge_chunks(chunks[start:end])
+                start = end
+        return written
+
+    def _merge_chunks(self, chunks: np.ndarray) -> int:
+        """Fold these oldest chunks (first, count, size rows) into the tables; bytes written."""
+        take = len(chunks)
         hi = int(chunks[-1, 0] + chunks[-1, 1])
-        if lo != self.merged:
-            raise StoreCorruptError(f"write-behind log of {self.backend.path}: chunk at {lo}, "
-                                    f"expected {self.merged}")
         keys = _seq_keys(chunks[:, 0])
         blobs = self.backend.log_chunks(self.db, keys, lambda vals: [  # copied out of the map
             _chunk_entries(v, int(c[1]), int(c[2]), self.backend.path).copy()
