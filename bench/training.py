@@ -164,6 +164,18 @@ class TierstoreRunner(Runner):
                 "rows_read": st.ssd_stats.lookups + pf.rows_read_ahead_from_ssd,
                 "rows_read_fg": st.ssd_stats.lookups, "rows_written": wb.rows_written}
 
+    def quiesce(self, timeout: float = 5.0) -> None:
+        """Wait until this runner's background work is idle (its window staged, its write-behind
+        ring drained, no log merge running), so another runner's timed block runs alone."""
+        end = time.perf_counter() + timeout
+        pf = self.pf
+        while pf._ready.qsize() < pf.depth and time.perf_counter() < end and \
+                pf._thread is not None and pf._thread.is_alive():
+            time.sleep(0.005)
+        self.store.writeback.drain(timeout=timeout)
+        with self.store.log.merging:  # a merge in progress finishes first
+            pass
+
     def close(self) -> None:
         """Close the pipeline and the store, and delete it."""
         self.pf.close()
@@ -255,7 +267,9 @@ def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, bloc
     """Median samples/s and ids/s per runner over `blocks` blocks of `steps` steps, after `warmup`.
 
     Blocks are interleaved across runners (A B C A B C ...), so a burst of load on this shared
-    machine hits every configuration alike instead of whichever happened to run then.
+    machine hits every configuration alike instead of whichever happened to run then. Before a
+    block, every other runner's background work (staging, write-behind, log merges) is let
+    finish, so a block pays for its own configuration's background work only.
     """
     pos = {id(r): 0 for r in runners}
 
@@ -272,6 +286,9 @@ def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, bloc
     counted: dict[int, dict[str, float]] = {}
     for _ in range(blocks):
         for r in runners:
+            for other in runners:
+                if other is not r and hasattr(other, "quiesce"):
+                    other.quiesce()
             i = pos[id(r)]
             n_ids = sum(wl.ids_per_step(j) for j in range(i, i + steps))
             before = r.counters() if hasattr(r, "counters") else None
