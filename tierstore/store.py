@@ -55,7 +55,10 @@ CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
 # log index (LOG_RINGS = 8 log entries per ring row, ~30 B each)
 WB_SLOT_OVERHEAD = 280
 FLUSH_CHUNK = 65536  # rows per LMDB transaction when flushing
-LOG_RINGS = 8  # the write-behind log holds up to this many rings of rows; its older half is merged at 3/4
+LOG_RINGS = 8  # the write-behind log holds at least this many rings of rows; its older half is merged at 3/4
+# with the default write buffer, up to a quarter of the declared rows, at most LOG_MAX_ROWS: a
+# larger log merges more rows into each table leaf page (docs/persistence.md, "Merge density")
+LOG_MAX_ROWS = 1 << 21
 LAST_OPEN = "last_open"  # metadata record: the table specs of the latest open, per table
 _OPEN_STORES: weakref.WeakSet = weakref.WeakSet()
 
@@ -212,7 +215,10 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
         # a write-behind log left by a crash: fold it into the tables before anything reads them
         replay(self.backend, [t.name for t in stored], [t.row_dim for t in stored])
         self.writeback = WriteBehind(wcap, width, self._write_rows, name=f"tierstore-writer:{self.path.name}")
-        self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], LOG_RINGS * wcap,
+        log_rows = LOG_RINGS * wcap  # a configured ring sets the log; the default one may grow it
+        if write_buffer is None:
+            log_rows = max(log_rows, min(sum(t.num_rows for t in tables) // 4, LOG_MAX_ROWS))
+        self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], log_rows,
                             self.writeback._cv)
         self.backend.quiesce = _weak_context(self._quiesce_writer)  # the merger holds the backend
         self.log.start_merger(self._add_written)
@@ -503,7 +509,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
         """The process's anonymous resident bytes next to the store's own memory budget.
 
         The budget is what the configured capacities allocate: both slabs, the write-behind
-        ring, their hash indexes and per-slot bookkeeping. Pages of the LMDB map are the
+        ring, their hash indexes and per-slot bookkeeping, and the write-behind log's index. Pages of the LMDB map are the
         kernel's page cache (file-backed) and are reported separately.
         """
         budget = 0
@@ -513,6 +519,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
             budget += tier.index.table.nbytes + tier.capacity * 64  # index + bookkeeping bound
         wb = self.writeback
         budget += wb.payload.nbytes + wb.index.table.nbytes + wb.capacity * 40
+        budget += self.log.index_bytes
         status = _proc_status()
         return {"anon_rss_bytes": status.get("RssAnon", 0), "file_rss_bytes": status.get("RssFile", 0),
                 "budget_bytes": budget}

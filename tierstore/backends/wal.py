@@ -41,7 +41,8 @@ HEADER = 16  # table id u32, pad u32, row id i64
 CHUNK_MAGIC = b"TSLC"
 CHUNK_HEADER = 16  # magic, entry size u32, count u32, pad u32
 CHUNK_ROWS = 4096  # rows per log value: ~1.1 MB of 66-word rows, a few hundred overflow pages
-MERGE_ROWS = 131072  # rows per piece of a merge (sorted and written together; bounds its memory)
+MERGE_ROWS = 131072  # rows per piece of a merge's key-sorted writes (bounds its memory)
+FIND_ROWS = 65536  # log index lookups per hold of the ring's lock during a merge
 _SEQ = np.dtype(">u8")
 
 
@@ -101,6 +102,11 @@ class WriteLog:
                 return -1
             first, val = int.from_bytes(cur.key(), "big"), cur.value()
             return first + _chunk_count(val) - 1
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the in-memory index of the log's rows (set by its capacity)."""
+        return self.index.table.nbytes + self.index.pos_of.nbytes + self.seq_of.nbytes
 
     @property
     def size(self) -> int:
@@ -227,53 +233,29 @@ class WriteLog:
         if int(chunks[0, 0]) != self.merged:
             raise StoreCorruptError(f"write-behind log of {self.backend.path}: chunk at "
                                     f"{int(chunks[0, 0])}, expected {self.merged}")
-        # in pieces of about MERGE_ROWS rows: a merge's memory stays bounded whatever the log size
-        ends = np.searchsorted(np.cumsum(chunks[:, 1]), np.arange(MERGE_ROWS, n + MERGE_ROWS,
-                                                                  MERGE_ROWS)) + 1
-        written, start = 0, 0
-        for end in np.unique(np.minimum(ends, len(chunks))).tolist():
-            if end > start:
-                written += self._merge_chunks(chunks[start:end])
-                start = end
-        return written
-
-    def _merge_chunks(self, chunks: np.ndarray) -> int:
-        """Fold these oldest chunks (first, count, size rows) into the tables; bytes written."""
-        take = len(chunks)
         hi = int(chunks[-1, 0] + chunks[-1, 1])
-        keys = _seq_keys(chunks[:, 0])
-        blobs = self.backend.log_chunks(self.db, keys, lambda vals: [  # copied out of the map
-            _chunk_entries(v, int(c[1]), int(c[2]), self.backend.path).copy()
-            for v, c in zip(vals, chunks)])
-        batches: dict[str, list] = {}
-        gone = []
-        for (first, count, _), blob in zip(chunks.tolist(), blobs):
-            seqs = np.arange(first, first + count, dtype=np.int64)
-            sel, tabs, rows, recs = parse_blob(seqs, blob, self.ids, self.row_dims, self.backend.path)
-            with self.lock:  # newest versions only: an older one was superseded by a later entry
-                slots = self.index.find(torch.from_numpy(tabs), torch.from_numpy(rows)).numpy()
-                newest = (slots >= 0) & (self.seq_of[np.maximum(slots, 0)] == seqs)
-            gone.append((slots[newest], seqs[newest]))
-            for t in np.unique(tabs[newest]).tolist():
-                pick = newest & (tabs == t)
-                good = recs[pick]
-                open_records(self.names[t], rows[pick], good, self.row_dims[t],
-                             f"store {self.backend.path}, ")  # verified, then written as they are
-                batches.setdefault(self.names[t], []).append((rows[pick], good))
-        merged = {name: parts[0] if len(parts) == 1 else
-                  (np.concatenate([r for r, _ in parts]), np.concatenate([d for _, d in parts]))
-                  for name, parts in batches.items()}
-        written = self.backend.put(merged, sealed=True) if merged else 0
-        self.backend.delete_log(self.db, keys)
+
+        def newest(tabs, rows, seqs):  # an older version was superseded by a later entry
+            slots = np.empty(len(rows), dtype=np.int64)
+            keep = np.empty(len(rows), dtype=bool)
+            for lo in range(0, len(rows), FIND_ROWS):  # the ring's lock, in short holds
+                s = slice(lo, lo + FIND_ROWS)
+                with self.lock:
+                    slots[s] = self.index.find(torch.from_numpy(tabs[s]), torch.from_numpy(rows[s])).numpy()
+                    keep[s] = (slots[s] >= 0) & (self.seq_of[np.maximum(slots[s], 0)] == seqs[s])
+            return keep, slots
+
+        written, merged, (slots, seqs) = fold(self.backend, self.db, chunks, self.names,
+                                              self.row_dims, self.ids, newest)
+        self.backend.delete_log(self.db, _seq_keys(chunks[:, 0]))
         with self.lock:
-            for slots, sq in gone:
-                still = self.seq_of[slots] == sq  # not re-appended meanwhile
-                if still.any():
-                    self.index.remove(torch.from_numpy(slots[still]))
-                    self.seq_of[slots[still]] = -1
+            still = self.seq_of[slots] == seqs  # not re-appended meanwhile
+            if still.any():
+                self.index.remove(torch.from_numpy(slots[still]))
+                self.seq_of[slots[still]] = -1
             self._chunks = self._chunks[take:]
             self.merged = hi
-        self.rows_merged += sum(len(r) for r, _ in merged.values())
+        self.rows_merged += merged
         return written
 
     # readers (any thread) ------------------------------------------------------------
@@ -378,6 +360,65 @@ def parse_blob(sel: np.ndarray, blob: np.ndarray, ids: np.ndarray, row_dims: lis
     return sel, tabs.astype(np.int64), rows, blob.view(np.uint32)[:, HEADER // 4 :]
 
 
+def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int], ids: np.ndarray,
+         newest: Callable) -> tuple[int, int, tuple[np.ndarray, np.ndarray]]:
+    """Write the newest versions held by these log chunks (first, count, entry size) into the
+    tables, in key order; returns (bytes written, rows written, what `newest` gave for them).
+
+    The whole merge is sorted by (table, row) before anything is written, so each leaf page of a
+    table is rewritten once per merge however many of its rows the merge holds; the records are
+    gathered from the mapped chunks in pieces of at most `MERGE_ROWS` rows of one table, so the
+    merge's memory is its keys (~40 bytes a row) plus one piece. `newest(tabs, rows, seqs)` gives
+    (mask of the entries to write, a per-entry value returned with those entries).
+    """
+    keys = _seq_keys(chunks[:, 0])
+    path = backend.path
+
+    def headers(vals):  # table, row and sequence number of every entry: headers only
+        out = []
+        for v, (first, count, size) in zip(vals, chunks.tolist()):
+            blob = _chunk_entries(v, count, size, path)
+            _, tabs, rows, _ = parse_blob(None, blob, ids, row_dims, path)
+            out.append((tabs, rows, np.arange(first, first + count, dtype=np.int64)))
+        return [np.concatenate(c) for c in zip(*out)]
+
+    tabs, rows, seqs = backend.log_chunks(db, keys, headers)
+    keep, extra = newest(tabs, rows, seqs)
+    sel = np.flatnonzero(keep)
+    order = sel[np.lexsort((rows[sel], tabs[sel]))]
+    cuts = np.flatnonzero(np.diff(tabs[order])) + 1  # one table per piece, then MERGE_ROWS each
+    edges = np.concatenate([[0], cuts, [len(order)]]).tolist()
+    written = 0
+    for lo, end in zip(edges[:-1], edges[1:]):
+        t = int(tabs[order[lo]])
+        for a in range(lo, end, MERGE_ROWS):
+            part = order[a : min(a + MERGE_ROWS, end)]
+            recs = _gather(backend, db, chunks, seqs[part], HEADER + 4 * row_dims[t] + 4, path)
+            open_records(names[t], rows[part], recs, row_dims[t], f"store {path}, ")  # verified
+            written += backend.put({names[t]: (rows[part], recs)}, sealed=True)
+    return written, len(sel), (extra[sel], seqs[sel])
+
+
+def _gather(backend, db, chunks: np.ndarray, seqs: np.ndarray, size: int, path: object) -> np.ndarray:
+    """Records (uint8 [n, size - HEADER]) of log entries by sequence number, copied out of the map."""
+    at = np.searchsorted(chunks[:, 0], seqs, side="right") - 1
+    by = np.argsort(at, kind="stable")
+    used, first = np.unique(at[by], return_index=True)
+    bounds = np.append(first, len(by)).tolist()
+    out = np.empty((len(seqs), size - HEADER), dtype=np.uint8)
+
+    def copy(vals):
+        for i, (c, v) in enumerate(zip(used.tolist(), vals)):
+            blob = _chunk_entries(v, int(chunks[c, 1]), int(chunks[c, 2]), path)
+            if blob.shape[1] != size:
+                raise StoreCorruptError(f"write-behind log of {path}: an entry has the wrong size")
+            mine = by[bounds[i] : bounds[i + 1]]
+            out[mine] = blob[seqs[mine] - chunks[c, 0], HEADER:]
+
+    backend.log_chunks(db, _seq_keys(chunks[used, 0]), copy)
+    return out
+
+
 def replay(backend, names: list[str], row_dims: list[int]) -> int:
     """Merge a log left by an earlier run into the tables (the newest version of each row wins).
 
@@ -388,9 +429,29 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
         db = backend.env.open_db(LOG_DB, create=False)
     except lmdb.NotFoundError:
         return 0
-    with backend.reading(), backend.env.begin(db=db) as txn:
+    ids = np.array([table_id(n) for n in names], dtype=np.uint32)
+    with backend.reading(), backend.env.begin(db=db, buffers=True) as txn:
         if not txn.stat(db)["entries"]:
             return 0
+        heads = [(int.from_bytes(k, "big"), bytes(v[:CHUNK_HEADER]), len(v))
+                 for k, v in txn.cursor().iternext(keys=True, values=True)]
+    if all(h[:4] == CHUNK_MAGIC for _, h, _ in heads):  # chunks: merged like a log in use
+        chunks = np.array([(k, int.from_bytes(h[8:12], "little"), int.from_bytes(h[4:8], "little"))
+                           for k, h, _ in heads], dtype=np.int64).reshape(-1, 3)
+
+        _, total, _ = fold(backend, db, chunks, names, row_dims, ids,
+                           lambda tabs, rows, seqs: (_last_versions(tabs, rows, seqs), seqs))
+    else:
+        total = _replay_values(backend, db, names, row_dims, ids)
+    with backend.env.begin(write=True) as txn:
+        txn.drop(db, delete=False)
+    backend.sync()
+    return total
+
+
+def _replay_values(backend, db, names: list[str], row_dims: list[int], ids: np.ndarray) -> int:
+    """Write the newest rows of a log holding one-row values (written before chunks); rows written."""
+    with backend.reading(), backend.env.begin(db=db) as txn:
         vals = []  # one bytes per row, in log order (chunks expanded)
         for v in txn.cursor().iternext(keys=False, values=True):
             v = bytes(v)
@@ -400,19 +461,10 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
                 vals += blob.view(f"V{size}").ravel().tolist()
             else:  # a one-row value (logs written before chunks)
                 vals.append(v)
-    ids = np.array([table_id(n) for n in names], dtype=np.uint32)
-    keyed = []
-    for sel, tabs, rows, recs in parse_entries(vals, ids, row_dims, backend.path):
-        keyed.append((sel, tabs, rows, recs))
-    seq = np.concatenate([k[0] for k in keyed])
-    tabs = np.concatenate([k[1] for k in keyed])
-    rows = np.concatenate([k[2] for k in keyed])
-    # the newest entry of each (table, row): the last one in log order
-    order = np.lexsort((seq, rows, tabs))
-    last = np.ones(len(order), dtype=bool)
-    last[:-1] = (tabs[order][1:] != tabs[order][:-1]) | (rows[order][1:] != rows[order][:-1])
+    keyed = list(parse_entries(vals, ids, row_dims, backend.path))
     keep = np.zeros(len(vals), dtype=bool)  # by log position
-    keep[seq[order][last]] = True
+    keep[np.concatenate([k[0] for k in keyed])] = _last_versions(
+        *(np.concatenate([k[i] for k in keyed]) for i in (1, 2, 0)))
     batches = {}
     total = 0
     for sel, t_, r_, recs in keyed:
@@ -425,7 +477,14 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
                 (np.concatenate([prev[0], r_[pick]]), np.concatenate([prev[1], data]))
             total += int(pick.sum())
     backend.put(batches)
-    with backend.env.begin(write=True) as txn:
-        txn.drop(db, delete=False)
-    backend.sync()
     return total
+
+
+def _last_versions(tabs: np.ndarray, rows: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+    """Mask of the entries that are the last (largest sequence number) of their (table, row)."""
+    order = np.lexsort((seqs, rows, tabs))
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = (tabs[order][1:] != tabs[order][:-1]) | (rows[order][1:] != rows[order][:-1])
+    keep = np.zeros(len(order), dtype=bool)
+    keep[order[last]] = True
+    return keep
