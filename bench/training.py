@@ -99,7 +99,7 @@ class TierstoreRunner(Runner):
     """TieredEmbeddingBagCollection over a TierStore with the given cache capacities."""
 
     def __init__(self, wl: Workload, name: str, work: Path, frac: float | None, init: str,
-                 depth: int = 2, log=print) -> None:
+                 depth: int = 2, log=print, write_log: int | str | None = None) -> None:
         self.name, self.wl = name, wl
         self.depth = depth
         total = wl.tables * wl.rows
@@ -111,7 +111,8 @@ class TierstoreRunner(Runner):
             dcap = hcap = max(1, int(total * frac / 2))
         self.capacity = {"device": dcap, "host": hcap}
         self.path = work / name
-        self.store = TierStore(self.path, specs, device_capacity=dcap, host_capacity=hcap)
+        self.store = TierStore(self.path, specs, device_capacity=dcap, host_capacity=hcap,
+                               write_log=write_log)
         self.init = "lazy (touched rows preloaded into the device tier)" if frac is None else init
         t0 = time.perf_counter()
         if frac is None:
@@ -347,6 +348,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--profile", action="store_true", help="also cProfile one block per config")
     p.add_argument("--depth", type=int, default=2, help="prefetch depth of the tierstore configs")
+    p.add_argument("--write-log", default=None, type=lambda v: int(v) if v.isdigit() else v,
+                   help="TierStore(write_log=...): rows (or a size) of the write-behind log; "
+                        "default: the store's")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quick", action="store_true", help="a short run: 8 x 100k rows, batch 512")
     args = p.parse_args(argv)
@@ -389,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                 runners.append(TorchRunner(wl))
             elif name in FRACTIONS:
                 runners.append(TierstoreRunner(wl, name, work, FRACTIONS[name], args.init,
-                                               depth=args.depth))
+                                               depth=args.depth, write_log=args.write_log))
             else:
                 raise SystemExit(f"unknown config {name!r}")
         for n in threads:

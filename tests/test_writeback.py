@@ -18,6 +18,7 @@ from tests.reference import DictStore
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = ts.TableSpec("t", 10**10, 4, optimizer=ts.Adagrad(0.1))
+SMALL = {"device": "cpu", "device_capacity": 8, "host_capacity": 8}
 
 
 def _grads(n: int, seed: int) -> torch.Tensor:
@@ -330,3 +331,30 @@ def test_a_merge_writes_each_table_once_in_ascending_key_order(tmp_path, monkeyp
             rows = np.array(sorted(r for (tt, r) in want if tt == t))
             data, found = s.backend.get(spec.name, rows, spec.row_dim)
             assert found.all() and np.array_equal(data, np.stack([want[(t, r)] for r in rows.tolist()]))
+
+
+def test_write_log_sets_the_log_size_and_its_index_counts_in_memory(tmp_path):
+    """`write_log` is the log's capacity (rows or a size of entries); the default grows with the
+    declared rows up to LOG_MAX_ROWS; the log's index is part of memory()'s budget; bad values
+    are refused before the store is touched."""
+    from tierstore import store as store_mod
+
+    spec = ts.TableSpec("t", 1000, 4)
+    budgets = []
+    for log in (1000, 50_000):
+        with ts.TierStore(tmp_path / f"s{log}", spec, **SMALL, write_buffer=16, write_log=log) as s:
+            assert s.log.capacity == log
+            budgets.append(s.memory()["budget_bytes"])
+            assert s.log.index_bytes >= 8 * log
+    assert budgets[1] - budgets[0] >= 8 * (50_000 - 1000)
+    with ts.TierStore(tmp_path / "size", spec, **SMALL, write_log="1MiB") as s:
+        assert s.log.capacity == (1 << 20) // (s.width * 4 + 20)
+    big = ts.TableSpec("big", 10**10, 4)
+    with ts.TierStore(tmp_path / "big", big, **SMALL) as s:
+        assert s.log.capacity == max(store_mod.LOG_MAX_ROWS, store_mod.LOG_RINGS * s.writeback.capacity)
+    with ts.TierStore(tmp_path / "ring", big, **SMALL, write_buffer=16) as s:
+        assert s.log.capacity == store_mod.LOG_RINGS * 16  # a configured ring sets the log
+    for bad in (0, -5, "lots", 1.5):
+        with pytest.raises(ts.ConfigError):
+            ts.TierStore(tmp_path / "bad", spec, **SMALL, write_log=bad)
+        assert not (tmp_path / "bad" / "data.mdb").exists()

@@ -26,7 +26,7 @@ from . import validate
 from ._kernels import HAVE_NUMBA
 from .backends.lmdb_backend import DATA_NAME, LmdbBackend, lmdb_error
 from .backends.slab import SlabTier
-from .backends.wal import WriteLog, replay
+from .backends.wal import HEADER, WriteLog, replay
 from .backends.writeback import WriteBehind
 from .bagpaths import BagPaths, Gathered
 from .cascade import TierCascade
@@ -139,7 +139,8 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
                  seed: int = 0, device: torch.device | str | None = None,
                  map_limit: int | str | None = None,
                  record: str | os.PathLike | None = None, add_tables: bool = False,
-                 write_buffer: int | str | None = None) -> None:
+                 write_buffer: int | str | None = None,
+                 write_log: int | str | None = None) -> None:
         tables = [tables] if isinstance(tables, TableSpec) else list(tables)
         if not tables or not all(isinstance(t, TableSpec) for t in tables):
             raise ConfigError("tables must be a non-empty sequence of TableSpec")
@@ -158,6 +159,14 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
             wcap = (64 << 20) // (width * 4 + WB_SLOT_OVERHEAD)
         else:
             wcap = max(1, parse_capacity(write_buffer, width * 4 + WB_SLOT_OVERHEAD))
+        if write_log is not None:  # rows, or a size of log entries (payload + 20 bytes each)
+            log_rows = parse_capacity(write_log, width * 4 + HEADER + 4)
+            if log_rows < 1:
+                raise ConfigError(f"write_log must hold at least one row, got {write_log!r}")
+        else:  # a configured ring sets the log; the default one may grow it
+            log_rows = LOG_RINGS * wcap
+            if write_buffer is None:
+                log_rows = max(log_rows, min(sum(t.num_rows for t in tables) // 4, LOG_MAX_ROWS))
         limit = None if map_limit is None else parse_size(map_limit)
         self._closed = True
         self._lock = threading.RLock()
@@ -215,9 +224,6 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
         # a write-behind log left by a crash: fold it into the tables before anything reads them
         replay(self.backend, [t.name for t in stored], [t.row_dim for t in stored])
         self.writeback = WriteBehind(wcap, width, self._write_rows, name=f"tierstore-writer:{self.path.name}")
-        log_rows = LOG_RINGS * wcap  # a configured ring sets the log; the default one may grow it
-        if write_buffer is None:
-            log_rows = max(log_rows, min(sum(t.num_rows for t in tables) // 4, LOG_MAX_ROWS))
         self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], log_rows,
                             self.writeback._cv)
         self.backend.quiesce = _weak_context(self._quiesce_writer)  # the merger holds the backend
@@ -277,8 +283,8 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
     def open(cls, path: str | os.PathLike, *, device_capacity: int | str = "64MiB",
              host_capacity: int | str | None = None, policy: str = "lru",
              device: torch.device | str | None = None, map_limit: int | str | None = None,
-             readonly: bool = False, write_buffer: int | str | None = None
-             ) -> TierStore | ReadOnlyStore:
+             readonly: bool = False, write_buffer: int | str | None = None,
+             write_log: int | str | None = None) -> TierStore | ReadOnlyStore:
         """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none).
 
         `readonly=True` returns a `tierstore.serving.ReadOnlyStore` (any process, while a writer
@@ -292,7 +298,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
         specs, seed = stored_config(path)
         return cls(path, specs, device_capacity=device_capacity, host_capacity=host_capacity,
                    policy=policy, seed=seed, device=device, map_limit=map_limit,
-                   write_buffer=write_buffer)
+                   write_buffer=write_buffer, write_log=write_log)
 
     # validation -----------------------------------------------------------------------------
     def _live(self) -> None:
@@ -509,8 +515,8 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
         """The process's anonymous resident bytes next to the store's own memory budget.
 
         The budget is what the configured capacities allocate: both slabs, the write-behind
-        ring, their hash indexes and per-slot bookkeeping, and the write-behind log's index. Pages of the LMDB map are the
-        kernel's page cache (file-backed) and are reported separately.
+        ring, their hash indexes and per-slot bookkeeping, and the write-behind log's index.
+        Pages of the LMDB map are the kernel's page cache (file-backed), reported separately.
         """
         budget = 0
         for tier in (self.device_tier, self.host_tier):
