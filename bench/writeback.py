@@ -13,6 +13,9 @@ One store of `--tables` x `--rows` populated rows (dim 64 + row-wise Adagrad: 66
 - `steady_uniform` / `steady_zipf`: the same sink for long enough that the log merges into the
   tables again and again (uniform keys: no row is rewritten while in the log; Zipf(1.05): hot
   rows are);
+- `merge_<n>`: one merge of `n` distinct random rows appended to the log (the merger stopped):
+  rows/s and CPU microseconds a row. The merge sorts all `n` by key, so a larger log puts more
+  rows into each leaf page it rewrites (`n` rows into `--tables` x `--rows` stored rows);
 - `get_pylmdb` / `get_pages`: sorted random reads of stored rows through py-lmdb's `txn.get`
   and through the compiled page reader (`backends/pages.py`), both verifying checksums;
 - `get2_pylmdb` / `get2_pages`: the same reads split over two reader threads (what the prefetch
@@ -39,6 +42,7 @@ from tierstore.backends.record import seal
 from .common import OUT_DIR, bar_plot, save, table
 
 DIM = 64
+LEAF_ROWS = 14  # 272-byte records and 8-byte keys in a 4 KiB LMDB leaf page
 
 
 def _store(work: Path, tables: int, rows: int, seed: int) -> TierStore:
@@ -110,6 +114,33 @@ def writer_case(store: TierStore, name: str, n: int, batch: int, alpha: float | 
             "appended": log.rows_appended - appended0, "merged": log.rows_merged - merged0}
 
 
+def merge_cases(store: TierStore, sizes: list[int], seed: int) -> list[dict]:
+    """One merge of `n` appended distinct random rows per size: rows/s and CPU us a row."""
+    rng = np.random.default_rng(seed)
+    tables, rows = len(store.tables), next(iter(store.tables.values())).spec.num_rows
+    log = store.log
+    store.writeback.drain()
+    log.stop_merger()
+    log.merge()
+    out = []
+    for n in sizes:
+        if n > log.capacity:
+            continue
+        keys = rng.choice(tables * rows, n, replace=False)
+        for lo in range(0, n, 1 << 16):
+            k = keys[lo : lo + (1 << 16)]
+            log.append(k // rows, k % rows, rng.standard_normal((len(k), store.width), dtype=np.float32))
+        merged0 = log.rows_merged
+        t0, c0 = time.perf_counter(), time.process_time()
+        log.merge()
+        t, c = time.perf_counter() - t0, time.process_time() - c0
+        m = log.rows_merged - merged0
+        out.append({"case": f"merge_{n}", "rows": m, "rows_per_s": _rate(m, t), "merged": m,
+                    "cpu_us_per_row": c / max(m, 1) * 1e6,
+                    "rows_per_leaf": n / (tables * rows / LEAF_ROWS)})
+    return out
+
+
 def read_cases(store: TierStore, n: int, seed: int) -> list[dict]:
     """Sorted random reads of stored rows through py-lmdb and through the page reader."""
     rng = np.random.default_rng(seed)
@@ -147,6 +178,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rows-per-case", type=int, default=300_000)
     ap.add_argument("--steady", type=int, default=3_000_000, help="rows fed in each steady case")
     ap.add_argument("--batch", type=int, default=50_000, help="rows per writer batch")
+    ap.add_argument("--merge-sizes", default="131072,524288,2000000",
+                    help="rows per merge case (at most the log's capacity)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
@@ -155,6 +188,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.tables, args.rows, args.rows_per_case, args.steady, args.batch = 2, 50_000, 20_000, 60_000, 5_000
+        args.merge_sizes = "5000,20000"
     return args
 
 
@@ -172,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             recs.append(writer_case(store, "steady_uniform", args.steady, args.batch, None, args.seed + 1))
             recs.append(writer_case(store, "steady_zipf", args.steady, args.batch, 1.05, args.seed + 2))
             recs += read_cases(store, args.rows_per_case, args.seed)
+            recs += merge_cases(store, [int(v) for v in args.merge_sizes.split(",") if v], args.seed + 3)
             log_capacity = store.log.capacity
         finally:
             store.close()
@@ -180,13 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     base = {r["case"]: r["rows_per_s"] for r in recs}
     for r in recs:
         floor = "raw_append" if r["case"] in ("log_append",) else \
-            "raw_update" if r["case"].startswith("steady") else "get_pylmdb"
+            "raw_update" if r["case"].startswith(("steady", "merge")) else "get_pylmdb"
         r["vs_floor"] = r["rows_per_s"] / base[floor] if r["case"] not in ("raw_append", "raw_update") \
             else None
         r["floor"] = floor if r["vs_floor"] is not None else None
     print(table(recs, [("case", "case", ""), ("rows", "rows", ",d"), ("rows_per_s", "rows/s", ",.0f"),
                        ("floor", "floor", ""), ("vs_floor", "vs floor", ".2f"),
-                       ("merged", "merged", ",d")]))
+                       ("merged", "merged", ",d"), ("rows_per_leaf", "rows/leaf", ".2f"),
+                       ("cpu_us_per_row", "cpu us/row", ".2f")]))
     meta = {"bench": "writeback", "argv": sys.argv[1:] if argv is None else argv, "tables": args.tables,
             "rows": args.rows, "record_bytes": (DIM + 2) * 4 + 4, "log_capacity": log_capacity}
     path = save("writeback", recs, meta, args.out)

@@ -84,7 +84,10 @@ def test_bench_writeback_smoke(tmp_path):
     recs = _load(tmp_path / "writeback.json")
     cases = {r["case"]: r for r in recs}
     assert set(cases) == {"raw_append", "raw_update", "log_append", "steady_uniform", "steady_zipf",
-                          "get_pylmdb", "get_pages", "get2_pylmdb", "get2_pages"}
+                          "get_pylmdb", "get_pages", "get2_pylmdb", "get2_pages", "merge_5000",
+                          "merge_20000"}
+    for case in ("merge_5000", "merge_20000"):  # every appended row is distinct: all merged
+        assert cases[case]["merged"] == int(case.split("_")[1])
     for r in recs:
         assert _positive(r["rows_per_s"]) and r["rows"] > 0
     for case in ("get_pylmdb", "get_pages", "get2_pylmdb", "get2_pages"):

@@ -391,14 +391,18 @@ class LmdbBackend:
         for table, (rows, payload) in batches.items():
             if len(rows) == 0:
                 continue
-            order = np.argsort(rows, kind="stable")
-            srt = rows[order]
+            unique = len(rows) < 2 or bool((rows[1:] > rows[:-1]).all())
+            if unique:  # already in key order (a merge's pieces): no sort, no gathered copy
+                srt, ordered = rows, payload
+            else:
+                order = np.argsort(rows, kind="stable")
+                srt, ordered = rows[order], payload[order]
+                unique = bool((srt[1:] > srt[:-1]).all())
             keys = encode_keys(srt)
-            blob = np.ascontiguousarray(payload[order]).view(np.uint8) if sealed else \
-                seal(srt, np.ascontiguousarray(payload[order], dtype=np.float32))
+            blob = np.ascontiguousarray(ordered).view(np.uint8) if sealed else \
+                seal(srt, np.ascontiguousarray(ordered, dtype=np.float32))
             # one `bytes` per row from a void view (a C loop, no per-row Python)
             vals = blob.view(f"V{blob.shape[1]}").ravel().tolist()
-            unique = len(srt) < 2 or bool((srt[1:] > srt[:-1]).all())
             segs.append((self._db(table), keys, vals, unique))
         part: list = []
         room = TXN_ROWS

@@ -385,7 +385,11 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
     tabs, rows, seqs = backend.log_chunks(db, keys, headers)
     keep, extra = newest(tabs, rows, seqs)
     sel = np.flatnonzero(keep)
-    order = sel[np.lexsort((rows[sel], tabs[sel]))]
+    # key order: by table, then row (row ids are < 2**63; one argsort per table present)
+    by_tab = sel[np.argsort(tabs[sel], kind="stable")]
+    tcuts = np.flatnonzero(np.diff(tabs[by_tab])) + 1
+    order = np.concatenate([part[np.argsort(rows[part])] for part in np.split(by_tab, tcuts)]) \
+        if len(by_tab) else by_tab
     cuts = np.flatnonzero(np.diff(tabs[order])) + 1  # one table per piece, then MERGE_ROWS each
     edges = np.concatenate([[0], cuts, [len(order)]]).tolist()
     written = 0
