@@ -57,7 +57,7 @@ WB_SLOT_OVERHEAD = 280
 FLUSH_CHUNK = 65536  # rows per LMDB transaction when flushing
 LOG_RINGS = 8  # the write-behind log holds at least this many rings of rows; its older half is merged at 3/4
 # with the default write buffer, up to a quarter of the declared rows, at most LOG_MAX_ROWS: a
-# larger log merges more rows into each table leaf page (docs/persistence.md, "Merge density")
+# larger log merges more rows into each table leaf page (docs/design.md, "Merge density")
 LOG_MAX_ROWS = 1 << 21
 LAST_OPEN = "last_open"  # metadata record: the table specs of the latest open, per table
 _OPEN_STORES: weakref.WeakSet = weakref.WeakSet()
