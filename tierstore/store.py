@@ -216,7 +216,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
             raise
         self.ssd_stats = SsdStats()
         # read-ahead buffers of the prefetch pipeline: table -> [(tail at read, rows, payload, found)]
-        self._readahead: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self._readahead: dict[str, list[tuple[Any, np.ndarray, np.ndarray, np.ndarray]]] = {}
         # seconds spent reading LMDB inside the store, on the main (training) thread and on others
         self.io_seconds = {"training": 0.0, "background": 0.0}
         stored = [TableSpec.from_config(self.backend.get_meta(k)) for k in self.backend.meta_keys()

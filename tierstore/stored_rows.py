@@ -39,7 +39,7 @@ class StoredRows:
                 known |= h
         ahead = self._readahead.get(spec.name)
         if ahead and not known.all():
-            self._read_ahead(ahead, rows_np, data, found, known)
+            self._read_ahead(tab, ahead, rows_np, data, found, known)
         need = ~known
         nneed = int(np.count_nonzero(need))
         if nneed:
@@ -72,31 +72,54 @@ class StoredRows:
             out = torch.nn.functional.pad(out, (0, self.width - spec.row_dim))
         return out
 
-    def _read_ahead(self, buffers: list, rows_np: np.ndarray, data: np.ndarray, found: np.ndarray,
-                    known: np.ndarray) -> None:
-        """Fill rows not yet known from the prefetch pipeline's still-current read-ahead buffers."""
+    def _read_ahead_mark(self) -> tuple[int, int]:
+        """What a read-ahead starting now must remember: (ring tail, log's next sequence number)."""
+        with self.log.lock:
+            return self.writeback.tail, self.log.next
+
+    def _read_ahead(self, tab: _Table, buffers: list, rows_np: np.ndarray, data: np.ndarray,
+                    found: np.ndarray, known: np.ndarray) -> None:
+        """Fill rows not yet known from the prefetch pipeline's still-current read-ahead buffers.
+
+        A buffer read after mark (ring tail, log sequence) holds each row's newest version unless
+        the row was written back after the mark. Such a row is still in the ring (looked up
+        before this), or it left the ring for the log, where it has a sequence number at or past
+        the mark's: those rows are read again. Once a merge has taken log entries past the mark
+        (the log index no longer shows them), the buffer serves only while the ring has not
+        wrapped since the mark. A mark of the ring tail alone (an int) means the latter rule.
+        """
         wb = self.writeback
         for since, brows, bdata, bfound in buffers:
-            if not wb.still_current(since):
-                continue
+            tail, lseq = since if isinstance(since, tuple) else (since, None)
             pos = np.searchsorted(brows, rows_np)
             pos[pos >= len(brows)] = 0
             match = (brows[pos] == rows_np) & ~known if len(brows) else np.zeros_like(known)
-            if match.any():
-                src = pos[match]
-                data[match] = bdata[src]
-                found[match] = bfound[src]
-                known |= match
-                k, f = int(np.count_nonzero(match)), int(np.count_nonzero(bfound[src]))
-                st = self.ssd_stats  # read from LMDB by the pipeline's threads, counted at use
-                st.lookups += k
-                st.hits += f
-                st.misses += k - f
-                self.prefetch_stats.rows_read_ahead += int(np.count_nonzero(match))
+            if not match.any():
+                continue
+            if not wb.still_current(tail):
+                if lseq is None:
+                    continue
+                idx = np.flatnonzero(match)
+                seqs = self.log.lookup(tab.index, torch.from_numpy(rows_np[idx]))
+                if self.log.merged > lseq:  # after the lookup: entries past the mark were merged
+                    continue
+                match[idx[seqs >= lseq]] = False  # written back after the mark: read again
+                if not match.any():
+                    continue
+            src = pos[match]
+            data[match] = bdata[src]
+            found[match] = bfound[src]
+            known |= match
+            k, f = int(np.count_nonzero(match)), int(np.count_nonzero(bfound[src]))
+            st = self.ssd_stats  # read from LMDB by the pipeline's threads, counted at use
+            st.lookups += k
+            st.hits += f
+            st.misses += k - f
+            self.prefetch_stats.rows_read_ahead += k
             if known.all():
                 return
 
-    def _add_read_ahead(self, table: str, since: int, rows: np.ndarray, data: np.ndarray,
+    def _add_read_ahead(self, table: str, since: int | tuple[int, int], rows: np.ndarray, data: np.ndarray,
                         found: np.ndarray, keep: int) -> None:
         """Register rows the prefetch pipeline read from LMDB (sorted); keeps the newest `keep` buffers."""
         bufs = self._readahead.setdefault(table, [])

@@ -258,8 +258,9 @@ class Prefetcher:
                 store._ids(tabs[t], uniq)  # validate before anything moves
             # a row not in the write-behind ring has its newest value in LMDB or in a cache; what
             # LMDB holds now stays its newest stored value while every row written back from here
-            # on is still in the ring, so a copy read now may serve a later miss (store._load)
-            since = store.writeback.tail
+            # on is still in the ring or in the log past this mark, so a copy read now may serve a
+            # later miss (store._read_ahead)
+            since = store._read_ahead_mark()
             window_rows = sum(u.numel() for w in self._window.values() for u in w.values())
             batch_rows = sum(u.numel() for u in per_table.values())
             cache_rows = store.device_tier.capacity + store.host_tier.capacity
