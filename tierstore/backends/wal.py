@@ -42,7 +42,7 @@ CHUNK_MAGIC = b"TSLC"
 CHUNK_HEADER = 16  # magic, entry size u32, count u32, pad u32
 CHUNK_ROWS = 4096  # rows per log value: ~1.1 MB of 66-word rows, a few hundred overflow pages
 MERGE_ROWS = 131072  # rows per piece of a merge's key-sorted writes (bounds its memory)
-FIND_ROWS = 65536  # log index lookups per hold of the ring's lock during a merge
+FIND_ROWS = 16384  # log index lookups per hold of the ring's lock during a merge (a few ms)
 _SEQ = np.dtype(">u8")
 
 
