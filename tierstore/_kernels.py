@@ -187,3 +187,37 @@ if HAVE_NUMBA:
                     pos_of[e & SLOT_MASK] = i
                     i = j
         return tombs
+
+    @numba.njit(cache=True, nogil=True)
+    def distinct(ids, bits):  # pragma: no cover - compiled
+        """The distinct ids in first-occurrence order, by a 2**bits-slot hash set (`dedup` without
+        the inverse map)."""
+        n = ids.shape[0]
+        mask = (1 << bits) - 1
+        keys = np.empty(mask + 1, dtype=np.int64)
+        used = np.zeros(mask + 1, dtype=np.bool_)
+        uniq = np.empty(n, dtype=np.int64)
+        u = 0
+        for i in range(n):
+            k = ids[i]
+            h = k * _C1
+            h = (h ^ (h >> 29)) & mask
+            while True:
+                if not used[h]:
+                    used[h] = True
+                    keys[h] = k
+                    uniq[u] = k
+                    u += 1
+                    break
+                if keys[h] == k:
+                    break
+                h = (h + 1) & mask
+        return uniq[:u]
+
+    @numba.njit(cache=True, nogil=True)
+    def add_pins(pins, slots, delta):  # pragma: no cover - compiled
+        """pins[s] += delta for each slot (repeats add up); with delta < 0 never below zero."""
+        for i in range(slots.shape[0]):
+            s = slots[i]
+            v = pins[s] + delta
+            pins[s] = 0 if (delta < 0 and v < 0) else v

@@ -192,3 +192,13 @@ def sort_unique(uniq: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
     return uniq.index_select(0, order), rank.index_select(0, inverse)
+
+
+def sorted_unique(ids: torch.Tensor) -> torch.Tensor:
+    """`torch.unique(ids)` (ascending): on CPU a hash pass then a sort of the distinct ids only."""
+    if ids.device.type != "cpu" or not _kernels.HAVE_NUMBA or ids.numel() == 0:
+        return torch.unique(ids)
+    bits = max(3, (2 * ids.numel() - 1).bit_length())
+    uniq = _kernels.distinct(ids.contiguous().numpy(), bits)
+    uniq.sort()
+    return torch.from_numpy(uniq)

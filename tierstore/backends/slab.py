@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import _memory
+from .. import _kernels, _memory
 from ..index import HashIndex
 from ..policies import Evictable, make_policy
 from ..policies.base import key_hash
@@ -88,6 +88,9 @@ class SlabTier:
         self.gather_pins = False  # True: the CUDA way of reading pins (tests force it on CPU)
         self._protect_scratch: np.ndarray | None = None
         self._protected = np.empty(0, dtype=np.int64)
+        # slots the last `insert` filled, in row order (its first k rows): callers that need
+        # where rows landed read them here instead of looking the keys up again
+        self.last_slots = torch.empty(0, dtype=torch.int64, device=self.device)
 
     @property
     def size(self) -> int:
@@ -222,6 +225,7 @@ class SlabTier:
         rows, which LMDB or the lazy init already hold).
         """
         n = len(rows)
+        self.last_slots = self.last_slots[:0]
         if n == 0 or self.capacity == 0:
             return 0, None
         evicted, reused = None, None
@@ -250,11 +254,14 @@ class SlabTier:
         self.policy.on_insert(slots, key_hash(rows.tabs, rows.rows) if self.policy.wants_keys
                               else None)
         self.stats.insertions += k
+        self.last_slots = slots
         return k, evicted
 
     def pin(self, slots: torch.Tensor, delta: int) -> None:
         """Add `delta` to the prefetch pins of resident slots (never below zero)."""
-        if slots.numel():  # only the named slots: the cost never grows with the capacity
+        if slots.numel() and self.device.type == "cpu" and _kernels.HAVE_NUMBA:
+            _kernels.add_pins(self.pins.numpy(), slots.contiguous().numpy(), int(delta))
+        elif slots.numel():  # only the named slots: the cost never grows with the capacity
             pins = self.pins
             pins.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
             if delta < 0:
