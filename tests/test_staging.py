@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import tierstore as ts
 from tierstore import _kernels
-from tierstore.index import sorted_unique
+from tierstore.index import HashIndex, absent_from, sorted_unique
 
 
 @settings(deadline=None, max_examples=60)
@@ -87,3 +87,35 @@ def test_unpin_by_slot_falls_back_to_lookups_when_the_epoch_moved(tmp_path):
             store._drain_unpins()
             assert int(dev.pins.sum()) == 0 and int(store.host_tier.pins.sum()) == 0
         store.check()
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 60)), max_size=80, unique=True),
+       st.lists(st.integers(0, 70), max_size=80), st.integers(0, 2))
+def test_absent_from_matches_three_finds(keys, probe, tab):
+    """The one-pass probe of three indexes says what three separate lookups say."""
+    indexes = (HashIndex(40), HashIndex(30), HashIndex(25))
+    slot = [0, 0, 0]
+    for k, (t, r) in enumerate(keys):  # spread the keys over the indexes (some in none)
+        which = k % 4
+        if which < 3 and slot[which] < indexes[which].capacity:
+            indexes[which].add(torch.tensor([t]), torch.tensor([r]), torch.tensor([slot[which]]))
+            slot[which] += 1
+    rows = torch.tensor(probe, dtype=torch.int64)
+    want = torch.ones(len(probe), dtype=torch.bool)
+    for ix in indexes:
+        want &= ix.find(torch.tensor(tab), rows) < 0
+    assert torch.equal(absent_from(indexes, tab, rows), want)
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.integers(1, 40), st.data())
+def test_scatter_rows_is_index_copy(n, data):
+    if not _kernels.HAVE_NUMBA:
+        return
+    slots = torch.tensor(data.draw(st.permutations(range(50)))[:n], dtype=torch.int64)
+    src = torch.randn(n, 7)
+    want = torch.zeros(50, 7).index_copy_(0, slots, src)
+    got = torch.zeros(50, 7)
+    _kernels.scatter_rows(got.numpy(), slots.numpy(), src.numpy())
+    assert torch.equal(got, want)

@@ -138,7 +138,11 @@ if HAVE_NUMBA:
         """Insert absent keys; return (tombstones reused, max probe distance)."""
         reused = 0
         maxd = 0
-        for i in range(rows.shape[0]):
+        n = rows.shape[0]
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch(table, _home(tabs[j] if tabs.shape[0] > 1 else tabs[0], rows[j], mask), 0)
             t = tabs[i] if tabs.shape[0] > 1 else tabs[0]
             r = rows[i]
             s = slots[i]
@@ -165,7 +169,15 @@ if HAVE_NUMBA:
         path does the hole become a tombstone too (the run past it must stay unbroken).
         """
         tombs = 0
-        for k in range(slots.shape[0]):
+        n = slots.shape[0]
+        pos2 = pos_of.reshape(-1, 1)  # a 2-D view for the prefetch hint
+        for k in range(n):
+            if k + 2 * PREFETCH_AHEAD < n:  # two stages: the slot's position, then its entry
+                prefetch(pos2, slots[k + 2 * PREFETCH_AHEAD], 0)
+            if k + PREFETCH_AHEAD < n:
+                q = pos_of[slots[k + PREFETCH_AHEAD]]
+                if q >= 0:
+                    prefetch(table, q, 0)
             s = slots[k]
             i = pos_of[s]
             pos_of[s] = -1
@@ -221,3 +233,37 @@ if HAVE_NUMBA:
             s = slots[i]
             v = pins[s] + delta
             pins[s] = 0 if (delta < 0 and v < 0) else v
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _holds(table, mask, t, r):  # pragma: no cover - compiled
+        """Whether hash table `table` holds the key (t, r)."""
+        p = _home(t, r, mask)
+        while True:
+            e = table[p, 0]
+            if e == -1:
+                return False
+            if e >= 0 and table[p, 1] == r and (e >> SLOT_BITS) == t:
+                return True
+            p = (p + 1) & mask
+
+    @numba.njit(cache=True, nogil=True)
+    def hash_absent(t1, m1, t2, m2, t3, m3, tab, rows, out):  # pragma: no cover - compiled
+        """out[i] = key (tab, rows[i]) is in none of three hash tables (masks m1..m3); a key
+        found in one is not probed in the next ones."""
+        n = rows.shape[0]
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch(t1, _home(tab, rows[j], m1), 0)
+            r = rows[i]
+            out[i] = not (_holds(t1, m1, tab, r) or _holds(t2, m2, tab, r) or _holds(t3, m3, tab, r))
+
+    @numba.njit(cache=True, nogil=True)
+    def scatter_rows(dst, idx, src):  # pragma: no cover - compiled
+        """dst[idx[i]] = src[i] for each i (rows of 2-D float32 arrays; idx distinct)."""
+        n = idx.shape[0]
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch_row(dst, idx[j])
+            dst[idx[i], :] = src[i, :]

@@ -10,6 +10,7 @@ import torch
 
 from .backends.slab import Rows
 from .fused import BatchUpdate
+from .index import absent_from
 
 if TYPE_CHECKING:
     from .store import _Table
@@ -129,6 +130,12 @@ class TierCascade:
         dirty = torch.zeros(m, dtype=torch.bool).index_copy_(0, hidx, moved.dirty)
         pins = torch.zeros(m, dtype=torch.int32).index_copy_(0, hidx, moved.pins)
         return payload, dirty, pins, nh
+
+    def _uncached(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
+        """Mask of rows in no cache tier and not in the write-behind ring (store lock held)."""
+        indexes = (self.device_tier.index, self.host_tier.index, self.writeback.index)
+        with self.writeback._cv:
+            return absent_from(indexes, tab.index, rows)
 
     def _distinct_resident(self, slots: torch.Tensor) -> torch.Tensor | None:
         """`arange(n)` when every device lookup hit and no slot repeats (no id repeated), else None."""

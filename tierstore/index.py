@@ -202,3 +202,24 @@ def sorted_unique(ids: torch.Tensor) -> torch.Tensor:
     uniq = _kernels.distinct(ids.contiguous().numpy(), bits)
     uniq.sort()
     return torch.from_numpy(uniq)
+
+
+def absent_from(indexes: tuple[HashIndex, HashIndex, HashIndex], tab: int,
+                rows: torch.Tensor) -> torch.Tensor:
+    """Mask of the keys (tab, rows) in none of three indexes (CPU bool tensor).
+
+    On CPU one pass probes the indexes in order and stops at the first that holds a key.
+    """
+    n = rows.numel()
+    rows = rows.to("cpu", torch.int64).contiguous()
+    if all(ix._fast(rows) for ix in indexes) and n:
+        out = torch.empty(n, dtype=torch.bool)
+        (a, b, c) = indexes
+        _kernels.hash_absent(a.table.numpy(), a.mask, b.table.numpy(), b.mask, c.table.numpy(),
+                             c.mask, int(tab), rows.numpy(), out.numpy())
+        return out
+    out = torch.ones(n, dtype=torch.bool)
+    t = torch.tensor(tab, dtype=torch.int64)
+    for ix in indexes:
+        out &= ix.find(t.to(ix.device), rows.to(ix.device)).cpu() < 0
+    return out

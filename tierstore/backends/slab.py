@@ -247,7 +247,11 @@ class SlabTier:
             rows = rows.take(slice(0, k))
         rows = rows.to(self.device)
         self.index.add(rows.tabs, rows.rows, slots)
-        self.slab.index_copy_(0, slots, rows.payload)
+        if self.device.type == "cpu" and _kernels.HAVE_NUMBA:  # prefetching row copies
+            _kernels.scatter_rows(self.slab.numpy(), slots.contiguous().numpy(),
+                                  rows.payload.contiguous().numpy())
+        else:
+            self.slab.index_copy_(0, slots, rows.payload)
         self.dirty.index_copy_(0, slots, rows.dirty)
         if rows.pins is not None:
             self.pins.index_copy_(0, slots, rows.pins)

@@ -355,13 +355,7 @@ class Prefetcher:
 
     def _uncached(self, tab: Any, uniq: torch.Tensor) -> torch.Tensor:
         """Mask of rows not in the write-behind ring and in no cache tier."""
-        store = self.store
-        out = ~store.writeback.contains(tab.index, uniq)
-        tabs = torch.tensor(tab.index, dtype=torch.int64)
-        d = store.device_tier.lookup(tabs.to(store.device_tier.device),
-                                     uniq.to(store.device_tier.device), count=False).cpu()
-        h = store.host_tier.lookup(tabs, uniq, count=False)
-        return out & (d < 0) & (h < 0)
+        return self.store._uncached(tab, uniq)
 
 
 # lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------
