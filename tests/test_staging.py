@@ -119,3 +119,18 @@ def test_scatter_rows_is_index_copy(n, data):
     got = torch.zeros(50, 7)
     _kernels.scatter_rows(got.numpy(), slots.numpy(), src.numpy())
     assert torch.equal(got, want)
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(-5, 10**12)), min_size=1, max_size=60,
+                unique=True), st.data())
+def test_keys_kernel_matches_the_torch_path(keys, data):
+    ix = HashIndex(64)
+    slots = torch.tensor(data.draw(st.permutations(range(64)))[: len(keys)], dtype=torch.int64)
+    ix.add(torch.tensor([t for t, _ in keys]), torch.tensor([r for _, r in keys]), slots)
+    ask = slots[torch.tensor(data.draw(st.permutations(range(len(keys)))))]
+    got = ix.keys(ask)
+    ix.use_kernels = False
+    want = ix.keys(ask)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].tolist() == [keys[int((slots == s).nonzero())][0] for s in ask]

@@ -267,3 +267,17 @@ if HAVE_NUMBA:
             if j < n:
                 prefetch_row(dst, idx[j])
             dst[idx[i], :] = src[i, :]
+
+    @numba.njit(cache=True, nogil=True)
+    def hash_keys(table, pos_of, slots, tabs, rows):  # pragma: no cover - compiled
+        """(table index, row id) of the key each present slot holds, into tabs and rows."""
+        n = slots.shape[0]
+        pos2 = pos_of.reshape(-1, 1)  # a 2-D view for the prefetch hint
+        for k in range(n):
+            if k + 2 * PREFETCH_AHEAD < n:  # two stages: the slot's position, then its entry
+                prefetch(pos2, slots[k + 2 * PREFETCH_AHEAD], 0)
+            if k + PREFETCH_AHEAD < n:
+                prefetch(table, pos_of[slots[k + PREFETCH_AHEAD]], 0)
+            e = table[pos_of[slots[k]]]
+            tabs[k] = e[0] >> SLOT_BITS
+            rows[k] = e[1]

@@ -137,6 +137,13 @@ class HashIndex:
 
     def keys(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(table index, row id) of each present slot."""
+        if self._fast(slots) and slots.dim() == 1 and slots.dtype == torch.int64:
+            n = slots.numel()
+            tabs, rows = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+            if n:
+                _kernels.hash_keys(self.table.numpy(), self.pos_of.numpy(),
+                                   slots.contiguous().numpy(), tabs.numpy(), rows.numpy())
+            return tabs, rows
         entry = self.table[self.pos_of[slots]]
         return entry[:, 0] >> SLOT_BITS, entry[:, 1]
 

@@ -76,24 +76,27 @@ class StoredRows:
                     known: np.ndarray) -> None:
         """Fill rows not yet known from the prefetch pipeline's still-current read-ahead buffers."""
         wb = self.writeback
+        todo = np.flatnonzero(~known)  # positions still unknown: each buffer searches only these
         for since, brows, bdata, bfound in buffers:
-            if not wb.still_current(since):
+            if not wb.still_current(since) or not len(brows):
                 continue
-            pos = np.searchsorted(brows, rows_np)
+            want = rows_np[todo]
+            pos = np.searchsorted(brows, want)
             pos[pos >= len(brows)] = 0
-            match = (brows[pos] == rows_np) & ~known if len(brows) else np.zeros_like(known)
-            if match.any():
-                src = pos[match]
-                data[match] = bdata[src]
-                found[match] = bfound[src]
-                known |= match
-                k, f = int(np.count_nonzero(match)), int(np.count_nonzero(bfound[src]))
+            hit = brows[pos] == want
+            if hit.any():
+                at, src = todo[hit], pos[hit]
+                data[at] = bdata[src]
+                found[at] = bfound[src]
+                known[at] = True
+                todo = todo[~hit]
+                k, f = len(at), int(np.count_nonzero(bfound[src]))
                 st = self.ssd_stats  # read from LMDB by the pipeline's threads, counted at use
                 st.lookups += k
                 st.hits += f
                 st.misses += k - f
-                self.prefetch_stats.rows_read_ahead += int(np.count_nonzero(match))
-            if known.all():
+                self.prefetch_stats.rows_read_ahead += k
+            if not len(todo):
                 return
 
     def _add_read_ahead(self, table: str, since: int, rows: np.ndarray, data: np.ndarray,

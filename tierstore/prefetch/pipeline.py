@@ -313,10 +313,14 @@ class Prefetcher:
                     data.append(ringed[t][1])
                     found.append(np.ones(len(ringed[t][0]), dtype=bool))
                 if rows:
-                    rows_np = np.concatenate(rows)
-                    order = np.argsort(rows_np, kind="stable")
-                    store._add_read_ahead(t, since, rows_np[order], np.concatenate(data)[order],
-                                          np.concatenate(found)[order], keep=self.depth + 2)
+                    if t in ringed:  # the ring's rows come after the sorted cold ones: sort all
+                        rows_np = np.concatenate(rows)
+                        order = np.argsort(rows_np, kind="stable")
+                        store._add_read_ahead(t, since, rows_np[order], np.concatenate(data)[order],
+                                              np.concatenate(found)[order], keep=self.depth + 2)
+                    else:  # the cold rows, in sorted chunks read in order: sorted already
+                        store._add_read_ahead(t, since, rows[0], np.concatenate(data),
+                                              np.concatenate(found), keep=self.depth + 2)
             stats.rows_read_ahead_from_ssd += sum(len(c) for c in cold.values())
             if warm_only:  # its misses are served from the read-ahead buffers
                 stats.warm_only += 1
