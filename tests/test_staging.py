@@ -134,3 +134,14 @@ def test_keys_kernel_matches_the_torch_path(keys, data):
     want = ix.keys(ask)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[0].tolist() == [keys[int((slots == s).nonzero())][0] for s in ask]
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.lists(st.integers(0, 49), max_size=40))
+def test_gather_rows_is_index_select(idx):
+    if not _kernels.HAVE_NUMBA:
+        return
+    src = torch.randn(50, 9)
+    slots = torch.tensor(idx, dtype=torch.int64)
+    got = _kernels.gather_rows(src.numpy(), slots.numpy())
+    assert torch.equal(torch.from_numpy(got), src.index_select(0, slots))

@@ -281,3 +281,18 @@ if HAVE_NUMBA:
             e = table[pos_of[slots[k]]]
             tabs[k] = e[0] >> SLOT_BITS
             rows[k] = e[1]
+
+    @numba.njit(cache=True, nogil=True)
+    def gather_rows(src, idx):  # pragma: no cover - compiled
+        """src[idx] (rows of a 2-D float32 array) as a new array, prefetching rows ahead."""
+        n = idx.shape[0]
+        w = src.shape[1]
+        out = np.empty((n, w), dtype=np.float32)
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch_row(src, idx[j])
+            r = idx[i]
+            for c in range(w):
+                out[i, c] = src[r, c]
+        return out

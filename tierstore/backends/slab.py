@@ -142,8 +142,11 @@ class SlabTier:
 
     def _take(self, slots: torch.Tensor, dirty: torch.Tensor, pins: bool = True) -> Rows:
         # advanced indexing and index_select return copies: the rows outlive their slots
-        return Rows(*self.index.keys(slots),
-                    self.slab.index_select(0, slots), dirty,
+        if self.device.type == "cpu" and _kernels.HAVE_NUMBA and slots.dtype == torch.int64:
+            payload = torch.from_numpy(_kernels.gather_rows(self.slab.numpy(), slots.contiguous().numpy()))
+        else:
+            payload = self.slab.index_select(0, slots)
+        return Rows(*self.index.keys(slots), payload, dirty,
                     self.pins.index_select(0, slots) if pins else None)
 
     def _release(self, slots: torch.Tensor, reuse: bool = False) -> None:
