@@ -138,7 +138,11 @@ if HAVE_NUMBA:
         """Insert absent keys; return (tombstones reused, max probe distance)."""
         reused = 0
         maxd = 0
-        for i in range(rows.shape[0]):
+        n = rows.shape[0]
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch(table, _home(tabs[j] if tabs.shape[0] > 1 else tabs[0], rows[j], mask), 0)
             t = tabs[i] if tabs.shape[0] > 1 else tabs[0]
             r = rows[i]
             s = slots[i]
@@ -165,7 +169,15 @@ if HAVE_NUMBA:
         path does the hole become a tombstone too (the run past it must stay unbroken).
         """
         tombs = 0
-        for k in range(slots.shape[0]):
+        n = slots.shape[0]
+        pos2 = pos_of.reshape(-1, 1)  # a 2-D view for the prefetch hint
+        for k in range(n):
+            if k + 2 * PREFETCH_AHEAD < n:  # two stages: the slot's position, then its entry
+                prefetch(pos2, slots[k + 2 * PREFETCH_AHEAD], 0)
+            if k + PREFETCH_AHEAD < n:
+                q = pos_of[slots[k + PREFETCH_AHEAD]]
+                if q >= 0:
+                    prefetch(table, q, 0)
             s = slots[k]
             i = pos_of[s]
             pos_of[s] = -1
@@ -187,3 +199,100 @@ if HAVE_NUMBA:
                     pos_of[e & SLOT_MASK] = i
                     i = j
         return tombs
+
+    @numba.njit(cache=True, nogil=True)
+    def distinct(ids, bits):  # pragma: no cover - compiled
+        """The distinct ids in first-occurrence order, by a 2**bits-slot hash set (`dedup` without
+        the inverse map)."""
+        n = ids.shape[0]
+        mask = (1 << bits) - 1
+        keys = np.empty(mask + 1, dtype=np.int64)
+        used = np.zeros(mask + 1, dtype=np.bool_)
+        uniq = np.empty(n, dtype=np.int64)
+        u = 0
+        for i in range(n):
+            k = ids[i]
+            h = k * _C1
+            h = (h ^ (h >> 29)) & mask
+            while True:
+                if not used[h]:
+                    used[h] = True
+                    keys[h] = k
+                    uniq[u] = k
+                    u += 1
+                    break
+                if keys[h] == k:
+                    break
+                h = (h + 1) & mask
+        return uniq[:u]
+
+    @numba.njit(cache=True, nogil=True)
+    def add_pins(pins, slots, delta):  # pragma: no cover - compiled
+        """pins[s] += delta for each slot (repeats add up); with delta < 0 never below zero."""
+        for i in range(slots.shape[0]):
+            s = slots[i]
+            v = pins[s] + delta
+            pins[s] = 0 if (delta < 0 and v < 0) else v
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _holds(table, mask, t, r):  # pragma: no cover - compiled
+        """Whether hash table `table` holds the key (t, r)."""
+        p = _home(t, r, mask)
+        while True:
+            e = table[p, 0]
+            if e == -1:
+                return False
+            if e >= 0 and table[p, 1] == r and (e >> SLOT_BITS) == t:
+                return True
+            p = (p + 1) & mask
+
+    @numba.njit(cache=True, nogil=True)
+    def hash_absent(t1, m1, t2, m2, t3, m3, tab, rows, out):  # pragma: no cover - compiled
+        """out[i] = key (tab, rows[i]) is in none of three hash tables (masks m1..m3); a key
+        found in one is not probed in the next ones."""
+        n = rows.shape[0]
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch(t1, _home(tab, rows[j], m1), 0)
+            r = rows[i]
+            out[i] = not (_holds(t1, m1, tab, r) or _holds(t2, m2, tab, r) or _holds(t3, m3, tab, r))
+
+    @numba.njit(cache=True, nogil=True)
+    def scatter_rows(dst, idx, src):  # pragma: no cover - compiled
+        """dst[idx[i]] = src[i] for each i (rows of 2-D float32 arrays; idx distinct)."""
+        n = idx.shape[0]
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch_row(dst, idx[j])
+            dst[idx[i], :] = src[i, :]
+
+    @numba.njit(cache=True, nogil=True)
+    def hash_keys(table, pos_of, slots, tabs, rows):  # pragma: no cover - compiled
+        """(table index, row id) of the key each present slot holds, into tabs and rows."""
+        n = slots.shape[0]
+        pos2 = pos_of.reshape(-1, 1)  # a 2-D view for the prefetch hint
+        for k in range(n):
+            if k + 2 * PREFETCH_AHEAD < n:  # two stages: the slot's position, then its entry
+                prefetch(pos2, slots[k + 2 * PREFETCH_AHEAD], 0)
+            if k + PREFETCH_AHEAD < n:
+                prefetch(table, pos_of[slots[k + PREFETCH_AHEAD]], 0)
+            e = table[pos_of[slots[k]]]
+            tabs[k] = e[0] >> SLOT_BITS
+            rows[k] = e[1]
+
+    @numba.njit(cache=True, nogil=True)
+    def gather_rows(src, idx):  # pragma: no cover - compiled
+        """src[idx] (rows of a 2-D float32 array) as a new array, prefetching rows ahead."""
+        n = idx.shape[0]
+        w = src.shape[1]
+        out = np.empty((n, w), dtype=np.float32)
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch_row(src, idx[j])
+            r = idx[i]
+            for c in range(w):
+                out[i, c] = src[r, c]
+        return out

@@ -10,6 +10,7 @@ import torch
 
 from .backends.slab import Rows
 from .fused import BatchUpdate
+from .index import absent_from
 
 if TYPE_CHECKING:
     from .store import _Table
@@ -56,6 +57,7 @@ class TierCascade:
             dev.touch(dslots)
             if pin:
                 dev.pin(dslots, 1)
+                self._last_staged = dslots
                 return None
             if update is None:
                 return dev.read(dslots)
@@ -80,7 +82,8 @@ class TierCascade:
             dev.touch(hit_slots)
             dev.pin(hit_slots, 1)
             mpins = torch.ones(m, dtype=torch.int32) if mpins is None else mpins + 1
-            self._place(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins), protect=hit_slots)
+            k = self._place(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins), protect=hit_slots)
+            self._last_staged = _staged_slots(dslots, miss, dev.last_slots[:k], m)
             return None
         if nd:  # assemble the whole batch: device hits and the rows fetched from below
             payload = torch.empty((n, self.width), dtype=torch.float32)
@@ -128,6 +131,12 @@ class TierCascade:
         pins = torch.zeros(m, dtype=torch.int32).index_copy_(0, hidx, moved.pins)
         return payload, dirty, pins, nh
 
+    def _uncached(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
+        """Mask of rows in no cache tier and not in the write-behind ring (store lock held)."""
+        indexes = (self.device_tier.index, self.host_tier.index, self.writeback.index)
+        with self.writeback._cv:
+            return absent_from(indexes, tab.index, rows)
+
     def _distinct_resident(self, slots: torch.Tensor) -> torch.Tensor | None:
         """`arange(n)` when every device lookup hit and no slot repeats (no id repeated), else None."""
         n = slots.numel()
@@ -145,20 +154,21 @@ class TierCascade:
         self._marks[s] = pos
         return torch.from_numpy(pos) if np.array_equal(self._marks[s], pos) else None
 
-    def _place(self, moving: Rows, protect: torch.Tensor) -> None:
+    def _place(self, moving: Rows, protect: torch.Tensor) -> int:
         """Insert rows into the device tier; victims and overflow cascade to host, then LMDB.
 
+        Returns k: the first k rows landed in the device tier (at `device_tier.last_slots`).
         Only dirty rows leave the host tier for LMDB: a clean row is already there (or is its
         lazy init), so the bottom tier drops clean victims without copying them.
         """
         if len(moving) == 0:
-            return
+            return 0
         host = self.host_tier
         k, evicted = self.device_tier.insert(moving, protect=protect, keep_clean=host.capacity > 0)
         down = [p for p in (evicted, moving.take(slice(k, None)) if k < len(moving) else None)
                 if p is not None and len(p)]
         if not down:
-            return
+            return k
         spill_in = Rows.cat([p.to(torch.device("cpu")) for p in down])
         k2, spill = host.insert(spill_in, keep_clean=False)
         parts = [] if spill is None else [spill]
@@ -168,6 +178,7 @@ class TierCascade:
                 parts.append(rest.take(rest.dirty))
         if parts:
             self._write_down(Rows.cat(parts))
+        return k
 
     def _write_down(self, rows: Rows) -> None:
         """Hand dirty rows (any tables) to the write-behind ring; its writer thread writes them to LMDB."""
@@ -196,3 +207,17 @@ class TierCascade:
         with self.log.merging, self.writeback._cv:  # no background merge runs meanwhile
             self.ssd_stats.bytes_written += self.log.merge()
             yield
+
+
+def _staged_slots(dslots: torch.Tensor, miss: torch.Tensor | None, placed: torch.Tensor,
+                  m: int) -> torch.Tensor:
+    """Device slots of a staged batch: hits where they were, the first misses where `_place` put
+    them (`placed`, in miss order), -1 for misses that overflowed to the host tier."""
+    if miss is None and placed.numel() == m:  # every row missed, and every one was placed
+        return placed
+    out = dslots.clone()  # -1 at every miss
+    k = placed.numel()
+    if k:
+        at = torch.arange(k, device=out.device) if miss is None else miss[:k].to(out.device)
+        out.index_copy_(0, at, placed)
+    return out

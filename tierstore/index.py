@@ -137,6 +137,13 @@ class HashIndex:
 
     def keys(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(table index, row id) of each present slot."""
+        if self._fast(slots) and slots.dim() == 1 and slots.dtype == torch.int64:
+            n = slots.numel()
+            tabs, rows = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+            if n:
+                _kernels.hash_keys(self.table.numpy(), self.pos_of.numpy(),
+                                   slots.contiguous().numpy(), tabs.numpy(), rows.numpy())
+            return tabs, rows
         entry = self.table[self.pos_of[slots]]
         return entry[:, 0] >> SLOT_BITS, entry[:, 1]
 
@@ -192,3 +199,34 @@ def sort_unique(uniq: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
     return uniq.index_select(0, order), rank.index_select(0, inverse)
+
+
+def sorted_unique(ids: torch.Tensor) -> torch.Tensor:
+    """`torch.unique(ids)` (ascending): on CPU a hash pass then a sort of the distinct ids only."""
+    if ids.device.type != "cpu" or not _kernels.HAVE_NUMBA or ids.numel() == 0:
+        return torch.unique(ids)
+    bits = max(3, (2 * ids.numel() - 1).bit_length())
+    uniq = _kernels.distinct(ids.contiguous().numpy(), bits)
+    uniq.sort()
+    return torch.from_numpy(uniq)
+
+
+def absent_from(indexes: tuple[HashIndex, HashIndex, HashIndex], tab: int,
+                rows: torch.Tensor) -> torch.Tensor:
+    """Mask of the keys (tab, rows) in none of three indexes (CPU bool tensor).
+
+    On CPU one pass probes the indexes in order and stops at the first that holds a key.
+    """
+    n = rows.numel()
+    rows = rows.to("cpu", torch.int64).contiguous()
+    if all(ix._fast(rows) for ix in indexes) and n:
+        out = torch.empty(n, dtype=torch.bool)
+        (a, b, c) = indexes
+        _kernels.hash_absent(a.table.numpy(), a.mask, b.table.numpy(), b.mask, c.table.numpy(),
+                             c.mask, int(tab), rows.numpy(), out.numpy())
+        return out
+    out = torch.ones(n, dtype=torch.bool)
+    t = torch.tensor(tab, dtype=torch.int64)
+    for ix in indexes:
+        out &= ix.find(t.to(ix.device), rows.to(ix.device)).cpu() < 0
+    return out

@@ -51,13 +51,23 @@ class PinnedSteps:
                 self._compute.notify_all()
 
     def _drain_unpins(self) -> None:
-        """Drop the pins of batches the pipeline released lock-free (store lock held)."""
-        pending = self._pending_unpins
+        """Drop the pins of batches the pipeline released lock-free (store lock held).
+
+        An entry is (table, rows) or (table, rows, device slots, pin epoch): the slots where
+        staging put every one of the rows, still theirs while the device tier's `pin_epoch` is
+        unchanged (a pinned row never leaves otherwise, and the caches are exclusive, so no
+        other tier holds one of them); then the pins are dropped by slot, without lookups.
+        """
+        pending, dev = self._pending_unpins, self.device_tier
         while pending:
-            table, uniq = pending.popleft()
-            tab = self.tables.get(table)
-            if tab is not None:
-                self._pin(tab, uniq, -1)
+            item = pending.popleft()
+            tab = self.tables.get(item[0])
+            if tab is None:
+                continue
+            if len(item) == 4 and item[3] == dev.pin_epoch:
+                dev.pin(item[2], -1)
+            else:
+                self._pin(tab, item[1], -1)
 
     def _drain_hits(self) -> None:
         """Count and tell the device policy the hits of lock-free gathers (store lock held).
@@ -132,7 +142,10 @@ class PinnedSteps:
 
     # staging (called by tierstore.prefetch with the store lock held) ---------------------
     def _stage(self, tab: _Table, uniq: torch.Tensor) -> tuple[int, int, int]:
-        """Bring sorted unique rows up the hierarchy and pin them; returns (device, host, ssd)."""
+        """Bring sorted unique rows up the hierarchy and pin them; returns (device, host, ssd).
+
+        Leaves the rows' device slots in `_last_staged` (-1 for rows that overflowed to the host).
+        """
         self._access(tab, uniq, None, count=False, pin=True)
         return self._last_sources
 

@@ -89,38 +89,39 @@ class StoredRows:
         wrapped since the mark. A mark of the ring tail alone (an int) means the latter rule.
         """
         wb = self.writeback
+        todo = np.flatnonzero(~known)  # positions still unknown: each buffer searches only these
         for since, brows, bdata, bfound in buffers:
             tail, lseq = since if isinstance(since, tuple) else (since, None)
-            pos = np.searchsorted(brows, rows_np)
-            pos[pos >= len(brows)] = 0
-            match = (brows[pos] == rows_np) & ~known if len(brows) else np.zeros_like(known)
-            if not match.any():
+            wrapped = not wb.still_current(tail)
+            if (wrapped and lseq is None) or not len(brows):
                 continue
-            if not wb.still_current(tail):
-                if lseq is None:
-                    continue
-                idx = np.flatnonzero(match)
-                seqs = self.log.lookup(tab.index, torch.from_numpy(rows_np[idx]))
+            want = rows_np[todo]
+            pos = np.searchsorted(brows, want)
+            pos[pos >= len(brows)] = 0
+            hit = brows[pos] == want
+            if hit.any() and wrapped:  # rows written back after the mark are in the log past it
+                idx = np.flatnonzero(hit)
+                seqs = self.log.lookup(tab.index, torch.from_numpy(want[idx]))
                 if self.log.merged > lseq:  # after the lookup: entries past the mark were merged
                     continue
-                match[idx[seqs >= lseq]] = False  # written back after the mark: read again
-                if not match.any():
-                    continue
-            src = pos[match]
-            data[match] = bdata[src]
-            found[match] = bfound[src]
-            known |= match
-            k, f = int(np.count_nonzero(match)), int(np.count_nonzero(bfound[src]))
-            st = self.ssd_stats  # read from LMDB by the pipeline's threads, counted at use
-            st.lookups += k
-            st.hits += f
-            st.misses += k - f
-            self.prefetch_stats.rows_read_ahead += k
-            if known.all():
+                hit[idx[seqs >= lseq]] = False  # read again
+            if hit.any():
+                at, src = todo[hit], pos[hit]
+                data[at] = bdata[src]
+                found[at] = bfound[src]
+                known[at] = True
+                todo = todo[~hit]
+                k, f = len(at), int(np.count_nonzero(bfound[src]))
+                st = self.ssd_stats  # read from LMDB by the pipeline's threads, counted at use
+                st.lookups += k
+                st.hits += f
+                st.misses += k - f
+                self.prefetch_stats.rows_read_ahead += k
+            if not len(todo):
                 return
 
-    def _add_read_ahead(self, table: str, since: int | tuple[int, int], rows: np.ndarray, data: np.ndarray,
-                        found: np.ndarray, keep: int) -> None:
+    def _add_read_ahead(self, table: str, since: int | tuple[int, int], rows: np.ndarray,
+                        data: np.ndarray, found: np.ndarray, keep: int) -> None:
         """Register rows the prefetch pipeline read from LMDB (sorted); keeps the newest `keep` buffers."""
         bufs = self._readahead.setdefault(table, [])
         bufs.append((since, rows, data, found))

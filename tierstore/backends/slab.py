@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import _memory
+from .. import _kernels, _memory
 from ..index import HashIndex
 from ..policies import Evictable, make_policy
 from ..policies.base import key_hash
@@ -88,6 +88,9 @@ class SlabTier:
         self.gather_pins = False  # True: the CUDA way of reading pins (tests force it on CPU)
         self._protect_scratch: np.ndarray | None = None
         self._protected = np.empty(0, dtype=np.int64)
+        # slots the last `insert` filled, in row order (its first k rows): callers that need
+        # where rows landed read them here instead of looking the keys up again
+        self.last_slots = torch.empty(0, dtype=torch.int64, device=self.device)
 
     @property
     def size(self) -> int:
@@ -139,8 +142,11 @@ class SlabTier:
 
     def _take(self, slots: torch.Tensor, dirty: torch.Tensor, pins: bool = True) -> Rows:
         # advanced indexing and index_select return copies: the rows outlive their slots
-        return Rows(*self.index.keys(slots),
-                    self.slab.index_select(0, slots), dirty,
+        if self.device.type == "cpu" and _kernels.HAVE_NUMBA and slots.dtype == torch.int64:
+            payload = torch.from_numpy(_kernels.gather_rows(self.slab.numpy(), slots.contiguous().numpy()))
+        else:
+            payload = self.slab.index_select(0, slots)
+        return Rows(*self.index.keys(slots), payload, dirty,
                     self.pins.index_select(0, slots) if pins else None)
 
     def _release(self, slots: torch.Tensor, reuse: bool = False) -> None:
@@ -222,6 +228,7 @@ class SlabTier:
         rows, which LMDB or the lazy init already hold).
         """
         n = len(rows)
+        self.last_slots = self.last_slots[:0]
         if n == 0 or self.capacity == 0:
             return 0, None
         evicted, reused = None, None
@@ -243,18 +250,25 @@ class SlabTier:
             rows = rows.take(slice(0, k))
         rows = rows.to(self.device)
         self.index.add(rows.tabs, rows.rows, slots)
-        self.slab.index_copy_(0, slots, rows.payload)
+        if self.device.type == "cpu" and _kernels.HAVE_NUMBA:  # prefetching row copies
+            _kernels.scatter_rows(self.slab.numpy(), slots.contiguous().numpy(),
+                                  rows.payload.contiguous().numpy())
+        else:
+            self.slab.index_copy_(0, slots, rows.payload)
         self.dirty.index_copy_(0, slots, rows.dirty)
         if rows.pins is not None:
             self.pins.index_copy_(0, slots, rows.pins)
         self.policy.on_insert(slots, key_hash(rows.tabs, rows.rows) if self.policy.wants_keys
                               else None)
         self.stats.insertions += k
+        self.last_slots = slots
         return k, evicted
 
     def pin(self, slots: torch.Tensor, delta: int) -> None:
         """Add `delta` to the prefetch pins of resident slots (never below zero)."""
-        if slots.numel():  # only the named slots: the cost never grows with the capacity
+        if slots.numel() and self.device.type == "cpu" and _kernels.HAVE_NUMBA:
+            _kernels.add_pins(self.pins.numpy(), slots.contiguous().numpy(), int(delta))
+        elif slots.numel():  # only the named slots: the cost never grows with the capacity
             pins = self.pins
             pins.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
             if delta < 0:

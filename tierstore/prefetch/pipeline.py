@@ -16,6 +16,7 @@ import torch
 
 from ..backends.lmdb_backend import lmdb_error
 from ..errors import ConfigError, ShapeError, TierstoreError
+from ..index import sorted_unique
 from ..store import TierStore
 
 _END = object()
@@ -93,6 +94,7 @@ class Prefetcher:
         self._source = iter(batches)
         self._window: dict[int, dict[str, torch.Tensor]] = {}  # staged, unreleased batches
         self._slots: dict[int, dict] = {}  # step -> {table: (sorted rows, device slots)} when staged
+        self._unpin_slots: dict[int, tuple] = {}  # step -> ({table: device slots}, pin epoch)
         self._warm_only = False  # the last batch's mode (warm-only batches are not read a batch early)
         self._consumed = -1
         self._closed = False
@@ -177,6 +179,7 @@ class Prefetcher:
     def _release(self, step: int) -> None:
         """Unpin batch `step` (its backward has run) and hint its rows' next uses."""
         ids = self._window.pop(step, None)
+        by_slot, epoch = self._unpin_slots.pop(step, ({}, -1))
         if ids is None:
             return
         store = self.store
@@ -192,7 +195,8 @@ class Prefetcher:
                     store._pin(tab, uniq, -1)
                     self._hint_next_uses(tab, uniq, step)
         else:  # without the lock: the next locked section (staging, any call) drops the pins
-            store._pending_unpins.extend(ids.items())
+            store._pending_unpins.extend((t, u, by_slot[t], epoch) if t in by_slot else (t, u)
+                                         for t, u in ids.items())
         self._permits.release()
 
     def _hint_next_uses(self, tab: Any, uniq: torch.Tensor, step: int) -> None:
@@ -250,7 +254,7 @@ class Prefetcher:
         at a steady state, and neither changes a value: see `store._load`).
         """
         store = self.store
-        per_table = {t: torch.unique(torch.cat(parts).to("cpu", torch.int64))
+        per_table = {t: sorted_unique(torch.cat(parts).to("cpu", torch.int64))
                      for t, parts in _jagged_ids(self.extract(batch), self.features).items()}
         with store._lock:
             tabs = {t: store._table(t) for t in per_table}
@@ -310,10 +314,14 @@ class Prefetcher:
                     data.append(ringed[t][1])
                     found.append(np.ones(len(ringed[t][0]), dtype=bool))
                 if rows:
-                    rows_np = np.concatenate(rows)
-                    order = np.argsort(rows_np, kind="stable")
-                    store._add_read_ahead(t, since, rows_np[order], np.concatenate(data)[order],
-                                          np.concatenate(found)[order], keep=self.depth + 2)
+                    if t in ringed:  # the ring's rows come after the sorted cold ones: sort all
+                        rows_np = np.concatenate(rows)
+                        order = np.argsort(rows_np, kind="stable")
+                        store._add_read_ahead(t, since, rows_np[order], np.concatenate(data)[order],
+                                              np.concatenate(found)[order], keep=self.depth + 2)
+                    else:  # the cold rows, in sorted chunks read in order: sorted already
+                        store._add_read_ahead(t, since, rows[0], np.concatenate(data),
+                                              np.concatenate(found), keep=self.depth + 2)
             stats.rows_read_ahead_from_ssd += sum(len(c) for c in cold.values())
             if warm_only:  # its misses are served from the read-ahead buffers
                 stats.warm_only += 1
@@ -326,11 +334,13 @@ class Prefetcher:
             store._drain_unpins()
             dev = store.device_tier
             epoch = dev.pin_epoch
-            slots = {}
+            slots, by_slot = {}, {}
             for t, uniq in per_table.items():
                 d, h, s = store._stage(tabs[t], uniq)
-                slots[t] = (uniq.numpy(), dev.lookup(tabs[t].tix.to(dev.device), uniq.to(dev.device),
-                                                     count=False).cpu().numpy())
+                staged = store._last_staged  # device slots, -1 where a row overflowed to host
+                slots[t] = (uniq.numpy(), staged.cpu().numpy())
+                if d + h + s == 0 or int(staged.min()) >= 0:  # all on the device: unpin by slot
+                    by_slot[t] = staged
                 stats.rows_used += uniq.numel()
                 stats.rows_resident_at_use += d + h
                 stats.rows_staged += h + s
@@ -345,17 +355,12 @@ class Prefetcher:
                     store._hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
             self._window[step] = per_table
             self._slots[step] = (slots, epoch)
+            self._unpin_slots[step] = (by_slot, epoch)
             stats.stage_seconds += time.perf_counter() - t1
 
     def _uncached(self, tab: Any, uniq: torch.Tensor) -> torch.Tensor:
         """Mask of rows not in the write-behind ring and in no cache tier."""
-        store = self.store
-        out = ~store.writeback.contains(tab.index, uniq)
-        tabs = torch.tensor(tab.index, dtype=torch.int64)
-        d = store.device_tier.lookup(tabs.to(store.device_tier.device),
-                                     uniq.to(store.device_tier.device), count=False).cpu()
-        h = store.host_tier.lookup(tabs, uniq, count=False)
-        return out & (d < 0) & (h < 0)
+        return self.store._uncached(tab, uniq)
 
 
 # lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------

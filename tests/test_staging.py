@@ -1,0 +1,147 @@
+"""The staging path's shortcuts: slots from the access path, unpins by slot, and their kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tierstore as ts
+from tierstore import _kernels
+from tierstore.index import HashIndex, absent_from, sorted_unique
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.integers(-(2**62), 2**62), max_size=300), st.integers(0, 40))
+def test_sorted_unique_is_torch_unique(values, spread):
+    ids = torch.tensor(values, dtype=torch.int64) % (spread + 1) if spread else torch.tensor(
+        values, dtype=torch.int64)
+    assert torch.equal(sorted_unique(ids), torch.unique(ids))
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.integers(0, 15), max_size=60), st.integers(-3, 3),
+       st.lists(st.integers(0, 4), min_size=16, max_size=16))
+def test_add_pins_matches_index_add_then_clamp(slots, delta, start):
+    if not _kernels.HAVE_NUMBA:
+        return
+    pins = torch.tensor(start, dtype=torch.int32)
+    want = pins.clone().index_add_(0, torch.tensor(slots, dtype=torch.int64),
+                                   torch.full((len(slots),), delta, dtype=torch.int32))
+    if delta < 0:
+        want.clamp_(min=0)
+    _kernels.add_pins(pins.numpy(), np.array(slots, dtype=np.int64), delta)
+    assert torch.equal(pins, want)
+
+
+@settings(deadline=None, max_examples=25)
+@given(st.integers(0, 12), st.integers(0, 12),
+       st.lists(st.lists(st.integers(0, 30), max_size=25), min_size=1, max_size=5))
+def test_staged_slots_equal_a_fresh_lookup(tmp_path_factory, dcap, hcap, batches):
+    """After `_stage`, `_last_staged` holds every row's device slot (-1 off the device), as a
+    lookup right then would; unpinning the batches by slot leaves no pin behind."""
+    path = tmp_path_factory.mktemp("s")
+    spec = ts.TableSpec("a", 100, 3, optimizer=ts.SGD(0.1))
+    with ts.TierStore(path, [spec], device_capacity=dcap, host_capacity=hcap, device="cpu") as store:
+        store.apply("a", torch.arange(0, 31, 3), torch.ones(11, 3))  # some dirty rows cached
+        tab, dev = store.tables["a"], store.device_tier
+        staged = []
+        with store._lock:
+            for ids in batches:
+                uniq = torch.unique(torch.tensor(ids, dtype=torch.int64))
+                epoch = dev.pin_epoch
+                d, h, s = store._stage(tab, uniq)
+                got = store._last_staged
+                want = dev.lookup(tab.tix, uniq, count=False)
+                assert torch.equal(got, want)
+                assert d + h + s == uniq.numel()
+                if uniq.numel() and int(got.min()) >= 0:
+                    assert bool((dev.pins[got] > 0).all())
+                    staged.append(("a", uniq, got, epoch))
+                else:
+                    staged.append(("a", uniq))
+            store._pending_unpins.extend(staged)
+            store._drain_unpins()
+            assert int(dev.pins.sum()) == 0 and int(store.host_tier.pins.sum()) == 0
+        store.check()
+
+
+def test_unpin_by_slot_falls_back_to_lookups_when_the_epoch_moved(tmp_path):
+    spec = ts.TableSpec("a", 100, 3, optimizer=ts.SGD(0.1))
+    with ts.TierStore(tmp_path / "s", [spec], device_capacity=8, host_capacity=8,
+                      device="cpu") as store:
+        tab, dev = store.tables["a"], store.device_tier
+        with store._lock:
+            uniq = torch.arange(5)
+            epoch = dev.pin_epoch
+            store._stage(tab, uniq)
+            slots = store._last_staged.clone()
+            # a pinned row leaves the device (the epoch moves): the slots no longer name the rows
+            moved = dev.remove(slots[:2])
+            assert dev.pin_epoch != epoch
+            store._access(tab, torch.tensor([10, 11]), None)  # other rows take the freed slots
+            store._place(moved, protect=slots[2:])  # back in, at other slots
+            assert not torch.equal(dev.lookup(tab.tix, uniq, count=False), slots)
+            store._pending_unpins.append(("a", uniq, slots, epoch))
+            store._drain_unpins()
+            assert int(dev.pins.sum()) == 0 and int(store.host_tier.pins.sum()) == 0
+        store.check()
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 60)), max_size=80, unique=True),
+       st.lists(st.integers(0, 70), max_size=80), st.integers(0, 2))
+def test_absent_from_matches_three_finds(keys, probe, tab):
+    """The one-pass probe of three indexes says what three separate lookups say."""
+    indexes = (HashIndex(40), HashIndex(30), HashIndex(25))
+    slot = [0, 0, 0]
+    for k, (t, r) in enumerate(keys):  # spread the keys over the indexes (some in none)
+        which = k % 4
+        if which < 3 and slot[which] < indexes[which].capacity:
+            indexes[which].add(torch.tensor([t]), torch.tensor([r]), torch.tensor([slot[which]]))
+            slot[which] += 1
+    rows = torch.tensor(probe, dtype=torch.int64)
+    want = torch.ones(len(probe), dtype=torch.bool)
+    for ix in indexes:
+        want &= ix.find(torch.tensor(tab), rows) < 0
+    assert torch.equal(absent_from(indexes, tab, rows), want)
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.integers(1, 40), st.data())
+def test_scatter_rows_is_index_copy(n, data):
+    if not _kernels.HAVE_NUMBA:
+        return
+    slots = torch.tensor(data.draw(st.permutations(range(50)))[:n], dtype=torch.int64)
+    src = torch.randn(n, 7)
+    want = torch.zeros(50, 7).index_copy_(0, slots, src)
+    got = torch.zeros(50, 7)
+    _kernels.scatter_rows(got.numpy(), slots.numpy(), src.numpy())
+    assert torch.equal(got, want)
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(-5, 10**12)), min_size=1, max_size=60,
+                unique=True), st.data())
+def test_keys_kernel_matches_the_torch_path(keys, data):
+    ix = HashIndex(64)
+    slots = torch.tensor(data.draw(st.permutations(range(64)))[: len(keys)], dtype=torch.int64)
+    ix.add(torch.tensor([t for t, _ in keys]), torch.tensor([r for _, r in keys]), slots)
+    ask = slots[torch.tensor(data.draw(st.permutations(range(len(keys)))))]
+    got = ix.keys(ask)
+    ix.use_kernels = False
+    want = ix.keys(ask)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].tolist() == [keys[int((slots == s).nonzero())][0] for s in ask]
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.lists(st.integers(0, 49), max_size=40))
+def test_gather_rows_is_index_select(idx):
+    if not _kernels.HAVE_NUMBA:
+        return
+    src = torch.randn(50, 9)
+    slots = torch.tensor(idx, dtype=torch.int64)
+    got = _kernels.gather_rows(src.numpy(), slots.numpy())
+    assert torch.equal(torch.from_numpy(got), src.index_select(0, slots))
