@@ -280,14 +280,19 @@ class WriteLog:
             return out, found
         at = np.searchsorted(chunks[:, 0], seqs, side="right") - 1
         ok = (at >= 0) & (seqs < chunks[np.maximum(at, 0), 0] + chunks[np.maximum(at, 0), 1])
-        used = np.unique(at[ok])
+        # the wanted entries grouped by chunk (one sort, then a slice per chunk: no pass over
+        # every entry per chunk)
+        want = np.flatnonzero(ok)
+        want = want[np.argsort(at[want], kind="stable")]
+        used, starts = np.unique(at[want], return_index=True)
+        bounds = np.append(starts, len(want)).tolist()
         entries = np.zeros((len(seqs), size), dtype=np.uint8)
 
         def pick(vals):  # inside the read transaction: copy just the wanted entries out
-            for c, v in zip(used.tolist(), vals):
+            for j, (c, v) in enumerate(zip(used.tolist(), vals)):
                 if v is None:  # merged meanwhile: the table has it
                     continue
-                mine = np.flatnonzero(ok & (at == c))
+                mine = want[bounds[j] : bounds[j + 1]]
                 blob = _chunk_entries(v, int(chunks[c, 1]), int(chunks[c, 2]), self.backend.path)
                 if blob.shape[1] != size:
                     raise StoreCorruptError(f"write-behind log of {self.backend.path}: an entry of "
