@@ -93,3 +93,18 @@ def test_bench_writeback_smoke(tmp_path):
     for case in ("get_pylmdb", "get_pages", "get2_pylmdb", "get2_pages"):
         assert cases[case]["found"] == cases[case]["rows"]
     assert cases["log_append"]["appended"] == cases["log_append"]["rows"]
+
+
+def test_bench_steady_smoke(tmp_path):
+    from bench import steady
+
+    rc = steady.main(["--config", "tierstore_cache10", "--rows", "4000", "--tables", "2",
+                      "--batch", "64", "--pool", "4", "--steps", "4", "--warmup", "3",
+                      "--out", str(tmp_path)])
+    assert rc == 0
+    (rec,) = _load(tmp_path / "steady_tierstore_cache10.json")
+    assert rec["config"] == "tierstore_cache10" and rec["steps"] == 4
+    assert _positive(rec["ms_per_step"]) and rec["disk_mb_per_step"] >= 0
+    assert _positive(rec["cpu_ms_per_step"]["MainThread"])
+    assert rec["counters_per_step"]["rows_read"] > 0  # 10% caches: the steps miss
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_steady_")]

@@ -1,0 +1,123 @@
+"""`python -m bench.steady`: where a steady-state training step's CPU goes, thread by thread.
+
+`bench.training` times blocks of steps and quiesces the pipeline between them, so a log merge
+that runs after a block is not in its time. This benchmark runs one `bench.training`
+configuration continuously (warm-up steps, then `--steps` timed steps: use enough of them to span
+several log merges) and reports per step: the wall time, the CPU time of each thread (training,
+staging, readers, writer, merger; from /proc/self/task, Linux), the bytes the process sent to
+storage (/proc/self/io `write_bytes`), and the store's I/O counters. Run the resident config the
+same hour for the baseline: `--config tierstore_resident`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .common import OUT_DIR, save, table
+from .training import FRACTIONS, TierstoreRunner, Workload
+
+
+def thread_cpu() -> dict[tuple[int, str], float]:
+    """CPU seconds of each live thread of this process, keyed by (native id, thread name)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = re.sub(r"[-_ ]?\d+$", "", names.get(int(tid), "other"))  # reader pool: one line
+        out[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def written_bytes() -> int:
+    """Bytes this process has caused to be sent to storage (page-cache writes included)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("write_bytes"):
+                return int(line.split()[1])
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(prog="python -m bench.steady", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tierstore_cache10", choices=sorted(FRACTIONS))
+    p.add_argument("--steps", type=int, default=150, help="timed steps (span several merges)")
+    p.add_argument("--warmup", type=int, default=60, help="untimed steps first (fill the caches)")
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--max-len", type=int, default=20)
+    p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--pool", type=int, default=64)
+    p.add_argument("--write-log", default=None, help="TierStore(write_log=...): rows or a size")
+    p.add_argument("--workdir", default=None, help="where the store lives (default: under --out)")
+    p.add_argument("--out", default=str(OUT_DIR))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one configuration continuously; print and save per-thread CPU and I/O per step."""
+    args = parse_args(argv)
+    if not os.path.exists("/proc/self/task"):
+        raise SystemExit("bench.steady reads /proc/self/task: Linux only")
+    torch.set_num_threads(1)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_steady_", dir=args.workdir or out_dir))
+    wl = Workload(args.tables, args.rows, args.dim, args.batch, args.max_len, args.alpha, args.pool)
+    wlog = int(args.write_log) if args.write_log and args.write_log.isdigit() else args.write_log
+    runner = TierstoreRunner(wl, args.config, work, FRACTIONS[args.config], "populated",
+                             write_log=wlog)
+    try:
+        for i in range(args.warmup):
+            runner.step(i)
+        cpu0, wb0, k0 = thread_cpu(), written_bytes(), runner.counters()
+        t0 = time.perf_counter()
+        for i in range(args.warmup, args.warmup + args.steps):
+            runner.step(i)
+        wall = time.perf_counter() - t0
+        cpu1, wb1, k1 = thread_cpu(), written_bytes(), runner.counters()
+        memory = runner.store.memory()
+    finally:
+        runner.close()
+        shutil.rmtree(work, ignore_errors=True)
+    per = 1e3 / args.steps
+    threads: dict[str, float] = {}
+    for key, sec in cpu1.items():
+        threads[key[1]] = threads.get(key[1], 0.0) + (sec - cpu0.get(key, 0.0)) * per
+    record = {"config": args.config, "steps": args.steps, "warmup": args.warmup,
+              "write_log": args.write_log, "ms_per_step": wall * per,
+              "disk_mb_per_step": (wb1 - wb0) / args.steps / 1e6,
+              "cpu_ms_per_step": {k: v for k, v in sorted(threads.items(), key=lambda x: -x[1]) if v > 0},
+              "counters_per_step": {k: (k1[k] - k0[k]) * (per if k.endswith("_s") else 1 / args.steps)
+                                    for k in k0},
+              "memory": memory}
+    print(f"{args.config}: {record['ms_per_step']:.1f} ms/step, "
+          f"{record['disk_mb_per_step']:.1f} MB/step to storage, over {args.steps} steps")
+    print(table([{"thread": k, "ms": v} for k, v in record["cpu_ms_per_step"].items()],
+                [("thread", "thread", "s"), ("ms", "CPU ms/step", ".1f")]))
+    print(table([{"counter": k, "v": v} for k, v in record["counters_per_step"].items()],
+                [("counter", "counter (ms or rows per step)", "s"), ("v", "value", ",.1f")]))
+    path = save(f"steady_{args.config}", [record], vars(args), out_dir)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
