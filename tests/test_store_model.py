@@ -1,7 +1,8 @@
 """The store behaves exactly like a plain dict of rows, whatever its capacities and policy.
 
 Also whatever its write-behind ring: a ring of 1-6 rows, with a writer slowed down at random,
-so rows are read back while they wait in the ring, while they are being written, and after.
+so rows are read back while they wait in the ring, while they are being written, and after;
+and whatever the merges: the log's oldest rows are folded into the tables at random moments.
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ class StoreVsDict(RuleBasedStateMachine):
     @rule()
     def flush(self):
         self.store.flush()
+
+    @rule(n=st.integers(1, 40))
+    def merge(self, n):
+        """Fold the log's oldest n rows (whole chunks) into the tables at any moment, beside the
+        writer's appends and the background merger, as a merger thread would."""
+        self.store.log.merge(n)
 
     @rule(dev_cap=st.integers(0, 5), host_cap=st.integers(0, 8),
           policy=st.sampled_from(["lru", "lfu", "fifo", "clock", "sieve", "s3fifo"]))
