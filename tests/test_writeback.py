@@ -333,6 +333,30 @@ def test_a_merge_writes_each_table_once_in_ascending_key_order(tmp_path, monkeyp
             assert found.all() and np.array_equal(data, np.stack([want[(t, r)] for r in rows.tolist()]))
 
 
+def test_a_merge_of_chunks_whose_rows_were_all_superseded_writes_nothing_and_goes_on(tmp_path):
+    """The oldest chunks of a long log can hold only rows appended again later: their merge
+    writes nothing (it used to index an empty key order, and the writer retried the failing
+    merge forever), the log moves past them, and every row reads as its newest version."""
+    with ts.TierStore(tmp_path / "s", SPEC, **SMALL) as s:
+        s.flush()
+        s.log.stop_merger()
+        rows = np.arange(100, 140, dtype=np.int64)
+        tabs = np.zeros(len(rows), dtype=np.int64)
+        old = np.full((len(rows), s.width), 1.0, dtype=np.float32)
+        new = np.full((len(rows), s.width), 2.0, dtype=np.float32)
+        with s.writeback._cv:
+            s.log.append(tabs, rows, old)  # the first chunk: superseded by the next append
+            s.log.append(tabs, rows, new)
+        assert s.log.size == 2 * len(rows)
+        assert s.log.merge(1) == 0  # the first whole chunk: every entry superseded
+        assert s.log.size == len(rows) and s.backend.count("t") == 0
+        assert torch.equal(s.read("t", torch.from_numpy(rows)), torch.from_numpy(new[:, : SPEC.dim]))
+        s.log.merge()
+        assert s.log.size == 0
+        data, found = s.backend.get("t", rows, SPEC.row_dim)
+        assert found.all() and np.array_equal(data, new[:, : SPEC.row_dim])
+
+
 def test_write_log_sets_the_log_size_and_its_index_counts_in_memory(tmp_path):
     """`write_log` is the log's capacity (rows or a size of entries); the default grows with the
     declared rows up to LOG_MAX_ROWS; the log's index is part of memory()'s budget; bad values

@@ -396,7 +396,8 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
     order = np.concatenate([part[np.argsort(rows[part])] for part in np.split(by_tab, tcuts)]) \
         if len(by_tab) else by_tab
     cuts = np.flatnonzero(np.diff(tabs[order])) + 1  # one table per piece, then MERGE_ROWS each
-    edges = np.concatenate([[0], cuts, [len(order)]]).tolist()
+    # no edges when every entry was superseded by a later one: nothing to write
+    edges = np.concatenate([[0], cuts, [len(order)]]).tolist() if len(order) else []
     written = 0
     for lo, end in zip(edges[:-1], edges[1:]):
         t = int(tabs[order[lo]])
