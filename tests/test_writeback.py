@@ -357,6 +357,50 @@ def test_a_merge_of_chunks_whose_rows_were_all_superseded_writes_nothing_and_goe
         assert found.all() and np.array_equal(data, new[:, : SPEC.row_dim])
 
 
+def test_rows_appended_again_while_a_merge_runs_keep_the_log_index_whole(tmp_path, monkeypatch):
+    """The writer appends newer versions of rows a background merge is folding (after the merge
+    looked them up, before it finished). The merge must not drop them from the log's index a
+    second time: removing an absent key corrupted the hash table, keys vanished, and later
+    merges dropped newest versions (found as `kept=0` merges of 4M rows in a steady-state run)."""
+    from tierstore.backends import wal
+
+    with ts.TierStore(tmp_path / "s", SPEC, **SMALL, write_log=10**4) as s:
+        s.flush()
+        s.log.stop_merger()
+        rows = np.arange(1000, 1300, dtype=np.int64)
+        tabs = np.zeros(len(rows), dtype=np.int64)
+        first = np.full((len(rows), s.width), 1.0, dtype=np.float32)
+        again = np.full((len(rows) // 2, s.width), 2.0, dtype=np.float32)
+        later = np.arange(5000, 5100, dtype=np.int64)  # rows the merge does not touch
+        with s.writeback._cv:
+            s.log.append(tabs, rows, first)
+            s.log.append(tabs[:100], later, np.full((100, s.width), 3.0, dtype=np.float32))
+        fold = wal.fold
+
+        def writer_meanwhile(backend, db, chunks, names, dims, ids, newest):
+            def looked_up(t, r, q):
+                out = newest(t, r, q)
+                with s.writeback._cv:  # what the writer thread does during a merge
+                    s.log.append(tabs[::2], rows[::2], again)
+                return out
+            return fold(backend, db, chunks, names, dims, ids, looked_up)
+
+        monkeypatch.setattr(wal, "fold", writer_meanwhile)
+        s.log.merge(len(rows))  # the first append's chunk
+        monkeypatch.setattr(wal, "fold", fold)
+        s.log.index.check()  # live count, positions and lookups agree
+        assert s.log.index.live == len(again) + len(later)
+        want = first[:, : SPEC.dim].copy()
+        want[::2] = 2.0
+        assert torch.equal(s.read("t", torch.from_numpy(rows)), torch.from_numpy(want))
+        s.log.merge()
+        assert s.log.size == 0 and s.log.index.live == 0
+        data, found = s.backend.get("t", np.concatenate([rows, later]), SPEC.row_dim)
+        assert found.all()
+        assert np.array_equal(data[: len(rows), : SPEC.dim], want)
+        assert (data[len(rows):, : SPEC.dim] == 3.0).all()
+
+
 def test_write_log_sets_the_log_size_and_its_index_counts_in_memory(tmp_path):
     """`write_log` is the log's capacity (rows or a size of entries); the default grows with the
     declared rows up to LOG_MAX_ROWS; the log's index is part of memory()'s budget; bad values

@@ -6,7 +6,7 @@ import torch
 
 from . import _kernels, _memory
 from ._parallel import parallel_for
-from .errors import ConfigError, ShapeError
+from .errors import ConfigError, ShapeError, StoreCorruptError
 
 EMPTY = -1
 TOMB = -2
@@ -148,9 +148,12 @@ class HashIndex:
         return entry[:, 0] >> SLOT_BITS, entry[:, 1]
 
     def remove(self, slots: torch.Tensor) -> None:
-        """Drop the keys held by `slots` (each must be present)."""
+        """Drop the keys held by `slots` (each must be present: an absent one raises, since
+        removing it would delete whatever key sits in the table's last position)."""
         if slots.numel() == 0:
             return
+        if bool((self.pos_of[slots] < 0).any()):
+            raise StoreCorruptError("an index removal names a slot that holds no key (internal error)")
         if self._fast(slots):
             self.tombs += int(_kernels.hash_remove(self.table.numpy(), self.pos_of.numpy(),
                                                    slots.contiguous().numpy(), self.mask))

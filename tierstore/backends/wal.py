@@ -160,6 +160,9 @@ class WriteLog:
             hit = old >= 0
             if bool(hit.any()):
                 self.index.remove(old[hit])
+                # forget their sequence numbers too: a merge folding those older versions then
+                # sees them superseded and does not remove the (absent) keys a second time
+                self.seq_of[old[hit].numpy()] = -1
             slots = torch.from_numpy(seqs % self.capacity)
             self.index.add(tt, tr, slots)
             self.seq_of[slots.numpy()] = seqs
