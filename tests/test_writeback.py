@@ -234,13 +234,23 @@ def test_a_damaged_log_chunk_is_reported(tmp_path):
         ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
 
 
-def test_background_merges_run_beside_appends_and_flushes(tmp_path):
+@pytest.mark.parametrize("slow_merge", [0.0, 0.01])
+def test_background_merges_run_beside_appends_and_flushes(tmp_path, slow_merge):
     """The log merger thread folds the log into the tables while the writer appends, reads and
-    flushes go on: every read equals the model, and flush() waits for a merge in progress."""
+    flushes go on: every read equals the model, and flush() waits for a merge in progress. A
+    slowed merge makes the writer append newer versions of the rows a merge is folding."""
     specs = [SPEC]
     model = DictStore(specs)
     with ts.TierStore(tmp_path / "s", specs, device_capacity=4, host_capacity=4, device="cpu",
                       write_buffer=8) as s:
+        if slow_merge:
+            commit = s.backend._commit
+
+            def slow_commit(parts, total):
+                time.sleep(slow_merge)
+                return commit(parts, total)
+
+            s.backend._commit = slow_commit
         for i in range(120):
             ids = torch.randint(0, 400, (16,), generator=torch.Generator().manual_seed(i))
             s.apply("t", ids, _grads(len(ids), i))
