@@ -5,8 +5,11 @@ that runs after a block is not in its time. This benchmark runs one `bench.train
 configuration continuously (warm-up steps, then `--steps` timed steps: use enough of them to span
 several log merges) and reports per step: the wall time, the CPU time of each thread (training,
 staging, readers, writer, merger; from /proc/self/task, Linux), the bytes the process sent to
-storage (/proc/self/io `write_bytes`), and the store's I/O counters. Run the resident config the
-same hour for the baseline: `--config tierstore_resident`.
+storage (/proc/self/io `write_bytes`), and the store's I/O counters (`rows_written`: rows the
+writer appended to the log; `rows_merged`: log rows folded into the tables, the rest having been
+superseded by a later append). Run the resident config the same hour for the baseline:
+`--config tierstore_resident`. No batch repeats by default (`--pool`): a cycled pool would let a
+log longer than one cycle of evictions absorb every rewrite.
 """
 
 from __future__ import annotations
@@ -64,7 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--max-len", type=int, default=20)
     p.add_argument("--alpha", type=float, default=1.05)
-    p.add_argument("--pool", type=int, default=64)
+    p.add_argument("--pool", type=int, default=None,
+                   help="distinct pre-generated batches (default: warmup + steps, so none repeats: "
+                        "with a repeating pool a log longer than one cycle of evictions absorbs "
+                        "every rewrite, and a large --write-log looks far cheaper than it is)")
     p.add_argument("--write-log", default=None, help="TierStore(write_log=...): rows or a size")
     p.add_argument("--workdir", default=None, help="where the store lives (default: under --out)")
     p.add_argument("--out", default=str(OUT_DIR))
@@ -80,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_steady_", dir=args.workdir or out_dir))
+    args.pool = args.pool or args.warmup + args.steps
     wl = Workload(args.tables, args.rows, args.dim, args.batch, args.max_len, args.alpha, args.pool)
     wlog = int(args.write_log) if args.write_log and args.write_log.isdigit() else args.write_log
     runner = TierstoreRunner(wl, args.config, work, FRACTIONS[args.config], "populated",

@@ -163,7 +163,8 @@ class TierstoreRunner(Runner):
                 "writer_s": wb.writer_seconds, "readahead_s": pf.read_seconds,
                 "stage_s": pf.stage_seconds, "writeback_wait_s": wb.wait_seconds,
                 "rows_read": st.ssd_stats.lookups + pf.rows_read_ahead_from_ssd,
-                "rows_read_fg": st.ssd_stats.lookups, "rows_written": wb.rows_written}
+                "rows_read_fg": st.ssd_stats.lookups, "rows_written": wb.rows_written,
+                "rows_merged": st.log.rows_merged}
 
     def quiesce(self, timeout: float = 5.0) -> None:
         """Wait until this runner's background work is idle (its window staged, its write-behind

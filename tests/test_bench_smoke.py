@@ -99,10 +99,12 @@ def test_bench_steady_smoke(tmp_path):
     from bench import steady
 
     rc = steady.main(["--config", "tierstore_cache10", "--rows", "4000", "--tables", "2",
-                      "--batch", "64", "--pool", "4", "--steps", "4", "--warmup", "3",
-                      "--out", str(tmp_path)])
+                      "--batch", "64", "--steps", "4", "--warmup", "3", "--out", str(tmp_path)])
     assert rc == 0
     (rec,) = _load(tmp_path / "steady_tierstore_cache10.json")
+    meta = json.loads((tmp_path / "steady_tierstore_cache10.json").read_text())["meta"]
+    assert meta["pool"] == 7  # no batch repeats: warm-up plus timed steps
+    assert rec["counters_per_step"]["rows_merged"] >= 0
     assert rec["config"] == "tierstore_cache10" and rec["steps"] == 4
     assert _positive(rec["ms_per_step"]) and rec["disk_mb_per_step"] >= 0
     assert _positive(rec["cpu_ms_per_step"]["MainThread"])
