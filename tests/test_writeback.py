@@ -430,6 +430,10 @@ def test_write_log_sets_the_log_size_and_its_index_counts_in_memory(tmp_path):
     big = ts.TableSpec("big", 10**10, 4)
     with ts.TierStore(tmp_path / "big", big, **SMALL) as s:
         assert s.log.capacity == max(store_mod.LOG_MAX_ROWS, store_mod.LOG_RINGS * s.writeback.capacity)
+    mid = ts.TableSpec("mid", 5_000_000, 4)  # half the declared rows: above 8 rings, below the cap
+    with ts.TierStore(tmp_path / "mid", mid, **SMALL) as s:
+        assert store_mod.LOG_RINGS * s.writeback.capacity < 2_500_000 < store_mod.LOG_MAX_ROWS
+        assert s.log.capacity == 2_500_000
     with ts.TierStore(tmp_path / "ring", big, **SMALL, write_buffer=16) as s:
         assert s.log.capacity == store_mod.LOG_RINGS * 16  # a configured ring sets the log
     for bad in (0, -5, "lots", 1.5):

@@ -56,9 +56,10 @@ CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
 WB_SLOT_OVERHEAD = 280
 FLUSH_CHUNK = 65536  # rows per LMDB transaction when flushing
 LOG_RINGS = 8  # the write-behind log holds at least this many rings of rows; its older half is merged at 3/4
-# with the default write buffer, up to a quarter of the declared rows, at most LOG_MAX_ROWS: a
-# larger log merges more rows into each table leaf page (docs/design.md, "Merge density")
-LOG_MAX_ROWS = 1 << 21
+# with the default write buffer, up to half the declared rows, at most LOG_MAX_ROWS: a larger log
+# merges more rows into each table leaf page, and more of its rows are superseded before a merge
+# (docs/design.md, "Merge density"). 3 * 2**20 rows fill the same power-of-two hash table as 2**21.
+LOG_MAX_ROWS = 3 << 20
 LAST_OPEN = "last_open"  # metadata record: the table specs of the latest open, per table
 _OPEN_STORES: weakref.WeakSet = weakref.WeakSet()
 
@@ -166,7 +167,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
         else:  # a configured ring sets the log; the default one may grow it
             log_rows = LOG_RINGS * wcap
             if write_buffer is None:
-                log_rows = max(log_rows, min(sum(t.num_rows for t in tables) // 4, LOG_MAX_ROWS))
+                log_rows = max(log_rows, min(sum(t.num_rows for t in tables) // 2, LOG_MAX_ROWS))
         limit = None if map_limit is None else parse_size(map_limit)
         self._closed = True
         self._lock = threading.RLock()
