@@ -411,6 +411,29 @@ def test_rows_appended_again_while_a_merge_runs_keep_the_log_index_whole(tmp_pat
         assert (data[len(rows):, : SPEC.dim] == 3.0).all()
 
 
+def test_a_write_log_smaller_than_a_writer_batch_keeps_its_index_whole(tmp_path):
+    """A `write_log` smaller than one batch of the writer (the ring drains up to 65,536 rows at a
+    time): the batch goes into the log in parts. One append of more rows than the log holds used
+    to wrap sequence numbers onto index slots still in use (found by tests/test_log_model.py)."""
+    model = DictStore([SPEC])
+    with ts.TierStore(tmp_path / "s", SPEC, device="cpu", device_capacity=4, host_capacity=4,
+                      write_buffer=256, write_log=8) as s:
+        rows = torch.arange(200)
+        with s.writeback._cv:  # hold the writer so it takes all 200 evicted rows in one batch
+            for ids in rows.split(20):
+                s.apply("t", ids, _grads(len(ids), int(ids[0])))
+                model.apply("t", ids, _grads(len(ids), int(ids[0])))
+        s.writeback.drain()
+        with s.log.merging, s.writeback._cv:  # no merge or append runs meanwhile
+            s.log.index.check()
+            assert s.log.size <= s.log.capacity and s.writeback.batches >= 1
+        assert torch.equal(s.read("t", rows), model.read("t", rows))
+        s.flush()
+        assert s.log.size == 0 and s.log.index.live == 0
+    with ts.TierStore(tmp_path / "s", SPEC, device="cpu", device_capacity=4, host_capacity=4) as s:
+        assert torch.equal(s.read("t", rows), model.read("t", rows))
+
+
 def test_write_log_sets_the_log_size_and_its_index_counts_in_memory(tmp_path):
     """`write_log` is the log's capacity (rows or a size of entries); the default grows with the
     declared rows up to LOG_MAX_ROWS; the log's index is part of memory()'s budget; bad values

@@ -115,7 +115,8 @@ class WriteLog:
 
     # writer thread -------------------------------------------------------------------
     def append(self, tabs: np.ndarray, rows: np.ndarray, payload: np.ndarray) -> int:
-        """Append rows (distinct keys: table indexes, row ids, payloads [n, width]) in one transaction.
+        """Append rows (distinct keys: table indexes, row ids, payloads [n, width]) in one
+        transaction (one per `capacity` rows when the batch is larger than the log).
 
         Returns bytes appended. Entries go table by table; a key's newer version always gets a
         larger sequence number than its older ones, which is all the log's order must keep.
@@ -123,6 +124,11 @@ class WriteLog:
         n = len(rows)
         if n == 0:
             return 0
+        if n > self.capacity:  # a batch larger than the whole log (a small `write_log`): in
+            # parts, so sequence numbers never wrap past an entry still in the log and its index
+            cap = self.capacity
+            return sum(self.append(tabs[lo : lo + cap], rows[lo : lo + cap], payload[lo : lo + cap])
+                       for lo in range(0, n, cap))
         if self.size + n > self.capacity:
             self.merge(self.size + n - self.capacity + self.capacity // 2)
         order, keys, vals, chunks = [], [], [], []
