@@ -25,6 +25,19 @@ def _grads(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, SPEC.dim, generator=torch.Generator().manual_seed(seed))
 
 
+def _append_random(s, specs, rng, n: int, universe: int, want: dict) -> None:
+    """Append up to `n` distinct random (table, row) keys with random payloads straight to the
+    log (as the writer does); record each row's newest version in `want`."""
+    tabs, rows = rng.integers(0, len(specs), n), rng.integers(0, universe, n)
+    _, first = np.unique(tabs * 10**6 + rows, return_index=True)
+    tabs, rows = tabs[first], rows[first]
+    pay = rng.standard_normal((len(rows), s.width), dtype=np.float32)
+    with s.writeback._cv:
+        s.log.append(tabs, rows, pay)
+    for t, r, p in zip(tabs.tolist(), rows.tolist(), pay):
+        want[(t, r)] = p[: specs[t].row_dim].copy()
+
+
 def test_reads_are_served_from_the_ring_before_the_writer_commits(tmp_path):
     with ts.TierStore(tmp_path / "s", SPEC, device_capacity=0, host_capacity=0, device="cpu",
                       write_buffer=64) as s:
@@ -278,15 +291,7 @@ def test_a_chunked_log_with_superseded_versions_replays_the_newest(tmp_path):
     rng = np.random.default_rng(3)
     want: dict[tuple[int, int], np.ndarray] = {}
     for _ in range(4):  # four appends; later ones supersede some rows of earlier ones
-        tabs = rng.integers(0, 2, 700)
-        rows = rng.integers(0, 5000, 700)
-        _, first = np.unique(tabs * 10**6 + rows, return_index=True)
-        tabs, rows = tabs[first], rows[first]
-        pay = rng.standard_normal((len(rows), s.width), dtype=np.float32)
-        with s.writeback._cv:
-            s.log.append(tabs, rows, pay)
-        for t, r, p in zip(tabs.tolist(), rows.tolist(), pay):
-            want[(t, r)] = p[: specs[t].row_dim].copy()
+        _append_random(s, specs, rng, 700, 5000, want)
     s.writeback.close()
     s.log.stop_merger()
     s.backend.sync()
@@ -322,14 +327,7 @@ def test_a_merge_writes_each_table_once_in_ascending_key_order(tmp_path, monkeyp
         rng = np.random.default_rng(5)
         want = {}
         for _ in range(3):
-            tabs, rows = rng.integers(0, 2, 400), rng.integers(0, 3000, 400)
-            _, first = np.unique(tabs * 10**6 + rows, return_index=True)
-            tabs, rows = tabs[first], rows[first]
-            pay = rng.standard_normal((len(rows), s.width), dtype=np.float32)
-            with s.writeback._cv:
-                s.log.append(tabs, rows, pay)
-            for t, r, p in zip(tabs.tolist(), rows.tolist(), pay):
-                want[(t, r)] = p[: specs[t].row_dim].copy()
+            _append_random(s, specs, rng, 400, 3000, want)
         s.log.merge()
         assert s.log.size == 0 and len(calls) > 4  # several pieces
         for name in ("a", "b"):
@@ -509,15 +507,7 @@ def test_log_reads_across_many_chunks_in_any_order_return_each_rows_newest_versi
         rng = np.random.default_rng(5)
         want: dict[tuple[int, int], np.ndarray] = {}
         for _ in range(5):
-            tabs = rng.integers(0, 2, 300)
-            rows = rng.integers(0, 2000, 300)
-            _, first = np.unique(tabs * 10**6 + rows, return_index=True)
-            tabs, rows = tabs[first], rows[first]
-            pay = rng.standard_normal((len(rows), s.width), dtype=np.float32)
-            with s.writeback._cv:
-                s.log.append(tabs, rows, pay)
-            for t, r, p in zip(tabs.tolist(), rows.tolist(), pay):
-                want[(t, r)] = p[: specs[t].row_dim].copy()
+            _append_random(s, specs, rng, 300, 2000, want)
         assert s.log.size > 20 * 7  # many chunks, none merged
         for t in range(len(specs)):
             rows = np.array([r for (tt, r) in want if tt == t], dtype=np.int64)

@@ -289,12 +289,7 @@ class WriteLog:
             return out, found
         at = np.searchsorted(chunks[:, 0], seqs, side="right") - 1
         ok = (at >= 0) & (seqs < chunks[np.maximum(at, 0), 0] + chunks[np.maximum(at, 0), 1])
-        # the wanted entries grouped by chunk (one sort, then a slice per chunk: no pass over
-        # every entry per chunk)
-        want = np.flatnonzero(ok)
-        want = want[np.argsort(at[want], kind="stable")]
-        used, starts = np.unique(at[want], return_index=True)
-        bounds = np.append(starts, len(want)).tolist()
+        want, used, bounds = _by_chunk(at, np.flatnonzero(ok))
         entries = np.zeros((len(seqs), size), dtype=np.uint8)
 
         def pick(vals):  # inside the read transaction: copy just the wanted entries out
@@ -320,6 +315,14 @@ class WriteLog:
             out[found] = open_records(self.names[tab], rows[found], blob[:, HEADER:], w,
                                       f"store {self.backend.path}, ")
         return out, found
+
+
+def _by_chunk(at: np.ndarray, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Entries `sel` grouped by their chunk `at[sel]` with one sort: (sel in chunk order, the
+    chunks used, bounds), so chunk `used[j]` holds `sel[bounds[j] : bounds[j + 1]]`."""
+    sel = sel[np.argsort(at[sel], kind="stable")]
+    used, starts = np.unique(at[sel], return_index=True)
+    return sel, used, np.append(starts, len(sel)).tolist()
 
 
 def _chunk_count(val) -> int:
@@ -421,9 +424,7 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
 def _gather(backend, db, chunks: np.ndarray, seqs: np.ndarray, size: int, path: object) -> np.ndarray:
     """Records (uint8 [n, size - HEADER]) of log entries by sequence number, copied out of the map."""
     at = np.searchsorted(chunks[:, 0], seqs, side="right") - 1
-    by = np.argsort(at, kind="stable")
-    used, first = np.unique(at[by], return_index=True)
-    bounds = np.append(first, len(by)).tolist()
+    by, used, bounds = _by_chunk(at, np.arange(len(seqs)))
     out = np.empty((len(seqs), size - HEADER), dtype=np.uint8)
 
     def copy(vals):
