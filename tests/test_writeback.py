@@ -519,6 +519,75 @@ def test_log_reads_across_many_chunks_in_any_order_return_each_rows_newest_versi
             assert np.array_equal(data, np.stack([want[(t, r)] for r in rows.tolist()]))
 
 
+@pytest.mark.parametrize("part_rows", [1, 5, 10**6])
+def test_one_log_read_for_all_tables_returns_each_rows_newest_version(tmp_path, monkeypatch, part_rows):
+    """The pipeline's batch read (the log once for all tables, in parts, then each table's other
+    rows) returns exactly what a read of each table alone returns, across two row widths, with
+    rows never written, rows only in the tables, and log entries merged after their lookup."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tierstore.backends import wal
+    from tierstore.prefetch.reads import StoredReads
+
+    monkeypatch.setattr(wal, "CHUNK_ROWS", 7)
+    specs = [ts.TableSpec("a", 10**6, 4), ts.TableSpec("b", 10**6, 6), ts.TableSpec("c", 10**6, 4)]
+    with ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=0, host_capacity=0,
+                      write_log=10**5) as s:
+        rng = np.random.default_rng(11)
+        want: dict[tuple[int, int], np.ndarray] = {}
+        for _ in range(3):
+            _append_random(s, specs, rng, 300, 1500, want)
+        s.log.merge()  # these versions now live in the tables
+        for _ in range(4):
+            _append_random(s, specs, rng, 300, 1500, want)
+        tabs = {spec.name: s._table(spec.name) for spec in specs}
+        cold = {name: (tab, np.sort(rng.choice(2000, 400, replace=False)).astype(np.int64))
+                for name, tab in tabs.items()}  # a few never written
+        alone = {name: s._read_stored(tab, rows) for name, (tab, rows) in cold.items()}
+        with ThreadPoolExecutor(2) as pool:
+            reads = StoredReads(s, cold, pool.submit, part_rows)
+            with s.writeback._cv:
+                s.log.merge(s.log.size // 2)  # the older half leaves the log after the lookups
+            got, seconds = reads.result()
+        assert seconds > 0
+        for t, spec in enumerate(specs):
+            data, found = got[spec.name]
+            rows = cold[spec.name][1]
+            assert data.shape == (len(rows), spec.row_dim)
+            expect = np.array([(t, r) in want for r in rows.tolist()])
+            assert np.array_equal(found, expect) and np.array_equal(found, alone[spec.name][1])
+            assert np.array_equal(data[found], np.stack([want[(t, r)] for r in rows[found].tolist()]))
+            assert np.array_equal(data, alone[spec.name][0])
+            assert not data[~found].any()
+
+
+def test_a_log_read_reports_entries_merged_meanwhile_as_not_found(tmp_path):
+    """`WriteLog.read_entries` finds the entries still in the log and reports merged ones as not
+    found (the reader then takes them from the table), for rows of several tables at once."""
+    specs = [ts.TableSpec("a", 10**6, 4), ts.TableSpec("b", 10**6, 6)]
+    with ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=0, host_capacity=0,
+                      write_log=10**5) as s:
+        rng = np.random.default_rng(3)
+        want: dict[tuple[int, int], np.ndarray] = {}
+        for _ in range(3):
+            _append_random(s, specs, rng, 200, 10**5, want)
+        keys = list(want)
+        tabs = np.array([t for t, _ in keys], dtype=np.int64)
+        rows = np.array([r for _, r in keys], dtype=np.int64)
+        seqs = np.concatenate([s.log.lookup(t, torch.from_numpy(rows[tabs == t])) for t in (0, 1)])
+        order = np.concatenate([np.flatnonzero(tabs == t) for t in (0, 1)])
+        tabs, rows = tabs[order], rows[order]
+        with s.writeback._cv:
+            s.log.merge(s.log.size // 2)  # whole chunks: the first append's, at least
+        data, found = s.log.read_entries(tabs, rows, seqs, s.width)
+        assert 0 < np.count_nonzero(found) < len(found)
+        assert np.array_equal(found, seqs >= s.log.merged)
+        for i in np.flatnonzero(found).tolist():
+            w = specs[tabs[i]].row_dim
+            assert np.array_equal(data[i, :w], want[(tabs[i], rows[i])]) and not data[i, w:].any()
+        assert not data[~found].any()
+
+
 MERGE_WORKER = r"""
 import sys, time
 import numpy as np

@@ -133,17 +133,33 @@ class StoredRows:
         seqs = self.log.lookup(tab.index, torch.from_numpy(rows_np))
         inlog = seqs >= 0
         if not inlog.any():
-            return self.backend.get(spec.name, rows_np, spec.row_dim)
+            return self._read_table(tab, rows_np)
         data = np.zeros((len(rows_np), spec.row_dim), dtype=np.float32)
         found = np.zeros(len(rows_np), dtype=bool)
-        ldata, lfound = self.log.read(tab.index, rows_np[inlog], seqs[inlog])
         idx = np.flatnonzero(inlog)
-        data[idx[lfound]] = ldata[lfound]
-        found[idx[lfound]] = True
+        data[idx], found[idx] = self._read_log_entries(
+            np.full(len(idx), tab.index, dtype=np.int64), rows_np[idx], seqs[idx], spec.row_dim)
         rest = np.flatnonzero(~inlog)
-        rest = np.concatenate([rest, idx[~lfound]]) if (~lfound).any() else rest
-        if len(rest):  # merged meanwhile entries are in the table by now
-            mdata, mfound = self.backend.get(spec.name, rows_np[rest], spec.row_dim)
-            data[rest] = mdata
-            found[rest] = mfound
+        if len(rest):
+            data[rest], found[rest] = self._read_table(tab, rows_np[rest])
+        return data, found
+
+    def _read_table(self, tab: _Table, rows_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of one table in LMDB: (rows [n, row_dim], found [n]); any thread."""
+        return self.backend.get(tab.spec.name, rows_np, tab.spec.row_dim)
+
+    def _read_log_entries(self, tabs: np.ndarray, rows: np.ndarray, seqs: np.ndarray,
+                          width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Log versions of rows of any tables (table indexes, row ids, sequence numbers from
+        `log.lookup`): (rows [n, width], found [n]); any thread. Entries merged into their
+        tables meanwhile are read from the tables."""
+        log = self.log
+        data, found = log.read_entries(tabs, rows, seqs, width)
+        merged = np.flatnonzero(~found)
+        for t in np.unique(tabs[merged]).tolist():
+            sel = merged[tabs[merged] == t]
+            w = log.row_dims[t]
+            got, gfound = self.backend.get(log.names[t], rows[sel], w)
+            data[sel, :w] = got
+            found[sel] = gfound
         return data, found

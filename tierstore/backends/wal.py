@@ -279,41 +279,58 @@ class WriteLog:
 
     def read(self, tab: int, rows: np.ndarray, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows [n, row_dim], found [n]) of log versions; an entry merged meanwhile is not found."""
-        w = self.row_dims[tab]
-        size = HEADER + 4 * w + 4
-        out = np.zeros((len(seqs), w), dtype=np.float32)
-        found = np.zeros(len(seqs), dtype=bool)
+        return self.read_entries(np.full(len(seqs), tab, dtype=np.int64), rows, seqs,
+                                 self.row_dims[tab])
+
+    def read_entries(self, tabs: np.ndarray, rows: np.ndarray, seqs: np.ndarray, width: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """Log versions of rows of any tables (table indexes, row ids, sequence numbers) in one
+        pass over the chunks holding them: (rows [n, width] zero-padded, found [n]); an entry
+        merged meanwhile is not found (the table has it). `width` >= the tables' row_dim."""
+        n = len(seqs)
+        widths = self.widths[tabs]
+        out = np.zeros((n, width), dtype=np.float32)
+        found = np.zeros(n, dtype=bool)
         with self.lock:
             chunks = self._chunks
-        if len(seqs) == 0 or len(chunks) == 0:
+        if n == 0 or len(chunks) == 0:
             return out, found
         at = np.searchsorted(chunks[:, 0], seqs, side="right") - 1
         ok = (at >= 0) & (seqs < chunks[np.maximum(at, 0), 0] + chunks[np.maximum(at, 0), 1])
         want, used, bounds = _by_chunk(at, np.flatnonzero(ok))
-        entries = np.zeros((len(seqs), size), dtype=np.uint8)
+        sizes = HEADER + 4 * widths + 4  # each entry's size in its table's format
+        entries = np.zeros((n, int(sizes.max())), dtype=np.uint8)
+        got_size = np.zeros(n, dtype=np.int64)
 
         def pick(vals):  # inside the read transaction: copy just the wanted entries out
             for j, (c, v) in enumerate(zip(used.tolist(), vals)):
                 if v is None:  # merged meanwhile: the table has it
                     continue
                 mine = want[bounds[j] : bounds[j + 1]]
-                blob = _chunk_entries(v, int(chunks[c, 1]), int(chunks[c, 2]), self.backend.path)
-                if blob.shape[1] != size:
-                    raise StoreCorruptError(f"write-behind log of {self.backend.path}: an entry of "
-                                            f"table {self.names[tab]!r} has the wrong size")
-                entries[mine] = blob[seqs[mine] - chunks[c, 0]]
+                size = int(chunks[c, 2])
+                blob = _chunk_entries(v, int(chunks[c, 1]), size, self.backend.path)
+                entries[mine, :size] = blob[seqs[mine] - chunks[c, 0]]
+                got_size[mine] = size
                 found[mine] = True
 
         if len(used):
             self.backend.log_chunks(self.db, _seq_keys(chunks[used, 0]), pick)
-        if found.any():
-            blob = entries[found]
-            if (blob[:, :4].copy().view(np.uint32).ravel() != self.ids[tab]).any() or \
-                    (blob[:, 8:16].copy().view("<i8").ravel() != rows[found]).any():
-                raise StoreCorruptError(f"write-behind log of {self.backend.path}: an entry does not "
-                                        f"hold the row its index names (table {self.names[tab]!r})")
-            out[found] = open_records(self.names[tab], rows[found], blob[:, HEADER:], w,
-                                      f"store {self.backend.path}, ")
+        if not found.any():
+            return out, found
+        hit = np.flatnonzero(found)
+        blob, t = entries[hit], tabs[hit]
+        bad = np.flatnonzero((got_size[hit] != sizes[hit])
+                             | (blob[:, :4].copy().view(np.uint32).ravel() != self.ids[t])
+                             | (blob[:, 8:16].copy().view("<i8").ravel() != rows[hit]))
+        if bad.size:
+            raise StoreCorruptError(f"write-behind log of {self.backend.path}: an entry does not "
+                                    f"hold the row its index names (table {self.names[t[bad[0]]]!r})")
+        for tab in np.unique(t).tolist():  # verify and decode each table's records
+            sel = hit[t == tab]
+            w = self.row_dims[tab]
+            out[sel, :w] = open_records(self.names[tab], rows[sel],
+                                        entries[sel, HEADER : HEADER + 4 * w + 4], w,
+                                        f"store {self.backend.path}, ")
         return out, found
 
 

@@ -18,6 +18,7 @@ from ..backends.lmdb_backend import lmdb_error
 from ..errors import ConfigError, ShapeError, TierstoreError
 from ..index import sorted_unique
 from ..store import TierStore
+from .reads import StoredReads
 
 _END = object()
 READ_CHUNK = 16384  # rows per reader task: page-cached reads gain nothing from more GIL hand-offs
@@ -283,22 +284,18 @@ class Prefetcher:
             else:
                 cold = {t: uniq[self._uncached(tabs[t], uniq)] for t, uniq in per_table.items()}
         # read them ahead, in parallel and without the store lock (page reads hold no GIL)
-        futures = {}
-        for t, rows in cold.items():
-            arr = rows.numpy()
-            futures[t] = [self._pool.submit(_timed, store._read_stored, tabs[t], chunk)
-                          for chunk in np.array_split(arr, max(1, len(arr) // READ_CHUNK)) if len(chunk)]
-        return per_table, tabs, since, warm_only, ringed, cold, futures
+        reads = StoredReads(store, {t: (tabs[t], rows.numpy()) for t, rows in cold.items()},
+                            self._pool.submit, READ_CHUNK)
+        return per_table, tabs, since, warm_only, ringed, cold, reads
 
     def _finish(self, step: int, prep: tuple) -> None:
         """Phase 2: register the rows read ahead and stage the batch (pins, hints) under the lock."""
         store = self.store
-        per_table, tabs, since, warm_only, ringed, cold, futures = prep
+        per_table, tabs, since, warm_only, ringed, cold, reads = prep
         batch_rows = sum(u.numel() for u in per_table.values())
-        got = {t: [f.result() for f in fs] for t, fs in futures.items()}
+        got, seconds = reads.result()
         stats = store.prefetch_stats
-        stats.read_seconds += sum(sec for parts in got.values() for _, sec in parts)
-        got = {t: [res for res, _ in parts] for t, parts in got.items()}
+        stats.read_seconds += seconds
         if self.delay is not None:
             time.sleep(self.delay())
         with store._lock:
@@ -306,9 +303,9 @@ class Prefetcher:
                 return
             t1 = time.perf_counter()
             for t in per_table:
-                parts = got.get(t, [])
-                rows = [cold[t].numpy()] if parts else []
-                data, found = [p[0] for p in parts], [p[1] for p in parts]
+                part = got.get(t) if cold[t].numel() else None
+                rows = [cold[t].numpy()] if part else []
+                data, found = ([part[0]], [part[1]]) if part else ([], [])
                 if t in ringed:  # exact while every row put from `since` on is still in the ring
                     rows.append(ringed[t][0])
                     data.append(ringed[t][1])
@@ -364,12 +361,6 @@ class Prefetcher:
 
 
 # lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------
-def _timed(fn, *args):
-    """(fn(*args), seconds it took): reader threads time their own work."""
-    t0 = time.perf_counter()
-    return fn(*args), time.perf_counter() - t0
-
-
 def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
          stop: threading.Event, ready: queue.Queue, errbox: list,
          in_source: threading.Event) -> None:
