@@ -6,13 +6,11 @@ import ctypes
 import errno
 import fcntl
 import json
-import math
 import operator
 import os
 import shutil
 import sys
 import threading
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -24,6 +22,8 @@ import numpy as np
 
 from .._kernels import HAVE_NUMBA
 from ..errors import OutOfSpaceError, StoreCorruptError, StoreLockedError, TierstoreError
+from .lmdb_compact import Compaction, write_compact
+from .lmdb_compact import fsync_path as fsync_path  # re-exported
 from .pages import PageReader
 from .publish import Publisher
 from .record import CHECK_BYTES, open_records, seal
@@ -35,7 +35,6 @@ COMPACT_PREFIX = ".compact-"
 STORE_MARK = b"tierstore-store"  # written into the lock file once the store's metadata is durable
 _INITIAL_MAP = 1 << 30
 TXN_ROWS = 8192  # rows per write transaction: bounds the pages one commit frees (see docs/persistence.md)
-COPY_CHUNK = 16384  # rows per transaction when rewriting a database in key order
 # keys per C-level read or write loop between checks of the mapped pages: a page fault maps up
 # to 16 neighbouring pages (fault-around), so 1,024 random keys can map up to 64 MiB
 GET_CHUNK = 1024
@@ -114,7 +113,7 @@ def decode_keys(keys: list[bytes], where: str = "a store") -> np.ndarray:
     return np.frombuffer(blob, dtype=_KEY_DTYPE).astype(np.int64)
 
 
-class LmdbBackend:
+class LmdbBackend(Compaction):
     """Rows on disk in LMDB: batched reads, batched writes in one transaction, durable sync.
 
     The map grows automatically before it fills (up to `map_limit` bytes when given).
@@ -643,88 +642,7 @@ class LmdbBackend:
             self.publisher = None
         self._release_lock()
 
-    # compaction and resident map pages ---------------------------------------------------
-    def _named_dbs(self) -> dict[bytes, object]:
-        """Handles of every named database (metadata and tables), opened before any snapshot."""
-        with self.env.begin() as txn:
-            names = [k for k, _ in txn.cursor()]
-        out: dict[bytes, object] = {}
-        for name in names:
-            if name == META_DB:
-                out[name] = self._meta
-            elif name.startswith(b"t:"):
-                table = name[2:].decode()
-                self.open_tables([table])
-                if table in self._dbs:
-                    out[name] = self._dbs[table]
-            else:  # not ours: copied as is
-                out[name] = self.open_named(name, create=False)
-        return out
-
-    def estimate_compact_bytes(self) -> int:
-        """Estimated size of the file after `compact()`: every database in full pages."""
-        psize = self.env.stat()["psize"]
-        pages = 4  # two meta pages, the main database, slack
-        dbs = self._named_dbs()
-        with self.env.begin() as txn:
-            for db in dbs.values():
-                st = txn.stat(db)
-                have = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-                cur = txn.cursor(db=db)
-                if not st["entries"] or st["overflow_pages"] or not cur.first():
-                    pages += have
-                    continue
-                node = 8 + len(cur.key()) + len(cur.value())
-                per_page = max(1, (psize - 16) // (node + node % 2 + 2))
-                leaves = math.ceil(st["entries"] / per_page)
-                pages += min(have, leaves + math.ceil(leaves / 100) + st["depth"])
-        return pages * psize
-
-    def compact(self, *, reopen: bool = True) -> tuple[int, int]:
-        """Rewrite the file in key order (full pages, no free pages) and swap it in atomically.
-
-        The new file is written next to the old one, fsynced, and renamed over it; a crash at
-        any point leaves the old file or the new one, both complete. Returns (bytes before,
-        bytes after).
-        """
-        if self.readonly:
-            raise TierstoreError(f"store {self.path} is open read-only; cannot compact it")
-        self.wait_for_copies()
-        before = self.disk_bytes()
-        with self.quiesce(), self._exclusive():
-            self.sync()
-            tables = list(self._dbs)
-            dbs = self._named_dbs()
-            tmp = self.path / f"{COMPACT_PREFIX}{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
-            try:
-                txn = self.env.begin()
-                try:
-                    write_compact(txn, dbs, tmp, progress=self._note_touch)
-                finally:
-                    txn.abort()
-                self.trim_map()
-                self.env.close()
-                self.env = None
-                self._dbs = {}
-                # the old file's reader table goes first: a reader opening meanwhile pairs the old
-                # file (no longer written) or the new one with a fresh table (docs/serving.md)
-                (self.path / "lock.mdb").unlink(missing_ok=True)
-                os.replace(tmp / DATA_NAME, self.path / DATA_NAME)
-                fsync_path(self.path)
-            except lmdb.Error as exc:
-                self._raise_io(exc)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise OutOfSpaceError(f"store {self.path}: out of space compacting: {exc}") from exc
-                raise TierstoreError(f"store {self.path}: cannot compact: {exc}") from exc
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if self.env is None and reopen:
-                    self._open_env()
-                    self.open_tables(tables)
-        return before, self.disk_bytes()
-
+    # resident map pages ------------------------------------------------------------------
     @contextmanager
     def _exclusive(self):
         """Wait until no background reader is active and keep new ones out."""
@@ -864,52 +782,6 @@ class LmdbBackend:
             ids = decode_keys(keys, f"store {self.path}, table {table!r}")
             yield ids, open_records(table, ids, np.frombuffer(b"".join(vals), dtype=np.uint8), width,
                                    f"store {self.path}, ")
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_compact(txn: lmdb.Transaction, dbs: dict[bytes, object], dest: Path,
-                  chunk: int = COPY_CHUNK, progress: Callable[[int], None] | None = None) -> None:
-    """Write the named databases seen by read txn `txn` into a fresh file dest/data.mdb.
-
-    Each database is streamed in key order and appended (`MDB_APPEND`), so every page is full
-    and the file has no free pages. The file is synced before this returns. `progress` gets
-    the rows copied after each chunk.
-    """
-    need = 1 << 20
-    for db in dbs.values():
-        st = txn.stat(db)
-        need += (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"]
-    env = lmdb.open(str(dest), map_size=need + need // 8 + (16 << 20), max_dbs=len(dbs) + 2,
-                    subdir=True, lock=False, sync=False, metasync=False, readahead=False,
-                    meminit=False)
-    try:
-        for name, db in dbs.items():
-            flags = db.flags(txn)
-            out = env.open_db(name, create=True, dupsort=flags.get("dupsort", False),
-                              integerkey=flags.get("integerkey", False))
-            it = txn.cursor(db=db).iternext(keys=True, values=True)
-            while items := list(islice(it, chunk)):  # the iteration runs in C
-                while True:
-                    try:
-                        with env.begin(write=True, db=out) as w:
-                            w.cursor().putmulti(items, append=True)
-                        break
-                    except lmdb.MapFullError:
-                        env.set_mapsize(2 * env.info()["map_size"])
-                if progress is not None:
-                    progress(len(items))
-        env.sync(True)
-    finally:
-        env.close()
-    fsync_path(dest / DATA_NAME)
 
 
 def _file_resident() -> int:
