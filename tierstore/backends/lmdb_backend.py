@@ -12,9 +12,9 @@ import shutil
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from itertools import islice, repeat
+from itertools import repeat
 from pathlib import Path
 
 import lmdb
@@ -22,8 +22,10 @@ import numpy as np
 
 from .._kernels import HAVE_NUMBA
 from ..errors import OutOfSpaceError, StoreCorruptError, StoreLockedError, TierstoreError
-from .lmdb_compact import Compaction, write_compact
+from .lmdb_compact import Compaction
 from .lmdb_compact import fsync_path as fsync_path  # re-exported
+from .lmdb_compact import write_compact as write_compact  # re-exported
+from .lmdb_snapshots import Snapshots
 from .pages import PageReader
 from .publish import Publisher
 from .record import CHECK_BYTES, open_records, seal
@@ -113,7 +115,7 @@ def decode_keys(keys: list[bytes], where: str = "a store") -> np.ndarray:
     return np.frombuffer(blob, dtype=_KEY_DTYPE).astype(np.int64)
 
 
-class LmdbBackend(Compaction):
+class LmdbBackend(Compaction, Snapshots):
     """Rows on disk in LMDB: batched reads, batched writes in one transaction, durable sync.
 
     The map grows automatically before it fills (up to `map_limit` bytes when given).
@@ -701,87 +703,6 @@ class LmdbBackend(Compaction):
             if hi - lo == size:
                 out.append((lo, hi))
         return out
-
-    # snapshots (persistence) -------------------------------------------------------------
-    def check_file(self) -> None:
-        """Raise StoreCorruptError when data.mdb is shorter than the pages LMDB says it holds."""
-        self._check_file(self.env)
-
-    def _check_file(self, env: lmdb.Environment) -> None:
-        data = self.path / DATA_NAME
-        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        have = data.stat().st_size if data.exists() else 0
-        if have < need:
-            raise StoreCorruptError(
-                f"store {self.path}: data.mdb is truncated ({have} bytes, LMDB needs {need})")
-
-    def snapshot(self) -> lmdb.Transaction:
-        """A read transaction: an MVCC snapshot that later commits do not change."""
-        # a table's database handle must exist before the transaction starts to be usable in it
-        self.open_tables([k[6:] for k in self.meta_keys() if k.startswith("table:")])
-        self._snap_dbs = self._named_dbs()
-        return self.env.begin()
-
-    def snapshot_meta(self, txn: lmdb.Transaction) -> dict[str, dict]:
-        """Every metadata record as seen by the read transaction `txn`."""
-        try:
-            return {k.decode(): json.loads(v) for k, v in txn.cursor(db=self._meta)}
-        except ValueError as exc:
-            raise StoreCorruptError(f"store {self.path}: metadata is not valid JSON") from exc
-
-    def snapshot_count(self, txn: lmdb.Transaction, table: str) -> int:
-        """Rows stored for a table as seen by the read transaction `txn`."""
-        db = self._db(table)
-        return 0 if db is None else int(txn.stat(db)["entries"])
-
-    def copy_snapshot(self, dest: str | os.PathLike, txn: lmdb.Transaction, *,
-                      compact: bool = True) -> None:
-        """Write the state seen by `txn` (from `snapshot()`) to dest/data.mdb, an existing directory.
-
-        `compact`: rewrite every database in key order with `MDB_APPEND` (full pages, about
-        1.3x the raw bytes of 68-byte rows); otherwise LMDB's page-by-page copy.
-        """
-        try:
-            if compact:
-                write_compact(txn, self._snap_dbs, Path(dest), progress=self._note_touch)
-            else:
-                self.env.copy(str(dest), txn=txn)
-        except lmdb.Error as exc:
-            self._raise_io(exc)
-        finally:
-            self.trim_map()
-
-    def track_copy(self, thread: threading.Thread) -> None:
-        """Register a thread copying a snapshot; map growth and close wait for it to finish."""
-        self.wait_for_copies()
-        self._copy_thread = thread
-
-    def wait_for_copies(self) -> None:
-        """Block until a snapshot copy running in another thread has finished."""
-        t = getattr(self, "_copy_thread", None)
-        if t is not None and t is not threading.current_thread():
-            t.join()
-            self._copy_thread = None
-
-    def iter_rows(self, table: str, width: int, txn: lmdb.Transaction, chunk: int = 65536
-                  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Stream a table's rows in id order from read txn `txn`: (ids [k], payload [k, width])."""
-        db = self._db(table)
-        if db is None:
-            return
-        kcur, vcur = txn.cursor(db=db), txn.cursor(db=db)
-        if not (kcur.first() and vcur.first()):
-            return
-        kit = kcur.iternext(keys=True, values=False)
-        vit = vcur.iternext(keys=False, values=True)
-        while True:
-            keys = list(islice(kit, chunk))  # the iteration runs in C: one call per chunk
-            vals = list(islice(vit, len(keys)))
-            if not keys:
-                return
-            ids = decode_keys(keys, f"store {self.path}, table {table!r}")
-            yield ids, open_records(table, ids, np.frombuffer(b"".join(vals), dtype=np.uint8), width,
-                                   f"store {self.path}, ")
 
 
 def _file_resident() -> int:
