@@ -9,8 +9,6 @@ import operator
 import os
 import shutil
 import threading
-from collections import deque
-from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from itertools import repeat
 from pathlib import Path
@@ -23,6 +21,7 @@ from ..errors import OutOfSpaceError, StoreCorruptError, StoreLockedError, Tiers
 from .lmdb_compact import Compaction
 from .lmdb_compact import fsync_path as fsync_path  # re-exported
 from .lmdb_compact import write_compact as write_compact  # re-exported
+from .lmdb_log import LogIO
 from .lmdb_map import MemoryMap, _file_resident
 from .lmdb_snapshots import Snapshots
 from .pages import PageReader
@@ -113,7 +112,7 @@ def decode_keys(keys: list[bytes], where: str = "a store") -> np.ndarray:
     return np.frombuffer(blob, dtype=_KEY_DTYPE).astype(np.int64)
 
 
-class LmdbBackend(MemoryMap, Compaction, Snapshots):
+class LmdbBackend(LogIO, MemoryMap, Compaction, Snapshots):
     """Rows on disk in LMDB: batched reads, batched writes in one transaction, durable sync.
 
     The map grows automatically before it fills (up to `map_limit` bytes when given).
@@ -418,48 +417,6 @@ class LmdbBackend(MemoryMap, Compaction, Snapshots):
         if part:
             self._commit(part, total)
         return total
-
-    # the write-behind log (see wal.py) ------------------------------------------------------
-    def log_db(self, name: bytes) -> object:
-        """The write-behind log's database handle in the current environment (opened on demand)."""
-        if self._log_db is None:
-            self._log_db = self.open_named(name, create=not self.readonly)
-        return self._log_db
-
-    def append_log(self, db: object, keys: list[bytes], vals: list[bytes]) -> int:
-        """Append entries under increasing keys past the log's end in one transaction; returns bytes."""
-        total = sum(map(len, vals)) + 8 * len(keys)
-        self._ensure_room(total)
-        self._wrote = True
-        self._check_space(total // 4096 + len(keys) + 1)  # pages: values this large overflow
-        while True:
-            try:
-                with self.env.begin(write=True, db=db) as txn:
-                    txn.cursor().putmulti(zip(keys, vals), append=True)
-                return total
-            except lmdb.MapFullError:
-                self._grow(total)
-            except lmdb.Error as exc:
-                self._raise_io(exc)
-
-    def log_chunks(self, db: object, keys: list[bytes], use: Callable[[list], object]) -> object:
-        """`use(values)` of log keys inside one read transaction (values are zero-copy buffers of
-        the map, valid only inside `use`; None where absent: merged meanwhile); returns its result."""
-        with self.reading():
-            try:
-                with self.env.begin(db=db, buffers=True) as txn:
-                    return use([txn.get(k) for k in keys])
-            except lmdb.Error as exc:
-                self._raise_io(exc)
-
-    def delete_log(self, db: object, keys: list[bytes]) -> None:
-        """Delete merged log chunks in one transaction."""
-        self._wrote = True
-        try:
-            with self.env.begin(write=True, db=db) as txn:
-                deque(map(txn.delete, keys), maxlen=0)  # a C loop over the keys
-        except lmdb.Error as exc:
-            self._raise_io(exc)
 
     def _commit(self, parts: list, total: int) -> None:
         """One write transaction of sorted (db, keys, values, unique) parts; grows the map as needed."""
