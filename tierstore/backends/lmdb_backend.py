@@ -1,22 +1,22 @@
-"""The SSD tier: one LMDB environment, one named database per table, batched transactions."""
+"""The SSD tier: one LMDB environment, one named database per table, batched transactions.
+
+`LmdbBackend` opens the environment, holds the writer's lock file, reads and writes the
+metadata, syncs and closes; its other parts are mixins by concept: `lmdb_tables` (row reads,
+writes and commits), `lmdb_log` (the write-behind log's database), `lmdb_map` (the map's size
+and resident pages), `lmdb_compact` (compaction) and `lmdb_snapshots` (snapshots and their
+copies). The module's constants stay here, where tests and benchmarks set them; the mixins read
+them from this module at call time.
+"""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import json
-import math
-import operator
 import os
 import shutil
-import sys
 import threading
-import uuid
-from collections import deque
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from itertools import islice, repeat
 from pathlib import Path
 
 import lmdb
@@ -24,9 +24,15 @@ import numpy as np
 
 from .._kernels import HAVE_NUMBA
 from ..errors import OutOfSpaceError, StoreCorruptError, StoreLockedError, TierstoreError
+from .lmdb_compact import Compaction
+from .lmdb_compact import fsync_path as fsync_path  # re-exported
+from .lmdb_compact import write_compact as write_compact  # re-exported
+from .lmdb_log import LogIO
+from .lmdb_map import MemoryMap, _file_resident
+from .lmdb_snapshots import Snapshots
+from .lmdb_tables import TableRows
 from .pages import PageReader
 from .publish import Publisher
-from .record import CHECK_BYTES, open_records, seal
 
 META_DB = b"__tierstore_meta__"
 LOCK_NAME = "tierstore.lock"
@@ -35,7 +41,6 @@ COMPACT_PREFIX = ".compact-"
 STORE_MARK = b"tierstore-store"  # written into the lock file once the store's metadata is durable
 _INITIAL_MAP = 1 << 30
 TXN_ROWS = 8192  # rows per write transaction: bounds the pages one commit frees (see docs/persistence.md)
-COPY_CHUNK = 16384  # rows per transaction when rewriting a database in key order
 # keys per C-level read or write loop between checks of the mapped pages: a page fault maps up
 # to 16 neighbouring pages (fault-around), so 1,024 random keys can map up to 64 MiB
 GET_CHUNK = 1024
@@ -71,7 +76,6 @@ PAGE_READS = os.environ.get("TIERSTORE_PAGE_READS", "1").strip().lower() not in 
 _coc = os.environ.get("TIERSTORE_COMPACT_ON_CLOSE", "").strip().lower()
 COMPACT_ON_CLOSE: float | None = None if _coc in ("none", "off") else float(_coc or 1.25)
 _COMPACT_MIN_BYTES = 1 << 20
-_MADV_DONTNEED = 4
 _KEY_DTYPE = np.dtype(">u8")  # big-endian: byte order == row id order
 _KEY_VOID = np.dtype("V8")  # raw 8-byte records: `.tolist()` gives `bytes` (no NUL stripping)
 
@@ -114,7 +118,7 @@ def decode_keys(keys: list[bytes], where: str = "a store") -> np.ndarray:
     return np.frombuffer(blob, dtype=_KEY_DTYPE).astype(np.int64)
 
 
-class LmdbBackend:
+class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
     """Rows on disk in LMDB: batched reads, batched writes in one transaction, durable sync.
 
     The map grows automatically before it fills (up to `map_limit` bytes when given).
@@ -281,227 +285,6 @@ class LmdbBackend:
         with self.env.begin(db=self._meta) as txn:
             return [k.decode() for k, _ in txn.cursor()]
 
-    # tables -------------------------------------------------------------------------------
-    def open_named(self, name: bytes, *, create: bool, **flags: bool) -> object:
-        """A named database's handle; never call it inside a transaction of this thread.
-
-        py-lmdb's `open_db` without a transaction begins its own write transaction while holding
-        the GIL: if another thread holds LMDB's writer lock and needs the GIL to finish (the
-        write-behind writer, the ttl deleter), both wait forever. `begin` waits for the writer
-        lock with the GIL released, so the handle is opened inside a transaction begun here.
-        A read-only handle takes no writer lock.
-        """
-        if self.readonly:
-            return self.env.open_db(name, create=create, **flags)
-        with self.env.begin(write=True) as txn:
-            return self.env.open_db(name, txn=txn, create=create, **flags)
-
-    def open_tables(self, names: list[str]) -> None:
-        """Create (or open) the named databases of these tables."""
-        for table in names:
-            if table not in self._dbs:
-                try:
-                    self._dbs[table] = self.open_named(f"t:{table}".encode(),
-                                                       create=not self.readonly)
-                    if self.publisher is not None:
-                        self.publisher.attach(table, self._dbs[table])
-                except lmdb.NotFoundError:
-                    continue
-                except lmdb.Error as exc:
-                    self._raise_io(exc)
-
-    def _db(self, table: str, create: bool = False):
-        """The named database of a table, or None when it does not exist."""
-        if table not in self._dbs:
-            self.open_tables([table])
-        return self._dbs.get(table)
-
-    def get(self, table: str, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Read rows: (row float32 [n, width], found bool [n]); missing rows are zeros.
-
-        Every stored record's checksum is verified (`StoreCorruptError` on damage).
-        """
-        n = len(rows)
-        out = np.zeros((n, width), dtype=np.float32)
-        found = np.zeros(n, dtype=bool)
-        if n == 0:
-            return out, found
-        order = np.argsort(rows, kind="stable")  # sorted keys read the B-tree in order
-        with self.reading():  # any thread: map growth by the writer waits for this read
-            db = self._db(table) if self.env is not None else None
-            if db is None:
-                return out, found
-            pages = self._pages if self.map_resident is None else None
-            got = None
-            if pages is not None:
-                srt = rows[order]
-                try:
-                    with self.env.begin() as txn:  # pins the snapshot the pages belong to
-                        got = pages.lookup(txn.get(b"t:" + table.encode()),
-                                           srt.astype(np.uint64), width * 4 + CHECK_BYTES)
-                except lmdb.Error as exc:
-                    self._raise_io(exc)
-            if got is None:
-                keys = encode_keys(rows[order])
-                vals: list = []
-                try:
-                    with self.env.begin(db=db) as txn:
-                        for i in range(0, n, GET_CHUNK):  # bounded pieces: trim the map in between
-                            vals += map(txn.get, keys[i:i + GET_CHUNK])  # a C loop; None if missing
-                            self._note_touch()
-                except lmdb.Error as exc:
-                    self._raise_io(exc)
-        if got is not None:  # copied out of the snapshot's pages: checked outside the read
-            data, hit = got
-            if hit.any():
-                every = bool(hit.all())
-                dest = order if every else order[hit]
-                out[dest] = open_records(table, srt if every else srt[hit],
-                                         (data if every else data[hit]).ravel(), width,
-                                         f"store {self.path}, ")
-                found[dest] = True
-            return out, found
-        hit = np.fromiter(map(operator.is_not, vals, repeat(None)), dtype=bool, count=n)
-        nhit = int(np.count_nonzero(hit))
-        if nhit:
-            # filter(None) drops the misses (and an empty stored value, caught by the size check)
-            dest = order if nhit == n else order[hit]
-            blob = np.frombuffer(b"".join(filter(None, vals)), dtype=np.uint8)
-            out[dest] = open_records(table, rows[dest], blob, width, f"store {self.path}, ")
-            found[dest] = True
-        return out, found
-
-    def put(self, batches: dict[str, tuple[np.ndarray, np.ndarray]], sealed: bool = False) -> int:
-        """Write {table: (rows, payload float32 [n, w])}; returns bytes. With `sealed` the payloads
-        are already records (uint8 [n, 4w + 4], `record.seal`), written as they are.
-
-        Rows are sorted by key and committed in transactions of at most `TXN_ROWS` rows, each a
-        key range: a transaction rewrites only the leaf pages of its range, so the pages it
-        frees (which LMDB cannot reuse for two commits) stay few. A put of at most `TXN_ROWS`
-        rows is one transaction; larger ones are not atomic (flush() syncs after all of them).
-        Rows beyond a table's last key are appended (`MDB_APPEND`: full pages).
-        """
-        total = sum(len(r) * (8 + (p.shape[1] * p.itemsize if sealed else p.shape[1] * 4 + CHECK_BYTES))
-                    for r, p in batches.values())
-        if total == 0:
-            return 0
-        self._ensure_room(total)
-        # open table handles first: open_db inside our write txn would wait on itself
-        segs = []
-        for table, (rows, payload) in batches.items():
-            if len(rows) == 0:
-                continue
-            unique = len(rows) < 2 or bool((rows[1:] > rows[:-1]).all())
-            if unique:  # already in key order (a merge's pieces): no sort, no gathered copy
-                srt, ordered = rows, payload
-            else:
-                order = np.argsort(rows, kind="stable")
-                srt, ordered = rows[order], payload[order]
-                unique = bool((srt[1:] > srt[:-1]).all())
-            keys = encode_keys(srt)
-            blob = np.ascontiguousarray(ordered).view(np.uint8) if sealed else \
-                seal(srt, np.ascontiguousarray(ordered, dtype=np.float32))
-            # one `bytes` per row from a void view (a C loop, no per-row Python)
-            vals = blob.view(f"V{blob.shape[1]}").ravel().tolist()
-            segs.append((self._db(table), keys, vals, unique))
-        part: list = []
-        room = TXN_ROWS
-        for db, keys, vals, unique in segs:
-            for i in range(0, len(keys), TXN_ROWS):  # whole chunks, then split at the txn edge
-                k, v = keys[i:i + TXN_ROWS], vals[i:i + TXN_ROWS]
-                while k:
-                    take = min(room, len(k))
-                    part.append((db, k[:take], v[:take], unique))
-                    k, v, room = k[take:], v[take:], room - take
-                    if room == 0:
-                        self._commit(part, total)
-                        part, room = [], TXN_ROWS
-        if part:
-            self._commit(part, total)
-        return total
-
-    # the write-behind log (see wal.py) ------------------------------------------------------
-    def log_db(self, name: bytes) -> object:
-        """The write-behind log's database handle in the current environment (opened on demand)."""
-        if self._log_db is None:
-            self._log_db = self.open_named(name, create=not self.readonly)
-        return self._log_db
-
-    def append_log(self, db: object, keys: list[bytes], vals: list[bytes]) -> int:
-        """Append entries under increasing keys past the log's end in one transaction; returns bytes."""
-        total = sum(map(len, vals)) + 8 * len(keys)
-        self._ensure_room(total)
-        self._wrote = True
-        self._check_space(total // 4096 + len(keys) + 1)  # pages: values this large overflow
-        while True:
-            try:
-                with self.env.begin(write=True, db=db) as txn:
-                    txn.cursor().putmulti(zip(keys, vals), append=True)
-                return total
-            except lmdb.MapFullError:
-                self._grow(total)
-            except lmdb.Error as exc:
-                self._raise_io(exc)
-
-    def log_chunks(self, db: object, keys: list[bytes], use: Callable[[list], object]) -> object:
-        """`use(values)` of log keys inside one read transaction (values are zero-copy buffers of
-        the map, valid only inside `use`; None where absent: merged meanwhile); returns its result."""
-        with self.reading():
-            try:
-                with self.env.begin(db=db, buffers=True) as txn:
-                    return use([txn.get(k) for k in keys])
-            except lmdb.Error as exc:
-                self._raise_io(exc)
-
-    def delete_log(self, db: object, keys: list[bytes]) -> None:
-        """Delete merged log chunks in one transaction."""
-        self._wrote = True
-        try:
-            with self.env.begin(write=True, db=db) as txn:
-                deque(map(txn.delete, keys), maxlen=0)  # a C loop over the keys
-        except lmdb.Error as exc:
-            self._raise_io(exc)
-
-    def _commit(self, parts: list, total: int) -> None:
-        """One write transaction of sorted (db, keys, values, unique) parts; grows the map as needed."""
-        self._wrote = True
-        self._check_space(sum(len(p[1]) for p in parts))
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    if self.publisher is not None:
-                        self.publisher.before_commit(txn, parts)
-                    for db, keys, vals, unique in parts:
-                        cur = txn.cursor(db=db)
-                        # zip feeds putmulti lazily: no list of (key, value) tuples is built
-                        append = unique and (not cur.last() or cur.key() < keys[0])
-                        for i in range(0, len(keys), GET_CHUNK):  # check the mapped pages between
-                            cur.putmulti(zip(keys[i:i + GET_CHUNK], vals[i:i + GET_CHUNK]),
-                                         append=append)
-                            self._note_touch()
-                return
-            except lmdb.MapFullError:
-                self._grow(total)
-            except lmdb.Error as exc:
-                self._raise_io(exc)
-
-    def publish(self) -> int | None:
-        """Mark the rows written so far as the published (flushed) state for readers; the epoch."""
-        if self.publisher is None or not self.publisher.changed:
-            return None
-        self._ensure_room(4096)
-        self._wrote = True
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    epoch = self.publisher.publish(txn)
-                self.publisher.committed()
-                return epoch
-            except lmdb.MapFullError:
-                self._grow(4096)
-            except lmdb.Error as exc:
-                self._raise_io(exc)
-
     def put_meta(self, records: dict[str, dict]) -> None:
         """Write JSON metadata records in one transaction."""
         self._ensure_room(4096)
@@ -514,72 +297,8 @@ class LmdbBackend:
         except lmdb.Error as exc:
             self._raise_io(exc)
 
-    def _check_space(self, rows: int) -> None:
-        """With a writable map, refuse a commit the disk may not hold (OutOfSpaceError).
-
-        Writing to a mapped page of a sparse file on a full disk raises SIGBUS instead of
-        ENOSPC, so every commit first checks that the disk has room for a new page per row
-        (conservative: most pages are reused). Another process filling the disk between the
-        check and the commit can still kill the process; committed data survives that.
-        """
-        if not self.writemap:
-            return
-        try:
-            st = os.statvfs(self.path)
-        except OSError:
-            return
-        need = (rows + 64) * 4096 + (8 << 20)
-        if st.f_bavail * st.f_frsize < need:
-            raise OutOfSpaceError(
-                f"store {self.path}: the disk has {st.f_bavail * st.f_frsize} bytes free, a commit "
-                f"of {rows} rows may need {need}")
-
     def _raise_io(self, exc: Exception) -> None:
         raise lmdb_error(exc, self.path) from exc
-
-    # map size --------------------------------------------------------------------------------
-    def used_bytes(self) -> int:
-        """Bytes of the map in use (last page number times page size)."""
-        info, stat = self.env.info(), self.env.stat()
-        return (info["last_pgno"] + 1) * stat["psize"]
-
-    def _ensure_room(self, incoming: int) -> None:
-        need = self.used_bytes() + 2 * incoming + (1 << 20)
-        if need > self.env.info()["map_size"]:
-            self._grow(incoming)
-
-    @contextmanager
-    def reading(self):
-        """Register a background reader; map resizing waits until no reader is active."""
-        with self._io:
-            while self._resizing:
-                self._io.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._io:
-                self._readers -= 1
-                self._io.notify_all()
-
-    def _grow(self, incoming: int) -> None:
-        self.wait_for_copies()  # remapping would invalidate a snapshot being copied
-        with self._exclusive():
-            self._grow_now(incoming)
-
-    def _grow_now(self, incoming: int) -> None:
-        cur = self.env.info()["map_size"]
-        new = max(2 * cur, self.used_bytes() + 4 * incoming + (1 << 20))
-        if self.map_limit is not None:
-            if cur >= self.map_limit:
-                raise OutOfSpaceError(
-                    f"store {self.path} reached its map limit of {self.map_limit} bytes")
-            new = min(new, self.map_limit)
-        self._map_gen += 1
-        try:
-            self.env.set_mapsize(new)
-        except lmdb.Error as exc:
-            self._raise_io(exc)
 
     # misc ----------------------------------------------------------------------------------
     def count(self, table: str) -> int:
@@ -642,308 +361,3 @@ class LmdbBackend:
             self.publisher.close()
             self.publisher = None
         self._release_lock()
-
-    # compaction and resident map pages ---------------------------------------------------
-    def _named_dbs(self) -> dict[bytes, object]:
-        """Handles of every named database (metadata and tables), opened before any snapshot."""
-        with self.env.begin() as txn:
-            names = [k for k, _ in txn.cursor()]
-        out: dict[bytes, object] = {}
-        for name in names:
-            if name == META_DB:
-                out[name] = self._meta
-            elif name.startswith(b"t:"):
-                table = name[2:].decode()
-                self.open_tables([table])
-                if table in self._dbs:
-                    out[name] = self._dbs[table]
-            else:  # not ours: copied as is
-                out[name] = self.open_named(name, create=False)
-        return out
-
-    def estimate_compact_bytes(self) -> int:
-        """Estimated size of the file after `compact()`: every database in full pages."""
-        psize = self.env.stat()["psize"]
-        pages = 4  # two meta pages, the main database, slack
-        dbs = self._named_dbs()
-        with self.env.begin() as txn:
-            for db in dbs.values():
-                st = txn.stat(db)
-                have = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-                cur = txn.cursor(db=db)
-                if not st["entries"] or st["overflow_pages"] or not cur.first():
-                    pages += have
-                    continue
-                node = 8 + len(cur.key()) + len(cur.value())
-                per_page = max(1, (psize - 16) // (node + node % 2 + 2))
-                leaves = math.ceil(st["entries"] / per_page)
-                pages += min(have, leaves + math.ceil(leaves / 100) + st["depth"])
-        return pages * psize
-
-    def compact(self, *, reopen: bool = True) -> tuple[int, int]:
-        """Rewrite the file in key order (full pages, no free pages) and swap it in atomically.
-
-        The new file is written next to the old one, fsynced, and renamed over it; a crash at
-        any point leaves the old file or the new one, both complete. Returns (bytes before,
-        bytes after).
-        """
-        if self.readonly:
-            raise TierstoreError(f"store {self.path} is open read-only; cannot compact it")
-        self.wait_for_copies()
-        before = self.disk_bytes()
-        with self.quiesce(), self._exclusive():
-            self.sync()
-            tables = list(self._dbs)
-            dbs = self._named_dbs()
-            tmp = self.path / f"{COMPACT_PREFIX}{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
-            try:
-                txn = self.env.begin()
-                try:
-                    write_compact(txn, dbs, tmp, progress=self._note_touch)
-                finally:
-                    txn.abort()
-                self.trim_map()
-                self.env.close()
-                self.env = None
-                self._dbs = {}
-                # the old file's reader table goes first: a reader opening meanwhile pairs the old
-                # file (no longer written) or the new one with a fresh table (docs/serving.md)
-                (self.path / "lock.mdb").unlink(missing_ok=True)
-                os.replace(tmp / DATA_NAME, self.path / DATA_NAME)
-                fsync_path(self.path)
-            except lmdb.Error as exc:
-                self._raise_io(exc)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise OutOfSpaceError(f"store {self.path}: out of space compacting: {exc}") from exc
-                raise TierstoreError(f"store {self.path}: cannot compact: {exc}") from exc
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if self.env is None and reopen:
-                    self._open_env()
-                    self.open_tables(tables)
-        return before, self.disk_bytes()
-
-    @contextmanager
-    def _exclusive(self):
-        """Wait until no background reader is active and keep new ones out."""
-        with self._io:
-            self._resizing = True
-            while self._readers:
-                self._io.wait()
-        try:
-            yield
-        finally:
-            with self._io:
-                self._resizing = False
-                self._io.notify_all()
-
-    def _note_touch(self, *_: object) -> None:
-        """Trim the mapping once the process's file-backed resident bytes grew by `map_resident`."""
-        if self.map_resident is None:
-            return
-        if _file_resident() - self._file_base > self.map_resident:
-            self.trim_map()
-
-    def trim_map(self) -> int:
-        """Drop this process's resident pages of the data file mapping; returns bytes advised.
-
-        The mapping is shared and read-only, so the pages stay in the page cache and a later
-        access maps them again (a minor fault); only the process's resident set shrinks.
-        Linux only, best effort.
-        """
-        if self.env is None or not sys.platform.startswith("linux"):
-            return 0
-        if self._span is None or self._span[0] != self._map_gen:
-            self._span = (self._map_gen, self._find_span())
-        done = 0
-        for lo, hi in self._span[1]:
-            if _madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
-                done += hi - lo
-        if self._pages is not None:  # the page reader's own mapping of the file
-            done += self._pages.drop()
-        self._file_base = _file_resident()
-        return done
-
-    def _find_span(self) -> list[tuple[int, int]]:
-        """Address ranges of this environment's data file mapping, from /proc/self/maps."""
-        target = os.path.realpath(self.path / DATA_NAME)
-        size = self.env.info()["map_size"]  # our mapping is exactly the map size
-        try:
-            with open("/proc/self/maps") as f:
-                spans = [line.split(None, 5) for line in f if line.rstrip().endswith(DATA_NAME)]
-        except OSError:
-            return []
-        out = []
-        for parts in spans:
-            if len(parts) < 6 or parts[5].strip() != target:
-                continue
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if hi - lo == size:
-                out.append((lo, hi))
-        return out
-
-    # snapshots (persistence) -------------------------------------------------------------
-    def check_file(self) -> None:
-        """Raise StoreCorruptError when data.mdb is shorter than the pages LMDB says it holds."""
-        self._check_file(self.env)
-
-    def _check_file(self, env: lmdb.Environment) -> None:
-        data = self.path / DATA_NAME
-        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        have = data.stat().st_size if data.exists() else 0
-        if have < need:
-            raise StoreCorruptError(
-                f"store {self.path}: data.mdb is truncated ({have} bytes, LMDB needs {need})")
-
-    def snapshot(self) -> lmdb.Transaction:
-        """A read transaction: an MVCC snapshot that later commits do not change."""
-        # a table's database handle must exist before the transaction starts to be usable in it
-        self.open_tables([k[6:] for k in self.meta_keys() if k.startswith("table:")])
-        self._snap_dbs = self._named_dbs()
-        return self.env.begin()
-
-    def snapshot_meta(self, txn: lmdb.Transaction) -> dict[str, dict]:
-        """Every metadata record as seen by the read transaction `txn`."""
-        try:
-            return {k.decode(): json.loads(v) for k, v in txn.cursor(db=self._meta)}
-        except ValueError as exc:
-            raise StoreCorruptError(f"store {self.path}: metadata is not valid JSON") from exc
-
-    def snapshot_count(self, txn: lmdb.Transaction, table: str) -> int:
-        """Rows stored for a table as seen by the read transaction `txn`."""
-        db = self._db(table)
-        return 0 if db is None else int(txn.stat(db)["entries"])
-
-    def copy_snapshot(self, dest: str | os.PathLike, txn: lmdb.Transaction, *,
-                      compact: bool = True) -> None:
-        """Write the state seen by `txn` (from `snapshot()`) to dest/data.mdb, an existing directory.
-
-        `compact`: rewrite every database in key order with `MDB_APPEND` (full pages, about
-        1.3x the raw bytes of 68-byte rows); otherwise LMDB's page-by-page copy.
-        """
-        try:
-            if compact:
-                write_compact(txn, self._snap_dbs, Path(dest), progress=self._note_touch)
-            else:
-                self.env.copy(str(dest), txn=txn)
-        except lmdb.Error as exc:
-            self._raise_io(exc)
-        finally:
-            self.trim_map()
-
-    def track_copy(self, thread: threading.Thread) -> None:
-        """Register a thread copying a snapshot; map growth and close wait for it to finish."""
-        self.wait_for_copies()
-        self._copy_thread = thread
-
-    def wait_for_copies(self) -> None:
-        """Block until a snapshot copy running in another thread has finished."""
-        t = getattr(self, "_copy_thread", None)
-        if t is not None and t is not threading.current_thread():
-            t.join()
-            self._copy_thread = None
-
-    def iter_rows(self, table: str, width: int, txn: lmdb.Transaction, chunk: int = 65536
-                  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Stream a table's rows in id order from read txn `txn`: (ids [k], payload [k, width])."""
-        db = self._db(table)
-        if db is None:
-            return
-        kcur, vcur = txn.cursor(db=db), txn.cursor(db=db)
-        if not (kcur.first() and vcur.first()):
-            return
-        kit = kcur.iternext(keys=True, values=False)
-        vit = vcur.iternext(keys=False, values=True)
-        while True:
-            keys = list(islice(kit, chunk))  # the iteration runs in C: one call per chunk
-            vals = list(islice(vit, len(keys)))
-            if not keys:
-                return
-            ids = decode_keys(keys, f"store {self.path}, table {table!r}")
-            yield ids, open_records(table, ids, np.frombuffer(b"".join(vals), dtype=np.uint8), width,
-                                   f"store {self.path}, ")
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_compact(txn: lmdb.Transaction, dbs: dict[bytes, object], dest: Path,
-                  chunk: int = COPY_CHUNK, progress: Callable[[int], None] | None = None) -> None:
-    """Write the named databases seen by read txn `txn` into a fresh file dest/data.mdb.
-
-    Each database is streamed in key order and appended (`MDB_APPEND`), so every page is full
-    and the file has no free pages. The file is synced before this returns. `progress` gets
-    the rows copied after each chunk.
-    """
-    need = 1 << 20
-    for db in dbs.values():
-        st = txn.stat(db)
-        need += (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"]
-    env = lmdb.open(str(dest), map_size=need + need // 8 + (16 << 20), max_dbs=len(dbs) + 2,
-                    subdir=True, lock=False, sync=False, metasync=False, readahead=False,
-                    meminit=False)
-    try:
-        for name, db in dbs.items():
-            flags = db.flags(txn)
-            out = env.open_db(name, create=True, dupsort=flags.get("dupsort", False),
-                              integerkey=flags.get("integerkey", False))
-            it = txn.cursor(db=db).iternext(keys=True, values=True)
-            while items := list(islice(it, chunk)):  # the iteration runs in C
-                while True:
-                    try:
-                        with env.begin(write=True, db=out) as w:
-                            w.cursor().putmulti(items, append=True)
-                        break
-                    except lmdb.MapFullError:
-                        env.set_mapsize(2 * env.info()["map_size"])
-                if progress is not None:
-                    progress(len(items))
-        env.sync(True)
-    finally:
-        env.close()
-    fsync_path(dest / DATA_NAME)
-
-
-def _file_resident() -> int:
-    """File-backed resident bytes of this process (Linux /proc/self/statm "shared"), else 0.
-
-    This counts every mapped file page (libraries too); the kernel's fault-around maps up to
-    16 neighbouring page-cache pages per fault, so it is measured, not estimated from rows.
-    """
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[2]) * _PAGESIZE
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-_PAGESIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _madvise(addr: int, length: int, advice: int) -> int:
-    """libc madvise(2); -1 when unavailable."""
-    fn = _libc_madvise()
-    return -1 if fn is None else int(fn(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice))
-
-
-_MADVISE: list = []
-
-
-def _libc_madvise():
-    if not _MADVISE:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = None
-        _MADVISE.append(fn)
-    return _MADVISE[0]
