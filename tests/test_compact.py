@@ -335,8 +335,25 @@ def test_write_compact_copes_with_a_small_map(tmp_path, monkeypatch):
 
 @pytest.fixture
 def writemap(monkeypatch):
-    """Writers open a writable map (the TIERSTORE_MAP_RESIDENT=none configuration)."""
+    """Writers open a writable map (TIERSTORE_WRITEMAP=1)."""
     monkeypatch.setattr(lmdb_backend, "WRITEMAP", True)
+
+
+@pytest.mark.parametrize("text, want", [("", False), ("0", False), ("off", False), ("1", True),
+                                        ("on", True), ("auto", None)])
+def test_writers_commit_with_pwrite_unless_told_to_map_writable(tmp_path, monkeypatch, text, want):
+    """TIERSTORE_WRITEMAP picks the write path; unset, commits pwrite and the file stays its size."""
+    monkeypatch.setenv("TIERSTORE_WRITEMAP", text)
+    assert lmdb_backend._writemap_default() is want
+    monkeypatch.setattr(lmdb_backend, "WRITEMAP", want)
+    backend = LmdbBackend(tmp_path / "s")
+    try:
+        assert backend.writemap is (want is not False)  # "auto": the map is never trimmed here
+        random_writes(backend, 2_000, 5_000)
+        size = (tmp_path / "s" / "data.mdb").stat().st_size
+        assert (size >= backend.env.info()["map_size"]) is backend.writemap  # a writable map spans the map
+    finally:
+        backend.close()
 
 
 def test_writemap_store_roundtrip_and_file_size(tmp_path, writemap):

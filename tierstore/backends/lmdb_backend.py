@@ -64,10 +64,24 @@ def _map_resident_default() -> int | None:
 # (`trim_map`); None (the default): never trim (file-backed resident pages then include up to the
 # whole file; they are page cache, not the process's anonymous memory)
 MAP_RESIDENT = _map_resident_default()
-# MDB_WRITEMAP for writers: None chooses it when the mapping is never trimmed. A writable map
-# writes a commit's pages in place (1.6x the put rate of pwrite commits), but trimming it makes
-# every later write a page fault (0.4x): see docs/persistence.md, "Write path"
-WRITEMAP: bool | None = None
+
+
+def _writemap_default() -> bool | None:
+    """`TIERSTORE_WRITEMAP`: "1"/"on" a writable map, "auto" one when the map is never trimmed;
+    unset or anything else: commits write their pages with `pwrite` (the default)."""
+    text = os.environ.get("TIERSTORE_WRITEMAP", "").strip().lower()
+    if text == "auto":
+        return None
+    return text in ("1", "on", "true", "yes")
+
+
+# MDB_WRITEMAP for writers (None: only when the mapping is never trimmed). Off by default: at the
+# training steady state, where merges rewrite pages all over the file while reader threads map
+# it, every page a commit takes becomes a write fault through the file system, and pwrite
+# commits ran 1.2-1.5x faster steps (cache10, cache1); alone, a merge is ~1.2x faster with the
+# writable map. Trimming a writable map makes every later write a fault (0.4x). See
+# docs/persistence.md, "Write path"
+WRITEMAP: bool | None = _writemap_default()
 # read rows by walking the data file's pages in compiled code (pages.py) instead of one py-lmdb
 # call per row; TIERSTORE_PAGE_READS=0 turns it off (used when the map is trimmed, see get)
 PAGE_READS = os.environ.get("TIERSTORE_PAGE_READS", "1").strip().lower() not in ("0", "off", "no")
