@@ -67,6 +67,50 @@ def test_staged_slots_equal_a_fresh_lookup(tmp_path_factory, dcap, hcap, batches
         store.check()
 
 
+@settings(deadline=None, max_examples=25)
+@given(st.integers(0, 12), st.integers(0, 12),
+       st.lists(st.lists(st.lists(st.integers(0, 30), max_size=12), min_size=3, max_size=3),
+                min_size=1, max_size=4))
+def test_staging_all_tables_at_once_gives_each_rows_slot_and_keeps_every_value(
+        tmp_path_factory, dcap, hcap, batches):
+    """`_stage_many` (one placement for a batch's tables, as the pipeline stages) returns each
+    row's device slot (-1 off the device) as a lookup right then would, with the rows' sources
+    counted, every staged row pinned where it is, and every row's value unchanged."""
+    path = tmp_path_factory.mktemp("s")
+    specs = [ts.TableSpec(n, 100, 3, optimizer=ts.SGD(0.1)) for n in ("a", "b", "c")]
+    with ts.TierStore(path, specs, device_capacity=dcap, host_capacity=hcap, device="cpu") as store:
+        for i, spec in enumerate(specs):  # dirty rows cached in both tiers, some already written back
+            ids = torch.arange(i, 31, 3)
+            store.apply(spec.name, ids, torch.full((ids.numel(), 3), i + 1.0))
+        everything = torch.arange(31)
+        before = {spec.name: store.read(spec.name, everything) for spec in specs}
+        dev, host = store.device_tier, store.host_tier
+        pinned = []
+        with store._lock:
+            for batch in batches:
+                items = [(store.tables[spec.name], torch.unique(torch.tensor(ids, dtype=torch.int64)))
+                         for spec, ids in zip(specs, batch)]
+                for (tab, uniq), ((d, h, s), got) in zip(items, store._stage_many(items)):
+                    assert d + h + s == uniq.numel()
+                    assert torch.equal(got, dev.lookup(tab.tix, uniq, count=False))
+                    pinned.append((tab.spec.name, uniq))
+            keys = {(name, r) for name, uniq in pinned for r in uniq.tolist()}
+            for (name, uniq) in pinned:  # staged rows stay cached, each with a pin
+                tab = store.tables[name]
+                dslots = dev.lookup(tab.tix, uniq, count=False)
+                hslots = host.lookup(tab.tix, uniq, count=False)
+                if len(keys) <= dcap + hcap:  # the caches can hold everything staged
+                    assert bool(((dslots >= 0) | (hslots >= 0)).all())
+                assert bool((dev.pins[dslots[dslots >= 0]] > 0).all())
+                assert bool((host.pins[hslots[hslots >= 0]] > 0).all())
+            store._pending_unpins.extend(pinned)
+            store._drain_unpins()
+            assert int(dev.pins.sum()) == 0 and int(host.pins.sum()) == 0
+        store.check()
+        for spec in specs:
+            assert torch.equal(store.read(spec.name, everything), before[spec.name])
+
+
 def test_unpin_by_slot_falls_back_to_lookups_when_the_epoch_moved(tmp_path):
     spec = ts.TableSpec("a", 100, 3, optimizer=ts.SGD(0.1))
     with ts.TierStore(tmp_path / "s", [spec], device_capacity=8, host_capacity=8,

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .backends.slab import Rows
 from .bagpaths import Gathered
+from .cascade import _staged_slots
 from .fused import pool as fused_pool
 from .index import dedup
 
@@ -148,6 +150,57 @@ class PinnedSteps:
         """
         self._access(tab, uniq, None, count=False, pin=True)
         return self._last_sources
+
+    def _stage_many(self, items: list[tuple[_Table, torch.Tensor]]
+                    ) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
+        """`_stage` for a batch's tables at once: ((device, host, ssd), device slots or -1) each.
+
+        The device tier is looked up and every hit pinned for all tables first, then the misses
+        of all tables are placed in one `_place` call, so its per-call work (victim choice,
+        index and policy updates, the host tier's insert, the hand-off to the write-behind
+        ring) is done once a batch instead of once a table. Which rows land where may differ
+        from staging table by table (victims are chosen once, with every hit protected); no
+        value does.
+        """
+        dev = self.device_tier
+        looked = []
+        for tab, uniq in items:
+            dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
+            looked.append((dslots, dslots >= 0))
+        misses = sum(int(uniq.numel()) - int(dhit.sum()) for (_, uniq), (_, dhit) in zip(items, looked))
+        if misses:  # room in the write-behind ring for the victims, or fail before any row moves
+            self.writeback.reserve(misses)
+        out, moving, protect, spots = [], [], [], []
+        for (tab, uniq), (dslots, dhit) in zip(items, looked):
+            n, nd = uniq.numel(), int(dhit.sum())
+            if nd == n:
+                dev.touch(dslots)
+                dev.pin(dslots, 1)
+                out.append([(n, 0, 0), dslots])
+                continue
+            if nd:
+                hit_slots = dslots[dhit]
+                miss = torch.nonzero(~dhit).flatten().cpu()
+                miss_rows = uniq.index_select(0, miss)
+            else:
+                hit_slots, miss, miss_rows = dslots[:0], None, uniq
+            m = n - nd
+            mpay, mdirty, mpins, nh = self._fetch_misses(tab, miss_rows, False)
+            dev.touch(hit_slots)
+            dev.pin(hit_slots, 1)
+            mpins = torch.ones(m, dtype=torch.int32) if mpins is None else mpins + 1
+            moving.append(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins))
+            protect.append(hit_slots)
+            spots.append((len(out), dslots, miss, m))
+            out.append([(nd, nh, m - nh), None])
+        if moving:
+            k = self._place(Rows.cat(moving), protect=torch.cat(protect))
+            placed, at = dev.last_slots[:k], 0
+            for i, dslots, miss, m in spots:  # the first k misses, in order, landed on the device
+                mine = placed[min(at, k) : min(at + m, k)]
+                out[i][1] = _staged_slots(dslots, miss, mine, m)
+                at += m
+        return [(src, slots) for src, slots in out]
 
     def _pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:
         """Add `delta` to the prefetch pins of those rows wherever they are cached."""

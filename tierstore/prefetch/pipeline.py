@@ -332,9 +332,9 @@ class Prefetcher:
             dev = store.device_tier
             epoch = dev.pin_epoch
             slots, by_slot = {}, {}
-            for t, uniq in per_table.items():
-                d, h, s = store._stage(tabs[t], uniq)
-                staged = store._last_staged  # device slots, -1 where a row overflowed to host
+            # all tables' misses placed at once; device slots, -1 where a row overflowed to host
+            staged_all = store._stage_many([(tabs[t], uniq) for t, uniq in per_table.items()])
+            for (t, uniq), ((d, h, s), staged) in zip(per_table.items(), staged_all):
                 slots[t] = (uniq.numpy(), staged.cpu().numpy())
                 if d + h + s == 0 or int(staged.min()) >= 0:  # all on the device: unpin by slot
                     by_slot[t] = staged
