@@ -90,8 +90,11 @@ def test_staging_all_tables_at_once_gives_each_rows_slot_and_keeps_every_value(
             for batch in batches:
                 items = [(store.tables[spec.name], torch.unique(torch.tensor(ids, dtype=torch.int64)))
                          for spec, ids in zip(specs, batch)]
-                for (tab, uniq), ((d, h, s), got) in zip(items, store._stage_many(items)):
-                    assert d + h + s == uniq.numel()
+                where = [(int((dev.lookup(tab.tix, uniq, count=False) >= 0).sum()),
+                          int((host.lookup(tab.tix, uniq, count=False) >= 0).sum()))
+                         for tab, uniq in items]  # the exclusive caches before staging
+                for (tab, uniq), ((d, h, s), got), dh in zip(items, store._stage_many(items), where):
+                    assert (d, h) == dh and d + h + s == uniq.numel()
                     assert torch.equal(got, dev.lookup(tab.tix, uniq, count=False))
                     pinned.append((tab.spec.name, uniq))
             keys = {(name, r) for name, uniq in pinned for r in uniq.tolist()}

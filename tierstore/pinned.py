@@ -11,7 +11,6 @@ import torch
 
 from .backends.slab import Rows
 from .bagpaths import Gathered
-from .cascade import _staged_slots
 from .fused import pool as fused_pool
 from .index import dedup
 
@@ -155,52 +154,63 @@ class PinnedSteps:
                     ) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
         """`_stage` for a batch's tables at once: ((device, host, ssd), device slots or -1) each.
 
-        The device tier is looked up and every hit pinned for all tables first, then the misses
-        of all tables are placed in one `_place` call, so its per-call work (victim choice,
-        index and policy updates, the host tier's insert, the hand-off to the write-behind
-        ring) is done once a batch instead of once a table. Which rows land where may differ
-        from staging table by table (victims are chosen once, with every hit protected); no
-        value does.
+        The keys of all tables go through each step together: one device lookup, one pin of the
+        hits, one host lookup and removal of the misses it holds, the rest loaded table by
+        table (`_load`: ring, read-ahead buffers, LMDB), and one `_place` of every miss. So the
+        per-call work of each step (index probes, victim choice, policy and index updates, the
+        hand-off to the write-behind ring) is done once a batch instead of once a table. Which
+        rows land where may differ from staging table by table (victims are chosen once, with
+        every hit protected); no value does.
         """
-        dev = self.device_tier
-        looked = []
-        for tab, uniq in items:
-            dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
-            looked.append((dslots, dslots >= 0))
-        misses = sum(int(uniq.numel()) - int(dhit.sum()) for (_, uniq), (_, dhit) in zip(items, looked))
-        if misses:  # room in the write-behind ring for the victims, or fail before any row moves
-            self.writeback.reserve(misses)
-        out, moving, protect, spots = [], [], [], []
-        for (tab, uniq), (dslots, dhit) in zip(items, looked):
-            n, nd = uniq.numel(), int(dhit.sum())
-            if nd == n:
-                dev.touch(dslots)
-                dev.pin(dslots, 1)
-                out.append([(n, 0, 0), dslots])
-                continue
-            if nd:
-                hit_slots = dslots[dhit]
-                miss = torch.nonzero(~dhit).flatten().cpu()
-                miss_rows = uniq.index_select(0, miss)
-            else:
-                hit_slots, miss, miss_rows = dslots[:0], None, uniq
-            m = n - nd
-            mpay, mdirty, mpins, nh = self._fetch_misses(tab, miss_rows, False)
-            dev.touch(hit_slots)
-            dev.pin(hit_slots, 1)
-            mpins = torch.ones(m, dtype=torch.int32) if mpins is None else mpins + 1
-            moving.append(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins))
-            protect.append(hit_slots)
-            spots.append((len(out), dslots, miss, m))
-            out.append([(nd, nh, m - nh), None])
-        if moving:
-            k = self._place(Rows.cat(moving), protect=torch.cat(protect))
-            placed, at = dev.last_slots[:k], 0
-            for i, dslots, miss, m in spots:  # the first k misses, in order, landed on the device
-                mine = placed[min(at, k) : min(at + m, k)]
-                out[i][1] = _staged_slots(dslots, miss, mine, m)
-                at += m
-        return [(src, slots) for src, slots in out]
+        dev, host = self.device_tier, self.host_tier
+        sizes = [int(uniq.numel()) for _, uniq in items]
+        total = sum(sizes)
+        if total == 0:
+            return [((0, 0, 0), uniq.to(dev.device, torch.int64)) for _, uniq in items]
+        seg = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(sizes))
+        tabs = torch.cat([tab.tix.expand(n) for (tab, _), n in zip(items, sizes)])
+        rows = torch.cat([uniq.to("cpu", torch.int64) for _, uniq in items])
+        dslots = dev.lookup(tabs.to(dev.device), rows.to(dev.device), count=False)
+        dhit = dslots >= 0
+        miss = torch.nonzero(~dhit).flatten().cpu()
+        m = miss.numel()
+        if m:  # room in the write-behind ring for the victims, or fail before any row moves
+            self.writeback.reserve(m)
+        hit_slots = dslots[dhit] if m else dslots
+        dev.touch(hit_slots)
+        dev.pin(hit_slots, 1)
+        staged = dslots.clone()
+        nh_of = torch.zeros(len(items), dtype=torch.int64)
+        if m:
+            mtabs, mrows, mseg = tabs[miss], rows[miss], seg[miss]
+            payload = torch.empty((m, self.width), dtype=torch.float32)
+            dirty = torch.zeros(m, dtype=torch.bool)
+            pins = torch.ones(m, dtype=torch.int32)
+            hslots = host.lookup(mtabs, mrows, count=False)
+            hhit = hslots >= 0
+            if bool(hhit.any()):  # host hits leave the host tier (the caches are exclusive)
+                hidx = torch.nonzero(hhit).flatten()
+                moved = host.remove(hslots.index_select(0, hidx))
+                payload.index_copy_(0, hidx, moved.payload)
+                dirty.index_copy_(0, hidx, moved.dirty)
+                if moved.pins is not None:
+                    pins.index_copy_(0, hidx, moved.pins + 1)
+                nh_of = torch.bincount(mseg[hidx], minlength=len(items))
+            cold = torch.nonzero(~hhit).flatten()
+            cseg = mseg[cold]
+            for i in torch.unique(cseg).tolist():  # loaded table by table, in key order
+                at = cold[cseg == i]
+                payload.index_copy_(0, at, self._load(items[i][0], mrows[at]))
+            k = self._place(Rows(mtabs, mrows, payload, dirty, pins), protect=hit_slots)
+            if k:  # the first k misses, in order, landed on the device
+                staged.index_copy_(0, miss[:k].to(staged.device), dev.last_slots[:k])
+        nd_of = torch.bincount(seg[dhit.cpu()], minlength=len(items))
+        out, lo = [], 0
+        for i, n in enumerate(sizes):
+            nd, nh = int(nd_of[i]), int(nh_of[i])
+            out.append(((nd, nh, n - nd - nh), staged[lo : lo + n]))
+            lo += n
+        return out
 
     def _pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:
         """Add `delta` to the prefetch pins of those rows wherever they are cached."""
