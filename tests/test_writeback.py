@@ -102,6 +102,40 @@ def test_prefetch_read_ahead_stays_exact_with_a_slow_writer(tmp_path, ring, dela
         assert torch.equal(s.read("t", every), model.read("t", every))
 
 
+@pytest.mark.parametrize("delay", [0.0, 0.005])
+def test_staged_batches_of_two_tables_stay_exact_with_a_slow_writer_and_merges(tmp_path, monkeypatch,
+                                                                               delay):
+    """Prefetch staging of two tables of different widths (one placement a batch, one log read
+    for both) with a slowed writer and a small log that merges while training: every step reads
+    what a plain dict of rows holds."""
+    from tierstore.backends import wal
+    from tierstore.prefetch import Prefetcher
+
+    monkeypatch.setattr(wal, "CHUNK_ROWS", 16)
+    specs = [SPEC, ts.TableSpec("u", 10**6, 6, optimizer=ts.RowWiseAdagrad(0.2))]
+    gen = torch.Generator().manual_seed(7)
+    batches = [{"t": torch.randint(0, 400, (30,), generator=gen),
+                "u": torch.randint(0, 300, (20,), generator=gen)} for _ in range(60)]
+    model = DictStore(specs)
+    with ts.TierStore(tmp_path / "s", specs, device_capacity=160, host_capacity=240, device="cpu",
+                      write_buffer=32, write_log=200) as s:
+        s.writeback.delay = lambda: delay
+        with Prefetcher(s, iter(batches), depth=2) as pf:
+            for i, batch in enumerate(pf):
+                for name, ids in batch.items():
+                    assert torch.equal(s.read(name, ids), model.read(name, ids))
+                    g = torch.randn(len(ids), s.tables[name].spec.dim,
+                                    generator=torch.Generator().manual_seed(1000 + i))
+                    s.apply(name, ids, g)
+                    model.apply(name, ids, g)
+        st = s.prefetch_stats
+        assert st.warm_only < len(batches) and st.staged_from_ssd > 0  # staged, from LMDB too
+        assert s.log.rows_merged > 0 and s.log.rows_appended > 0
+        for name, n in (("t", 400), ("u", 300)):
+            every = torch.arange(n)
+            assert torch.equal(s.read(name, every), model.read(name, every))
+
+
 def test_writer_out_of_space_keeps_rows_and_fails_before_changing_anything(tmp_path):
     spec = ts.TableSpec("t", 10**10, 64, optimizer=ts.Adagrad(0.1))
     model = DictStore([spec])
