@@ -102,7 +102,7 @@ def test_staging_all_tables_at_once_gives_each_rows_slot_and_keeps_every_value(
                 tab = store.tables[name]
                 dslots = dev.lookup(tab.tix, uniq, count=False)
                 hslots = host.lookup(tab.tix, uniq, count=False)
-                if len(keys) <= dcap + hcap:  # the caches can hold everything staged
+                if len(keys) <= dcap + hcap:  # pinned rows never give way to unpinned victims
                     assert bool(((dslots >= 0) | (hslots >= 0)).all())
                 assert bool((dev.pins[dslots[dslots >= 0]] > 0).all())
                 assert bool((host.pins[hslots[hslots >= 0]] > 0).all())

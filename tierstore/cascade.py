@@ -154,19 +154,21 @@ class TierCascade:
         self._marks[s] = pos
         return torch.from_numpy(pos) if np.array_equal(self._marks[s], pos) else None
 
-    def _place(self, moving: Rows, protect: torch.Tensor) -> int:
+    def _place(self, moving: Rows, protect: torch.Tensor, overflow_first: bool = False) -> int:
         """Insert rows into the device tier; victims and overflow cascade to host, then LMDB.
 
         Returns k: the first k rows landed in the device tier (at `device_tier.last_slots`).
         Only dirty rows leave the host tier for LMDB: a clean row is already there (or is its
-        lazy init), so the bottom tier drops clean victims without copying them.
+        lazy init), so the bottom tier drops clean victims without copying them. With
+        `overflow_first` the rows that did not fit the device tier take host slots before its
+        victims do (staging: those rows are pinned for the coming steps, the victims are not).
         """
         if len(moving) == 0:
             return 0
         host = self.host_tier
         k, evicted = self.device_tier.insert(moving, protect=protect, keep_clean=host.capacity > 0)
-        down = [p for p in (evicted, moving.take(slice(k, None)) if k < len(moving) else None)
-                if p is not None and len(p)]
+        down = [evicted, moving.take(slice(k, None)) if k < len(moving) else None]
+        down = [p for p in (down[::-1] if overflow_first else down) if p is not None and len(p)]
         if not down:
             return k
         spill_in = Rows.cat([p.to(torch.device("cpu")) for p in down])

@@ -201,7 +201,8 @@ class PinnedSteps:
             for i in torch.unique(cseg).tolist():  # loaded table by table, in key order
                 at = cold[cseg == i]
                 payload.index_copy_(0, at, self._load(items[i][0], mrows[at]))
-            k = self._place(Rows(mtabs, mrows, payload, dirty, pins), protect=hit_slots)
+            k = self._place(Rows(mtabs, mrows, payload, dirty, pins), protect=hit_slots,
+                            overflow_first=True)
             if k:  # the first k misses, in order, landed on the device
                 staged.index_copy_(0, miss[:k].to(staged.device), dev.last_slots[:k])
         nd_of = torch.bincount(seg[dhit.cpu()], minlength=len(items))
