@@ -162,8 +162,11 @@ class TierstoreRunner(Runner):
                 "background_s": pf.read_seconds + pf.stage_seconds + wb.writer_seconds,
                 "writer_s": wb.writer_seconds, "readahead_s": pf.read_seconds,
                 "stage_s": pf.stage_seconds, "writeback_wait_s": wb.wait_seconds,
-                "rows_read": st.ssd_stats.lookups + pf.rows_read_ahead_from_ssd,
-                "rows_read_fg": st.ssd_stats.lookups, "rows_written": wb.rows_written,
+                # rows read below the caches once each: by the pipeline's readers ahead of use,
+                # plus those read at use that no read-ahead buffer held (`rows_read_fg`)
+                "rows_read": pf.rows_read_ahead_from_ssd + st.ssd_stats.lookups - pf.rows_read_ahead,
+                "rows_read_fg": st.ssd_stats.lookups - pf.rows_read_ahead,
+                "rows_written": wb.rows_written,
                 "rows_merged": st.log.rows_merged}
 
     def quiesce(self, timeout: float = 5.0) -> None:
