@@ -70,7 +70,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
                   cfg["alpha"], cfg["pool"])
     specs = [TableSpec(n, wl.rows, wl.dim, optimizer=RowWiseAdagrad(lr=LR, eps=EPS))
              for n in wl.names]
-    width = specs[0].payload_dim
+    width = specs[0].row_dim  # the stored row: payload and its last-update stamp (format v2)
     lo, hi = rank * wl.batch // world, (rank + 1) * wl.batch // world
     work = Path(cfg["work"]) / f"{cfg['mode']}-{world}"
     total_rows = wl.tables * wl.rows

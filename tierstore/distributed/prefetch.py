@@ -162,15 +162,15 @@ class ShardedPrefetcher:
             if 2 * (window_rows + batch_rows) > cache_rows:
                 stats.warm_only += 1  # the window cannot stay cached: do not evict the step's rows
             else:
-                for t, uniq in mine.items():
-                    if uniq.numel():
-                        d, h, s = local._stage(local._table(t), uniq)
-                        stats.rows_used += uniq.numel()
-                        stats.rows_resident_at_use += d + h
-                        stats.rows_staged += h + s
-                        stats.staged_from_host += h
-                        stats.staged_from_ssd += s
-                        staged[t] = uniq
+                todo = [(t, uniq) for t, uniq in mine.items() if uniq.numel()]
+                done = local._stage_many([(local._table(t), uniq) for t, uniq in todo])
+                for (t, uniq), ((d, h, s), _) in zip(todo, done):  # one placement for all tables
+                    stats.rows_used += uniq.numel()
+                    stats.rows_resident_at_use += d + h
+                    stats.rows_staged += h + s
+                    stats.staged_from_host += h
+                    stats.staged_from_ssd += s
+                    staged[t] = uniq
             self._window[step] = staged
 
 
