@@ -68,6 +68,18 @@ def test_every_single_bit_flip_of_a_row_changes_its_check():
     assert np.array_equal(record.open_records("t", np.array([12345]), sealed, 17), rows)
 
 
+@pytest.mark.parametrize("cut", [1, 2, 3, 4, 5, -1, -3])
+def test_stored_rows_of_a_damaged_length_are_reported_not_crashed_on(cut):
+    """A read whose stored bytes are a few bytes short or long (a damaged value length, not
+    always whole words) raises StoreCorruptError, as bytes and as an array."""
+    rows = np.random.default_rng(1).standard_normal((3, 17)).astype(np.float32)
+    flat = record.seal(np.array([1, 2, 3]), rows).tobytes()
+    bad = flat[:-cut] if cut > 0 else flat + b"\0" * -cut
+    for blob in (bad, np.frombuffer(bad, dtype=np.uint8)):
+        with pytest.raises(ts.StoreCorruptError, match="wrong size"):
+            record.open_records("t", np.array([1, 2, 3]), blob, 17)
+
+
 def _stored(path, table, row):
     env = lmdb.open(str(path), max_dbs=64, readonly=True, lock=False)
     try:

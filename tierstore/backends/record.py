@@ -115,12 +115,13 @@ def open_records(table: str, keys: np.ndarray, blob: np.ndarray, w: int, where: 
     store's path).
     """
     n = len(keys)
-    words = np.frombuffer(blob, dtype=np.uint32) if not isinstance(blob, np.ndarray) \
-        else blob.reshape(-1).view(np.uint32)
-    if words.size != n * (w + 1):
+    nbytes = blob.nbytes if isinstance(blob, np.ndarray) else len(blob)
+    if nbytes != n * (w + 1) * 4:  # checked first: a damaged length need not be whole words
         raise StoreCorruptError(
             f"{where}table {table!r}: stored rows have the wrong size (expected {4 * w + CHECK_BYTES} "
             f"bytes per row)")
+    words = np.frombuffer(blob, dtype=np.uint32) if not isinstance(blob, np.ndarray) \
+        else blob.reshape(-1).view(np.uint32)
     words = words.reshape(n, w + 1)
     body = words[:, :w]
     bad = np.flatnonzero(row_checks(keys, body) != words[:, w])
