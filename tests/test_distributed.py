@@ -449,6 +449,7 @@ def test_distributed_trainer_runs_and_evaluates_over_ranks(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # it failed unnoticed outside CI's slow subset once
 def test_bench_distributed_smoke(tmp_path, capsys):
     from bench.distributed import main
 

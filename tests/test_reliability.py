@@ -80,6 +80,7 @@ def test_damaged_pages_raise_store_corrupt(tmp_path, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # it failed unnoticed outside CI's slow subset once
 @pytest.mark.parametrize("mode", ["zero", "flip"])
 def test_damaged_pages_many(tmp_path, mode):
     assert _damage_trials(tmp_path, mode, range(100, 200)) > 0
