@@ -38,6 +38,12 @@ def _append_random(s, specs, rng, n: int, universe: int, want: dict) -> None:
         want[(t, r)] = p[: specs[t].row_dim].copy()
 
 
+def _log_only_store(tmp_path, specs) -> ts.TierStore:
+    """A store with no cache tiers and a log that holds 10^5 rows (reads go to the log or LMDB)."""
+    return ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=0, host_capacity=0,
+                        write_log=10**5)
+
+
 def test_reads_are_served_from_the_ring_before_the_writer_commits(tmp_path):
     with ts.TierStore(tmp_path / "s", SPEC, device_capacity=0, host_capacity=0, device="cpu",
                       write_buffer=64) as s:
@@ -536,8 +542,7 @@ def test_log_reads_across_many_chunks_in_any_order_return_each_rows_newest_versi
 
     monkeypatch.setattr(wal, "CHUNK_ROWS", 7)
     specs = [ts.TableSpec("a", 10**6, 4), ts.TableSpec("b", 10**6, 6)]
-    with ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=0, host_capacity=0,
-                      write_log=10**5) as s:
+    with _log_only_store(tmp_path, specs) as s:
         rng = np.random.default_rng(5)
         want: dict[tuple[int, int], np.ndarray] = {}
         for _ in range(5):
@@ -565,8 +570,7 @@ def test_one_log_read_for_all_tables_returns_each_rows_newest_version(tmp_path, 
 
     monkeypatch.setattr(wal, "CHUNK_ROWS", 7)
     specs = [ts.TableSpec("a", 10**6, 4), ts.TableSpec("b", 10**6, 6), ts.TableSpec("c", 10**6, 4)]
-    with ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=0, host_capacity=0,
-                      write_log=10**5) as s:
+    with _log_only_store(tmp_path, specs) as s:
         rng = np.random.default_rng(11)
         want: dict[tuple[int, int], np.ndarray] = {}
         for _ in range(3):
@@ -599,8 +603,7 @@ def test_a_log_read_reports_entries_merged_meanwhile_as_not_found(tmp_path):
     """`WriteLog.read_entries` finds the entries still in the log and reports merged ones as not
     found (the reader then takes them from the table), for rows of several tables at once."""
     specs = [ts.TableSpec("a", 10**6, 4), ts.TableSpec("b", 10**6, 6)]
-    with ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=0, host_capacity=0,
-                      write_log=10**5) as s:
+    with _log_only_store(tmp_path, specs) as s:
         rng = np.random.default_rng(3)
         want: dict[tuple[int, int], np.ndarray] = {}
         for _ in range(3):

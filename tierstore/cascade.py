@@ -33,13 +33,12 @@ class TierCascade:
         return slots
 
     def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
-                count: bool = True, dslots: torch.Tensor | None = None,
-                pin: bool = False) -> torch.Tensor | None:
+                count: bool = True, dslots: torch.Tensor | None = None) -> torch.Tensor | None:
         """Locate sorted unique rows, optionally update them, and promote them to the device tier.
 
         `dslots` are the rows' device slots when the caller has just looked them up. Returns
-        the payloads [u, width] when reading (`update` is None), else None. With `pin` (prefetch
-        staging) the rows are pinned where they land and nothing is read or returned.
+        the payloads [u, width] when reading (`update` is None), else None. (Prefetch staging,
+        which pins rows instead, is `PinnedSteps._stage_many`.)
         """
         dev = self.device_tier
         n = uniq.numel()
@@ -55,10 +54,6 @@ class TierCascade:
             self._last_sources = (n, 0, 0)
             self._last_dslots = dslots
             dev.touch(dslots)
-            if pin:
-                dev.pin(dslots, 1)
-                self._last_staged = dslots
-                return None
             if update is None:
                 return dev.read(dslots)
             update.apply(dev.slab, dslots)  # in place in the device slab
@@ -78,13 +73,6 @@ class TierCascade:
         m = n - nd
         mpay, mdirty, mpins, nh = self._fetch_misses(tab, miss_rows, count)
         self._last_sources = (nd, nh, m - nh)
-        if pin:  # the pins travel with the rows into whichever tier takes them
-            dev.touch(hit_slots)
-            dev.pin(hit_slots, 1)
-            mpins = torch.ones(m, dtype=torch.int32) if mpins is None else mpins + 1
-            k = self._place(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins), protect=hit_slots)
-            self._last_staged = _staged_slots(dslots, miss, dev.last_slots[:k], m)
-            return None
         if nd:  # assemble the whole batch: device hits and the rows fetched from below
             payload = torch.empty((n, self.width), dtype=torch.float32)
             payload.index_copy_(0, hit_idx, dev.read(hit_slots).cpu())
@@ -158,10 +146,11 @@ class TierCascade:
         """Insert rows into the device tier; victims and overflow cascade to host, then LMDB.
 
         Returns k: the first k rows landed in the device tier (at `device_tier.last_slots`).
-        Only dirty rows leave the host tier for LMDB: a clean row is already there (or is its
-        lazy init), so the bottom tier drops clean victims without copying them. With
-        `overflow_first` the rows that did not fit the device tier take host slots before its
-        victims do (staging: those rows are pinned for the coming steps, the victims are not).
+        The device's victims take host slots first (`tests/test_store.py` counts on it), or,
+        with `overflow_first` (staging), the rows that did not fit the device tier: those are
+        pinned for the coming steps, the victims are not. Only dirty rows leave the host tier
+        for LMDB: a clean row is already there (or is its lazy init), so the bottom tier drops
+        clean victims without copying them.
         """
         if len(moving) == 0:
             return 0
@@ -209,17 +198,3 @@ class TierCascade:
         with self.log.merging, self.writeback._cv:  # no background merge runs meanwhile
             self.ssd_stats.bytes_written += self.log.merge()
             yield
-
-
-def _staged_slots(dslots: torch.Tensor, miss: torch.Tensor | None, placed: torch.Tensor,
-                  m: int) -> torch.Tensor:
-    """Device slots of a staged batch: hits where they were, the first misses where `_place` put
-    them (`placed`, in miss order), -1 for misses that overflowed to the host tier."""
-    if miss is None and placed.numel() == m:  # every row missed, and every one was placed
-        return placed
-    out = dslots.clone()  # -1 at every miss
-    k = placed.numel()
-    if k:
-        at = torch.arange(k, device=out.device) if miss is None else miss[:k].to(out.device)
-        out.index_copy_(0, at, placed)
-    return out

@@ -147,8 +147,9 @@ class PinnedSteps:
 
         Leaves the rows' device slots in `_last_staged` (-1 for rows that overflowed to the host).
         """
-        self._access(tab, uniq, None, count=False, pin=True)
-        return self._last_sources
+        ((sources, self._last_staged),) = self._stage_many([(tab, uniq)])
+        self._last_sources = sources
+        return sources
 
     def _stage_many(self, items: list[tuple[_Table, torch.Tensor]]
                     ) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
@@ -166,7 +167,7 @@ class PinnedSteps:
         sizes = [int(uniq.numel()) for _, uniq in items]
         total = sum(sizes)
         if total == 0:
-            return [((0, 0, 0), uniq.to(dev.device, torch.int64)) for _, uniq in items]
+            return [((0, 0, 0), torch.empty(0, dtype=torch.int64, device=dev.device)) for _ in items]
         seg = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(sizes))
         tabs = torch.cat([tab.tix.expand(n) for (tab, _), n in zip(items, sizes)])
         rows = torch.cat([uniq.to("cpu", torch.int64) for _, uniq in items])

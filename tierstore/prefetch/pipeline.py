@@ -303,9 +303,8 @@ class Prefetcher:
                 return
             t1 = time.perf_counter()
             for t in per_table:
-                part = got.get(t) if cold[t].numel() else None
-                rows = [cold[t].numpy()] if part else []
-                data, found = ([part[0]], [part[1]]) if part else ([], [])
+                rows, data, found = ([cold[t].numpy()], [got[t][0]], [got[t][1]]) if cold[t].numel() \
+                    else ([], [], [])
                 if t in ringed:  # exact while every row put from `since` on is still in the ring
                     rows.append(ringed[t][0])
                     data.append(ringed[t][1])

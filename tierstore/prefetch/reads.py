@@ -31,20 +31,18 @@ class StoredReads:
 
     def __init__(self, store: Any, cold: dict[Any, tuple[Any, np.ndarray]],
                  submit: Callable[..., Future], part_rows: int) -> None:
-        self.store = store
         self.cold = cold
-        self.rows = {key: len(rows) for key, (_, rows) in cold.items()}
+        self._keys = list(cold)  # a log part's entries name their table by position in this list
         self._table_parts: list[tuple[Any, np.ndarray, Future]] = []
-        self._log_parts: list[tuple[list[Any], np.ndarray, np.ndarray, Future]] = []
-        keys = list(cold)
+        self._log_parts: list[tuple[np.ndarray, np.ndarray, Future]] = []
         lkeys, lpos, ltabs, lrows, lseqs = [], [], [], [], []
-        for k, key in enumerate(keys):
+        for k, key in enumerate(self._keys):
             tab, rows = cold[key]
             if not len(rows):
                 continue
             seqs = store.log.lookup(tab.index, torch.from_numpy(rows))
             inlog = seqs >= 0
-            rest = np.flatnonzero(~inlog) if inlog.any() else np.arange(len(rows))
+            rest = np.flatnonzero(~inlog)
             for pos in np.array_split(rest, max(1, len(rest) // part_rows)):
                 if len(pos):
                     self._table_parts.append(
@@ -64,7 +62,7 @@ class StoredReads:
             width = store.width
             for sel in np.array_split(np.arange(len(seqs)), max(1, len(seqs) // part_rows)):
                 self._log_parts.append(
-                    (keys, which[sel], pos[sel],
+                    (which[sel], pos[sel],
                      submit(_timed, store._read_log_entries, tabs[sel], rows[sel], seqs[sel], width)))
 
     def result(self) -> tuple[dict[Any, tuple[np.ndarray, np.ndarray]], float]:
@@ -79,12 +77,12 @@ class StoredReads:
             out[key][0][pos] = data
             out[key][1][pos] = found
             seconds += sec
-        for keys, which, pos, fut in self._log_parts:
+        for which, pos, fut in self._log_parts:
             (data, found), sec = fut.result()
             seconds += sec
             for k in np.unique(which).tolist():
                 sel = np.flatnonzero(which == k)
-                dst_data, dst_found = out[keys[k]]
+                dst_data, dst_found = out[self._keys[k]]
                 dst_data[pos[sel]] = data[sel, : dst_data.shape[1]]
                 dst_found[pos[sel]] = found[sel]
         return out, seconds
