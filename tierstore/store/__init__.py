@@ -20,18 +20,18 @@ import lmdb
 import numpy as np
 import torch
 
-from . import admission as _adm
-from . import expiry as _exp
-from . import validate
-from ._kernels import HAVE_NUMBA
-from .backends.lmdb_backend import DATA_NAME, LmdbBackend, lmdb_error
-from .backends.slab import SlabTier
-from .backends.wal import HEADER, WriteLog, replay
-from .backends.writeback import WriteBehind
-from .bagpaths import BagPaths, Gathered
-from .cascade import TierCascade
-from .config import TableSpec, parse_capacity, parse_size
-from .errors import (
+from .. import admission as _adm
+from .. import expiry as _exp
+from .. import validate
+from .._kernels import HAVE_NUMBA
+from ..backends.lmdb_backend import DATA_NAME, LmdbBackend, lmdb_error
+from ..backends.slab import SlabTier
+from ..backends.wal import HEADER, WriteLog, replay
+from ..backends.writeback import WriteBehind
+from ..bagpaths import BagPaths, Gathered
+from ..cascade import TierCascade
+from ..config import TableSpec, parse_capacity, parse_size
+from ..errors import (
     ConfigError,
     ConfigMismatchError,
     InvalidIdsError,
@@ -40,14 +40,14 @@ from .errors import (
     StoreNotFoundError,
     UnknownTableError,
 )
-from .fused import BatchUpdate
-from .initializers import name_key
-from .pinned import PinnedSteps
-from .stats import PrefetchStats, SsdStats
-from .stored_rows import StoredRows
+from ..fused import BatchUpdate
+from ..initializers import name_key
+from ..pinned import PinnedSteps
+from ..stats import PrefetchStats, SsdStats
+from ..stored_rows import StoredRows
 
 if TYPE_CHECKING:
-    from .serving import ReadOnlyStore
+    from ..serving import ReadOnlyStore
 
 FORMAT_VERSION = 2  # 2: rows carry a last-update stamp column and a checksum word
 CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
@@ -192,7 +192,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
         self.feature_tables: dict[str, str | None] = {}
         self._prefetchers: weakref.WeakSet = weakref.WeakSet()  # stopped when the store closes
         self.fused = HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
-        from .policies import make_policy
+        from ..policies import make_policy
 
         make_policy(policy, 0)  # an unknown policy is refused before the store is touched
         self.backend = LmdbBackend(self.path, map_limit=limit)
@@ -234,7 +234,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
         self._clock_saved = self.clock
         self._recorder = None
         if record is not None:
-            from .traces import TraceRecorder
+            from ..traces import TraceRecorder
 
             try:
                 self._recorder = TraceRecorder(record)
@@ -592,7 +592,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
     def checkpoint(self, dest: str | os.PathLike, *, step: int | None = None,
                    extra: dict | None = None, overwrite: bool = False) -> dict:
         """Flush, then write a consistent snapshot of every table to `dest`; returns the manifest."""
-        from .persistence import checkpoint
+        from ..persistence import checkpoint
 
         return checkpoint(self, dest, step=step, extra=extra, overwrite=overwrite)
 
@@ -600,7 +600,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
     def restore(cls, dest: str | os.PathLike, path: str | os.PathLike,
                 **open_kwargs: Any) -> TierStore:
         """Replace the store at `path` with the checkpoint `dest` and open it (kwargs as __init__)."""
-        from .persistence import restore
+        from ..persistence import restore
 
         return restore(dest, path, **open_kwargs)
 
@@ -640,7 +640,7 @@ class TierStore(PinnedSteps, BagPaths, TierCascade, StoredRows):
 def _open_readonly(path: str | os.PathLike, host_capacity: int | str, policy: str,
                    device: torch.device | str | None) -> ReadOnlyStore:
     """`TierStore.open(path, readonly=True)`: a ReadOnlyStore on the store or quantized export."""
-    from .serving import ReadOnlyStore
+    from ..serving import ReadOnlyStore
 
     if not (Path(path) / DATA_NAME).is_file():
         raise StoreNotFoundError(f"no tierstore store at {path} (no {DATA_NAME})")
