@@ -1,0 +1,53 @@
+"""TierStore's logical clock: advancing it, expiring rows by it, stamping updated rows with it."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import expiry as _exp
+from ..errors import ConfigError
+from .core import CLOCK_MAX, _locked, _Table
+
+
+class StoreClock:
+    """The store clock (`advance`), expiry of rows by their age on it (`expire`), the rows' stamps."""
+
+    @_locked
+    def advance(self, steps: int = 1) -> int:
+        """Move the store's logical clock forward (the trainer calls this once per step); returns it.
+
+        Every row update records the clock as the row's last-update stamp (kept with the row in
+        every tier and on disk); the clock is saved by `flush()`, `checkpoint()` and `close()`.
+        """
+        self._live()
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"steps must be an int >= 0, got {steps!r}")
+        if self.clock + steps > CLOCK_MAX:
+            raise ConfigError(f"the store clock cannot pass {CLOCK_MAX} (at {self.clock})")
+        self.clock += steps
+        self._expiry.on_advance()  # tables with a ttl: expire at fixed clock points
+        return self.clock
+
+    @_locked
+    def expire(self, table: str | None = None, older_than: int = 0) -> dict[str, int]:
+        """Delete rows (of `table`, or all) last updated more than `older_than` clock steps ago.
+
+        They leave the caches and LMDB and read as freshly initialized; durable on return.
+        Returns rows deleted from LMDB per table. `tierstore compact` reclaims the disk.
+        """
+        self._live()
+        return _exp.expire(self, table, older_than)
+
+    def _clock_value(self) -> torch.Tensor:
+        """The clock as a 0-d float32 tensor holding its int32 bits (the stamp column's value)."""
+        return torch.tensor(self.clock, dtype=torch.int32).view(torch.float32)
+
+    def _stamp(self, tab: _Table, target: torch.Tensor, slots: torch.Tensor) -> None:
+        """Record the clock as the last-update stamp of updated rows `target[slots]`."""
+        target[:, tab.spec.stamp_col].index_fill_(0, slots, self._clock_value().to(target.device))
+
+    def _save_clock(self) -> None:
+        """Persist the logical clock (with the next sync) when it moved since the last save."""
+        if self.clock != self._clock_saved:
+            self.backend.put_meta({"clock": {"value": self.clock}})
+            self._clock_saved = self.clock

@@ -1,0 +1,170 @@
+"""The TierStore class: its constructor, and the mixins by concept that hold its methods."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import admission as _adm
+from .. import expiry as _exp
+from .. import store as _st  # the package: HAVE_NUMBA is read there, where tests patch it
+from ..backends.lmdb_backend import LmdbBackend
+from ..backends.slab import SlabTier
+from ..backends.wal import HEADER, WriteLog, replay
+from ..backends.writeback import WriteBehind
+from ..bagpaths import BagPaths
+from ..cascade import TierCascade
+from ..config import TableSpec, parse_capacity, parse_size
+from ..errors import ConfigError
+from ..initializers import name_key
+from ..pinned import PinnedSteps
+from ..stats import PrefetchStats, SsdStats
+from ..stored_rows import StoredRows
+from .clock import StoreClock
+from .core import LOG_MAX_ROWS, LOG_RINGS, WB_SLOT_OVERHEAD, _resolve_device, _Table
+from .lifecycle import _OPEN_STORES, StoreLifecycle, _weak_context
+from .metrics import StoreMetrics
+from .opening import StoreOpening
+from .rows import RowApi
+
+
+class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
+                PinnedSteps, BagPaths, TierCascade, StoredRows):
+    """Embedding rows over three tiers (device cache, host cache, LMDB) with fused optimizers.
+
+    Upper tiers are exclusive write-back caches: a row lives in at most one cache tier, with a
+    dirty bit when it differs from LMDB. Rows never written are initialized lazily from
+    (seed, table, row, column). Every operation takes a batch of ids.
+    """
+
+    def __init__(self, path: str | os.PathLike, tables: Sequence[TableSpec] | TableSpec, *,
+                 device_capacity: int | str = "64MiB", host_capacity: int | str = "512MiB",
+                 policy: str = "lru",
+                 seed: int = 0, device: torch.device | str | None = None,
+                 map_limit: int | str | None = None,
+                 record: str | os.PathLike | None = None, add_tables: bool = False,
+                 write_buffer: int | str | None = None,
+                 write_log: int | str | None = None) -> None:
+        tables = [tables] if isinstance(tables, TableSpec) else list(tables)
+        if not tables or not all(isinstance(t, TableSpec) for t in tables):
+            raise ConfigError("tables must be a non-empty sequence of TableSpec")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"duplicate table names in {names}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"seed must be a non-negative int, got {seed!r}")
+        self.path = Path(path)
+        self.seed = seed
+        self.device = _resolve_device(device)
+        width = max(t.row_dim for t in tables)
+        dcap = parse_capacity(device_capacity, width * 4)
+        hcap = parse_capacity(host_capacity, width * 4)
+        if write_buffer is None:  # 64 MiB with its indexes
+            wcap = (64 << 20) // (width * 4 + WB_SLOT_OVERHEAD)
+        else:
+            wcap = max(1, parse_capacity(write_buffer, width * 4 + WB_SLOT_OVERHEAD))
+        if write_log is not None:  # rows, or a size of log entries (payload + 20 bytes each)
+            log_rows = parse_capacity(write_log, width * 4 + HEADER + 4)
+            if log_rows < 1:
+                raise ConfigError(f"write_log must hold at least one row, got {write_log!r}")
+        else:  # a configured ring sets the log; the default one may grow it
+            log_rows = LOG_RINGS * wcap
+            if write_buffer is None:
+                log_rows = max(log_rows, min(sum(t.num_rows for t in tables) // 2, LOG_MAX_ROWS))
+        limit = None if map_limit is None else parse_size(map_limit)
+        self._closed = True
+        self._lock = threading.RLock()
+        # lock-free updates of pinned rows (see _pinned_slots): a count of those running, and a
+        # barrier that holds new ones off while a locked operation needs every row at rest
+        self._compute = threading.Condition()
+        self._inflight = 0
+        self._barrier = 0
+        # the batch in use, as the prefetch pipeline staged it: (consumer thread id,
+        # {table: (sorted rows, device slots)}); its rows stay pinned until the pipeline's release
+        self._staged: tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], int] = (0, {}, -1)
+        # batches released by the pipeline without the lock: their pins drop at the next locked
+        # section (staging or any store call), after their hits are told
+        self._pending_unpins: collections.deque = collections.deque()
+        # device hits of lock-free gathers, not yet told (a deque: append and popleft are atomic)
+        self._pending_hits: collections.deque[torch.Tensor] = collections.deque()
+        self.prefetch_stats = PrefetchStats()
+        self._last_sources = (0, 0, 0)
+        self._marks: np.ndarray | None = None  # scratch for `_distinct_resident`, one per device slot
+        # feature name -> table, registered by TieredEmbeddingBagCollection (None: ambiguous);
+        # lets a Prefetcher over the store read jagged batches keyed by feature
+        self.feature_tables: dict[str, str | None] = {}
+        self._prefetchers: weakref.WeakSet = weakref.WeakSet()  # stopped when the store closes
+        self.fused = _st.HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
+        from ..policies import make_policy
+
+        make_policy(policy, 0)  # an unknown policy is refused before the store is touched
+        self.backend = LmdbBackend(self.path, map_limit=limit)
+        try:
+            self._check_config(tables, add_tables)
+            self.backend.open_tables(names)
+            self.device_tier = SlabTier("device", dcap, width, policy, self.device)
+            self.host_tier = SlabTier("host", hcap, width, policy, "cpu",
+                                      pin_memory=self.device.type == "cuda")
+        except BaseException:
+            self.backend.close()
+            raise
+        self.policy = policy
+        self.width = width
+        self.tables = {t.name: _Table(t, i, name_key(seed, t.name)) for i, t in enumerate(tables)}
+        self._by_index = [self.tables[n] for n in names]
+        try:  # table name -> admission state, for tables with an admission config
+            self._admission = _adm.open_admission(self)
+            self._expiry = _exp.Expiry(self)  # cutoffs per table, ttl expiry points, its deleter
+        except BaseException:
+            self.backend.close()
+            raise
+        self.ssd_stats = SsdStats()
+        # read-ahead buffers of the prefetch pipeline: table -> [(tail at read, rows, payload, found)]
+        self._readahead: dict[str, list[tuple[Any, np.ndarray, np.ndarray, np.ndarray]]] = {}
+        # seconds spent reading LMDB inside the store, on the main (training) thread and on others
+        self.io_seconds = {"training": 0.0, "background": 0.0}
+        stored = [TableSpec.from_config(self.backend.get_meta(k)) for k in self.backend.meta_keys()
+                  if k.startswith("table:")]
+        # a write-behind log left by a crash: fold it into the tables before anything reads them
+        replay(self.backend, [t.name for t in stored], [t.row_dim for t in stored])
+        self.writeback = WriteBehind(wcap, width, self._write_rows, name=f"tierstore-writer:{self.path.name}")
+        self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], log_rows,
+                            self.writeback._cv)
+        self.backend.quiesce = _weak_context(self._quiesce_writer)  # the merger holds the backend
+        self.log.start_merger(self._add_written)
+        clock = self.backend.get_meta("clock") or {}
+        self.clock = int(clock.get("value", 0))  # logical clock (store.advance), stamped on updates
+        self._clock_saved = self.clock
+        self._recorder = None
+        if record is not None:
+            from ..traces import TraceRecorder
+
+            try:
+                self._recorder = TraceRecorder(record)
+            except OSError as exc:
+                self.backend.close()
+                raise ConfigError(f"cannot record the access trace to {record!r}: {exc}") from exc
+        self._closed = False
+        _OPEN_STORES.add(self)
+
+    @property
+    def map_limit(self) -> int | None:
+        """The cap on the LMDB map (bytes), or None; raising it lets a stalled writer go on."""
+        return self.backend.map_limit
+
+    @map_limit.setter
+    def map_limit(self, value: int | str | None) -> None:
+        self.backend.map_limit = None if value is None else parse_size(value)
+
+    @property
+    def table_specs(self) -> dict[str, TableSpec]:
+        """The specs of the tables this handle serves."""
+        return {n: t.spec for n, t in self.tables.items()}

@@ -1,0 +1,113 @@
+"""TierStore's lifecycle: flush, checkpoint and restore, close, and closing stores left open at exit."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .core import FLUSH_CHUNK, _locked
+
+if TYPE_CHECKING:
+    from .handle import TierStore
+
+_OPEN_STORES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_stores() -> None:
+    """Flush and close stores still open at exit, before the interpreter tears torch down."""
+    for store in list(_OPEN_STORES):
+        try:
+            store.close()
+        except Exception:
+            pass
+
+
+class StoreLifecycle:
+    """Flushing a store down to disk, snapshotting it, and releasing it."""
+
+    @_locked
+    def flush(self) -> None:
+        """Write every dirty cached row to LMDB and sync it to disk.
+
+        Rows go down in transactions of at most `FLUSH_CHUNK` rows, so flushing a large cache
+        needs bounded extra memory; the flush is acknowledged (durable) when it returns.
+        """
+        self._live()
+        for tier in (self.device_tier, self.host_tier):
+            for slots, rows in tier.dirty_chunks(FLUSH_CHUNK):
+                self._write_down(rows.to(torch.device("cpu")))
+                tier.dirty[slots] = False
+        with self._quiesce_writer():  # drain the ring, fold the whole log into the tables
+            self.backend.publish()  # readers (tierstore.serving) now see this flush
+        for adm in self._admission.values():  # the sketches go down with the rows they gate
+            adm.save(self.backend)
+        self._expiry.save(self.backend)  # and the expiry cutoffs
+        self._save_clock()
+        self.backend.sync()
+        self._expiry.flushed()  # rows below durable ttl cutoffs may now leave LMDB
+
+    @_locked
+    def close(self) -> None:
+        """Flush dirty rows and release the store (idempotent)."""
+        if self._closed:
+            return
+        for pf in list(self._prefetchers):  # abandoned or still running pipelines: stop them
+            pf._stop_for_store()
+        self._expiry.close()
+        try:
+            self.flush()
+            self._expiry.finish()  # rows below durable ttl cutoffs the deleter did not reach
+        finally:
+            self._closed = True
+            self.log.stop_merger()
+            self.writeback.close()
+            self._readahead.clear()
+            self.backend.close()
+            if self._recorder is not None:
+                self._recorder.close()
+
+    def __enter__(self) -> TierStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort: never lose acknowledged writes to GC order
+        try:
+            if not getattr(self, "_closed", True) and not sys.is_finalizing():
+                self.close()
+        except Exception:
+            pass
+
+    def checkpoint(self, dest: str | os.PathLike, *, step: int | None = None,
+                   extra: dict | None = None, overwrite: bool = False) -> dict:
+        """Flush, then write a consistent snapshot of every table to `dest`; returns the manifest."""
+        from ..persistence import checkpoint
+
+        return checkpoint(self, dest, step=step, extra=extra, overwrite=overwrite)
+
+    @classmethod
+    def restore(cls, dest: str | os.PathLike, path: str | os.PathLike,
+                **open_kwargs: Any) -> TierStore:
+        """Replace the store at `path` with the checkpoint `dest` and open it (kwargs as __init__)."""
+        from ..persistence import restore
+
+        return restore(dest, path, **open_kwargs)
+
+
+def _weak_context(method):
+    """A context factory calling a bound method held weakly (a no-op context once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def context():
+        m = ref()
+        return m() if m is not None else contextlib.nullcontext()
+
+    return context

@@ -1,0 +1,142 @@
+"""Opening a store: its stored config checked, `TierStore.open`, and read-only looks at a store directory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..backends.lmdb_backend import DATA_NAME, LmdbBackend
+from ..config import TableSpec
+from ..errors import ConfigMismatchError, StoreNotFoundError, UnknownTableError
+from .core import FORMAT_VERSION, LAST_OPEN
+
+if TYPE_CHECKING:
+    from ..serving import ReadOnlyStore
+    from .handle import TierStore
+
+
+class StoreOpening:
+    """TierStore's configuration: the stored specs checked against the given ones, and `open`."""
+
+    def _check_config(self, tables: list[TableSpec], add_tables: bool = False) -> None:
+        store = self.backend.get_meta("store")
+        if store is not None:
+            if store.get("format_version") != FORMAT_VERSION:
+                raise ConfigMismatchError(old_format_message(self.path, store.get("format_version")))
+            if store.get("seed") != self.seed:
+                raise ConfigMismatchError(
+                    f"store {self.path} was created with seed {store.get('seed')}, given {self.seed}")
+        new: dict[str, dict] = {}
+        for spec in tables:
+            cfg = self.backend.get_meta(f"table:{spec.name}")
+            if cfg is None:
+                if store is not None and not add_tables:  # a typo must not create a table for good
+                    stored = sorted(k[len("table:"):] for k in self.backend.meta_keys()
+                                    if k.startswith("table:"))
+                    raise UnknownTableError(
+                        f"store {self.path} has no table {spec.name!r}; it holds {stored} "
+                        "(pass add_tables=True to add a new table)")
+                new[f"table:{spec.name}"] = spec.to_config()
+                continue
+            problems = _mismatch(TableSpec.from_config(cfg), spec)
+            if problems:
+                raise ConfigMismatchError(
+                    f"table {spec.name!r} in {self.path} was stored with another config: "
+                    + "; ".join(problems))
+        if store is None:
+            new["store"] = {"format_version": FORMAT_VERSION, "seed": self.seed}
+        old = self.backend.get_meta(LAST_OPEN) or {}  # each table's specs at its latest open
+        last = {**old, **{t.name: t.to_config() for t in tables}}
+        if last != old:
+            new[LAST_OPEN] = last
+        if new:
+            self.backend.put_meta(new)
+            self.backend.sync()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, device_capacity: int | str = "64MiB",
+             host_capacity: int | str | None = None, policy: str = "lru",
+             device: torch.device | str | None = None, map_limit: int | str | None = None,
+             readonly: bool = False, write_buffer: int | str | None = None,
+             write_log: int | str | None = None) -> TierStore | ReadOnlyStore:
+        """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none).
+
+        `readonly=True` returns a `tierstore.serving.ReadOnlyStore` (any process, while a writer
+        has the store open; only `host_capacity`, `policy` and `device` apply). `host_capacity`
+        defaults to 512MiB for a writer and 64MiB (weights only) for a read-only handle.
+        """
+        if readonly:  # a serving handle on the writer's last flush: docs/serving.md
+            return _open_readonly(path, "64MiB" if host_capacity is None else host_capacity,
+                                  policy, device)
+        host_capacity = "512MiB" if host_capacity is None else host_capacity
+        specs, seed = stored_config(path)
+        return cls(path, specs, device_capacity=device_capacity, host_capacity=host_capacity,
+                   policy=policy, seed=seed, device=device, map_limit=map_limit,
+                   write_buffer=write_buffer, write_log=write_log)
+
+
+def _mismatch(stored: TableSpec, given: TableSpec) -> list[str]:
+    """Fields that make a stored table incompatible with the given spec."""
+    out = []
+    for field in ("num_rows", "dim", "dtype"):
+        if getattr(stored, field) != getattr(given, field):
+            out.append(f"{field}: stored {getattr(stored, field)!r}, given {getattr(given, field)!r}")
+    if stored.optimizer.kind != given.optimizer.kind:
+        out.append(f"optimizer: stored {stored.optimizer.kind!r}, given {given.optimizer.kind!r}")
+    if stored.init != given.init:
+        out.append(f"init: stored {stored.init!r}, given {given.init!r}")
+    if stored.admission != given.admission:
+        out.append(f"admission: stored {stored.admission!r}, given {given.admission!r}")
+    return out
+
+
+def _open_readonly(path: str | os.PathLike, host_capacity: int | str, policy: str,
+                   device: torch.device | str | None) -> ReadOnlyStore:
+    """`TierStore.open(path, readonly=True)`: a ReadOnlyStore on the store or quantized export."""
+    from ..serving import ReadOnlyStore
+
+    if not (Path(path) / DATA_NAME).is_file():
+        raise StoreNotFoundError(f"no tierstore store at {path} (no {DATA_NAME})")
+    return ReadOnlyStore(path, host_capacity=host_capacity, policy=policy, device=device)
+
+
+def old_format_message(path: str | os.PathLike, version: object) -> str:
+    """The error text for a store written in another on-disk format version."""
+    if version == 1:
+        return (f"store {path} has on-disk format version 1 (rows without checksums and stamps); "
+                f"this tierstore reads version {FORMAT_VERSION}. Convert it in place with "
+                f"`tierstore upgrade {path}` (the store must be closed)")
+    return (f"store {path} has on-disk format version {version!r}; this tierstore reads version "
+            f"{FORMAT_VERSION}")
+
+
+def stored_config(path: str | os.PathLike) -> tuple[list[TableSpec], int]:
+    """The table specs (creation order of names aside) and seed recorded in a store directory."""
+    p = Path(path)
+    if not (p / DATA_NAME).is_file():
+        raise StoreNotFoundError(f"no tierstore store at {p} (no {DATA_NAME}); "
+                                 "create one with TierStore(path, tables)")
+    backend = LmdbBackend(p, readonly=True)
+    try:
+        store = backend.get_meta("store")
+        specs = [TableSpec.from_config(backend.get_meta(k)) for k in backend.meta_keys()
+                 if k.startswith("table:")]
+    finally:
+        backend.close()
+    if store is None or not specs:
+        raise StoreNotFoundError(f"{p} holds LMDB data but no tierstore tables")
+    return specs, int(store["seed"])
+
+
+def open_tables(path: str | os.PathLike) -> Iterable[TableSpec]:
+    """The table specs stored in a store directory (read-only; no lock taken)."""
+    backend = LmdbBackend(path, readonly=True)
+    try:
+        return [TableSpec.from_config(backend.get_meta(k)) for k in backend.meta_keys()
+                if k.startswith("table:")]
+    finally:
+        backend.close()

@@ -1,0 +1,164 @@
+"""TierStore's row API (read, gather, apply, apply_unique, apply_bags) and its argument checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import admission as _adm
+from .. import validate
+from ..bagpaths import Gathered
+from ..errors import InvalidIdsError, ShapeError, StoreClosedError, UnknownTableError
+from ..fused import BatchUpdate
+from .core import _locked, _Table
+
+
+class RowApi:
+    """The public row operations, each over a batch of ids of one table, under the store lock."""
+
+    # validation -----------------------------------------------------------------------------
+    def _live(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.path} is closed")
+
+    def _table(self, table: str) -> _Table:
+        self._live()
+        try:
+            return self.tables[table]
+        except (KeyError, TypeError):
+            raise UnknownTableError(
+                f"unknown table {table!r}; this store has {sorted(self.tables)}") from None
+
+    def _ids(self, tab: _Table, ids: Any) -> torch.Tensor:
+        return validate.row_ids(tab.spec, ids)
+
+    def _grads(self, tab: _Table, grads: Any, n: int) -> torch.Tensor:
+        if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
+            raise ShapeError("grads must be a floating-point tensor")
+        if tuple(grads.shape) != (n, tab.spec.dim):
+            raise ShapeError(f"grads must have shape ({n}, {tab.spec.dim}) for table "
+                             f"{tab.spec.name!r}, got {tuple(grads.shape)}")
+        return validate.gradients(tab.spec, grads.detach().to(dtype=torch.float32))
+
+    # public API ---------------------------------------------------------------------------
+    @_locked
+    def read(self, table: str, ids: Any) -> torch.Tensor:
+        """Current embedding rows [n, dim] (float32, store device); never-written rows are lazy."""
+        tab = self._table(table)
+        ids = self._ids(tab, ids)
+        self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:
+            return _adm.read_masked(self, tab, ids, mask)
+        return self._read(tab, ids)
+
+    def _read(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor:
+        dev = self.device_tier
+        # probe one id first: a batch that misses the device tier skips the full lookup
+        probe = ids[:1].to(dev.device)
+        if ids.numel() and dev.size and int(dev.lookup(tab.tix.to(dev.device), probe, count=False)) >= 0:
+            slots = self._resident_slots(tab, ids)
+            if slots is not None:  # fast path: one lookup and one gather
+                return tab.spec.codec.gather(dev.slab, slots, tab.spec.dim)
+        g = self._gather(tab, ids)
+        return g.weights.index_select(0, g.inverse.to(g.weights.device))
+
+    @_locked
+    def gather(self, table: str, ids: Any) -> Gathered:
+        """Make a batch's rows resident (device tier first) and return them deduplicated."""
+        tab = self._table(table)
+        ids = self._ids(tab, ids)
+        self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:
+            return _adm.gather_masked(self, tab, ids, mask)
+        return self._gather(tab, ids)
+
+    @_locked
+    def apply(self, table: str, ids: Any, grads: torch.Tensor) -> None:
+        """One optimizer step on the rows of `ids`; duplicate ids' gradients are summed first."""
+        tab = self._table(table)
+        ids = self._ids(tab, ids)
+        grads = self._grads(tab, grads, ids.numel())
+        if ids.numel() == 0:
+            return
+        self._record(table, ids)
+        mask = self._admit(tab, ids)
+        if mask is not None:  # updates of ids not admitted yet are discarded
+            keep = torch.from_numpy(mask)
+            ids, grads = ids[keep], grads[keep]
+            if ids.numel() == 0:
+                return
+        grads = grads.cpu()
+        dev = self.device_tier
+        n = ids.numel()
+        slots = dev.lookup(tab.tix.to(dev.device), ids.to(dev.device), count=False)
+        iota = self._distinct_resident(slots)
+        if iota is not None:
+            # fast path: every row device-resident, none repeated: update in place, input order
+            dev.count_lookups(n, n)
+            self._last_sources = (n, 0, 0)
+            dev.touch(slots)
+            BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, iota, grads,
+                        use_kernel=self.fused, dtype=tab.spec.dtype).apply(dev.slab, slots)
+            self._stamp(tab, dev.slab, slots)
+            dev.mark_dirty(slots)
+            return
+        uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        # the device slots of the unique rows, from the lookup above (repeats carry equal slots)
+        uslots = torch.empty_like(slots[: uniq.numel()]).index_copy_(0, inv.to(slots.device), slots)
+        self._access(tab, uniq, BatchUpdate(tab.spec.optimizer, tab.spec.dim, uniq.numel(), inv,
+                                            grads, use_kernel=self.fused, dtype=tab.spec.dtype),
+                     dslots=uslots)
+
+    @_locked
+    def apply_unique(self, table: str, unique: torch.Tensor, grads: torch.Tensor) -> None:
+        """One optimizer step on sorted unique ids (as from `gather`) with one gradient per id."""
+        tab = self._table(table)
+        unique = self._ids(tab, unique)
+        grads = self._grads(tab, grads, unique.numel())
+        if unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
+            raise InvalidIdsError("apply_unique needs sorted unique ids; use apply() otherwise")
+        mask = self._admitted(tab, unique)  # gather's second half: counted by the gather
+        if mask is not None:
+            keep = torch.from_numpy(mask)
+            unique, grads = unique[keep], grads[keep]
+        if unique.numel():
+            n = unique.numel()
+            self._access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, torch.arange(n),
+                                                  grads.cpu(), use_kernel=self.fused,
+                                                  dtype=tab.spec.dtype))
+
+    @_locked
+    def apply_bags(self, table: str, unique: torch.Tensor, inverse: torch.Tensor,
+                   offsets: torch.Tensor, grad_out: torch.Tensor,
+                   per_sample_weights: torch.Tensor | None = None, mode: str = "sum") -> None:
+        """One optimizer step from the output gradient of an embedding bag over gathered rows.
+
+        `unique`/`inverse` come from `gather` (ids == unique[inverse]); `offsets` start each bag;
+        `grad_out` is [bags, dim]. Gradients are summed per row in input order and the update is
+        fused (one pass over the rows, in place where they live).
+        """
+        tab = self._table(table)
+        unique = self._ids(tab, unique)
+        inverse, offsets, grad_out, psw = validate.bags(tab.spec, unique, inverse, offsets,
+                                                        grad_out, per_sample_weights, mode)
+        self._apply_bags(tab, Gathered(unique, inverse, grad_out[:0]), offsets, grad_out, psw, mode)
+
+    # admission and tracing ----------------------------------------------------------------
+    def _admit(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
+        """Count `ids` for admission; the admitted mask over them, or None when all are."""
+        adm = self._admission.get(tab.spec.name)
+        return None if adm is None else adm.count(ids)
+
+    def _admitted(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
+        """The admitted mask over `ids` without counting them, or None when all are."""
+        adm = self._admission.get(tab.spec.name)
+        return None if adm is None else adm.admitted_mask(ids)
+
+    def _record(self, table: str, ids: torch.Tensor) -> None:
+        """Append the requested ids to the access trace, when recording."""
+        if self._recorder is not None:
+            self._recorder.record(table, ids)
