@@ -9,6 +9,7 @@ misses. With THP in "madvise" mode (a common default) memory must ask for them, 
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 import torch
@@ -18,10 +19,9 @@ HUGE = 2 << 20
 MIN_BYTES = 8 << 20  # below this the TLB covers the tensor anyway
 
 
-def _libc_madvise():
-    """libc's madvise, or None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
+@functools.cache
+def libc_madvise():
+    """libc's madvise(2) as a ctypes function (looked up once), or None where libc has none."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):  # pragma: no cover
@@ -31,7 +31,7 @@ def _libc_madvise():
     return fn
 
 
-_MADVISE = _libc_madvise()
+_MADVISE = libc_madvise() if sys.platform.startswith("linux") else None  # huge pages: Linux only
 
 
 def advise_huge(t: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import lmdb
 
+from .._memory import libc_madvise
 from ..errors import OutOfSpaceError
 from . import lmdb_backend as _lb
 
@@ -148,20 +149,5 @@ _PAGESIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 def _madvise(addr: int, length: int, advice: int) -> int:
     """libc madvise(2); -1 when unavailable."""
-    fn = _libc_madvise()
+    fn = libc_madvise()
     return -1 if fn is None else int(fn(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice))
-
-
-_MADVISE: list = []
-
-
-def _libc_madvise():
-    if not _MADVISE:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = None
-        _MADVISE.append(fn)
-    return _MADVISE[0]
