@@ -69,14 +69,15 @@ class Compaction:
 
         The new file is written next to the old one, fsynced, and renamed over it; a crash at
         any point leaves the old file or the new one, both complete. Returns (bytes before,
-        bytes after).
+        bytes after): before is the file once the write-behind ring is drained and the log
+        merged (an earlier size would leave out rows still in the ring).
         """
         if self.readonly:
             raise TierstoreError(f"store {self.path} is open read-only; cannot compact it")
         self.wait_for_copies()
-        before = self.disk_bytes()
         with self.quiesce(), self._exclusive():
             self.sync()
+            before = self.disk_bytes()
             tables = list(self._dbs)
             dbs = self._named_dbs()
             tmp = self.path / f"{_lb.COMPACT_PREFIX}{uuid.uuid4().hex[:8]}"
