@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .common import OUT_DIR, save, table
-from .training import FRACTIONS, TierstoreRunner, Workload
+from .training import FRACTIONS, TierstoreRunner, Workload, add_cache_options
 
 
 def thread_cpu() -> dict[tuple[int, str], float]:
@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "with a repeating pool a log longer than one cycle of evictions absorbs "
                         "every rewrite, and a large --write-log looks far cheaper than it is)")
     p.add_argument("--write-log", default=None, help="TierStore(write_log=...): rows or a size")
+    add_cache_options(p)
     p.add_argument("--workdir", default=None, help="where the store lives (default: under --out)")
     p.add_argument("--out", default=str(OUT_DIR))
     return p.parse_args(argv)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     wl = Workload(args.tables, args.rows, args.dim, args.batch, args.max_len, args.alpha, args.pool)
     wlog = int(args.write_log) if args.write_log and args.write_log.isdigit() else args.write_log
     runner = TierstoreRunner(wl, args.config, work, FRACTIONS[args.config], "populated",
-                             write_log=wlog)
+                             write_log=wlog, split=args.split, policy=args.policy)
     try:
         for i in range(args.warmup):
             runner.step(i)
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, sec in cpu1.items():
         threads[key[1]] = threads.get(key[1], 0.0) + (sec - cpu0.get(key, 0.0)) * per
     record = {"config": args.config, "steps": args.steps, "warmup": args.warmup,
+              "capacity": runner.capacity, "policy": args.policy,
               "write_log": args.write_log, "ms_per_step": wall * per,
               "disk_mb_per_step": (wb1 - wb0) / args.steps / 1e6,
               "cpu_ms_per_step": {k: v for k, v in sorted(threads.items(), key=lambda x: -x[1]) if v > 0},

@@ -99,7 +99,8 @@ class TierstoreRunner(Runner):
     """TieredEmbeddingBagCollection over a TierStore with the given cache capacities."""
 
     def __init__(self, wl: Workload, name: str, work: Path, frac: float | None, init: str,
-                 depth: int = 2, log=print, write_log: int | str | None = None) -> None:
+                 depth: int = 2, log=print, write_log: int | str | None = None,
+                 split: str = "even", policy: str = "lru") -> None:
         self.name, self.wl = name, wl
         self.depth = depth
         total = wl.tables * wl.rows
@@ -107,12 +108,14 @@ class TierstoreRunner(Runner):
                  for n in wl.names]
         if frac is None:
             dcap, hcap = total, 0
+        elif split == "device":  # one cache tier: on a CPU-only machine both tiers are host memory
+            dcap, hcap = max(1, int(total * frac)), 0
         else:
             dcap = hcap = max(1, int(total * frac / 2))
         self.capacity = {"device": dcap, "host": hcap}
         self.path = work / name
         self.store = TierStore(self.path, specs, device_capacity=dcap, host_capacity=hcap,
-                               write_log=write_log)
+                               write_log=write_log, policy=policy)
         self.init = "lazy (touched rows preloaded into the device tier)" if frac is None else init
         t0 = time.perf_counter()
         if frac is None:
@@ -355,6 +358,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--write-log", default=None, type=lambda v: int(v) if v.isdigit() else v,
                    help="TierStore(write_log=...): rows (or a size) of the write-behind log; "
                         "default: the store's")
+    add_cache_options(p)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quick", action="store_true", help="a short run: 8 x 100k rows, batch 512")
     args = p.parse_args(argv)
@@ -365,6 +369,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 FRACTIONS = {"tierstore_resident": None, "tierstore_cache10": 0.10, "tierstore_cache1": 0.01}
+
+
+def add_cache_options(p: argparse.ArgumentParser) -> None:
+    """The cache options bench.training and bench.steady share: the tier split and the policy."""
+    p.add_argument("--split", choices=("even", "device"), default="even",
+                   help="how a cacheN config splits its rows: half device tier, half host tier "
+                        "(even), or all in the device tier, host tier empty (device: on a "
+                        "CPU-only machine both tiers are host memory, and each miss then moves "
+                        "once instead of twice)")
+    p.add_argument("--policy", default="lru", help="the cache policy of both tiers")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                 runners.append(TorchRunner(wl))
             elif name in FRACTIONS:
                 runners.append(TierstoreRunner(wl, name, work, FRACTIONS[name], args.init,
-                                               depth=args.depth, write_log=args.write_log))
+                                               depth=args.depth, write_log=args.write_log,
+                                               split=args.split, policy=args.policy))
             else:
                 raise SystemExit(f"unknown config {name!r}")
         for n in threads:
@@ -405,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                 recs = measure(runners, wl, n, args.warmup, args.blocks, args.steps, prof)
             for runner, rec in zip(runners, recs):
                 if isinstance(runner, TierstoreRunner):
-                    rec.update(capacity=runner.capacity, init=runner.init, setup_s=runner.setup_s,
+                    rec.update(capacity=runner.capacity, policy=args.policy,
+                               init=runner.init, setup_s=runner.setup_s,
                                depth=runner.depth, stats=runner.store.stats(),
                                memory=runner.store.memory())
                 records.append(rec)

@@ -110,3 +110,16 @@ def test_bench_steady_smoke(tmp_path):
     assert _positive(rec["cpu_ms_per_step"]["MainThread"])
     assert rec["counters_per_step"]["rows_read"] > 0  # 10% caches: the steps miss
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_steady_")]
+    assert rec["capacity"] == {"device": 400, "host": 400} and rec["policy"] == "lru"
+
+
+def test_bench_steady_puts_the_whole_cache_in_the_device_tier_when_told(tmp_path):
+    from bench import steady
+
+    rc = steady.main(["--config", "tierstore_cache10", "--rows", "4000", "--tables", "2",
+                      "--batch", "64", "--steps", "2", "--warmup", "1", "--split", "device",
+                      "--policy", "s3fifo", "--out", str(tmp_path)])
+    assert rc == 0
+    (rec,) = _load(tmp_path / "steady_tierstore_cache10.json")
+    assert rec["capacity"] == {"device": 800, "host": 0} and rec["policy"] == "s3fifo"
+    assert rec["counters_per_step"]["rows_read"] > 0
