@@ -21,7 +21,7 @@ def run_one(rows: int, args: argparse.Namespace, admission: str = "none") -> dic
     """Train once in a fresh process (so peak RSS is this run's) and return its summary."""
     tag = "" if admission == "none" else "_" + admission.replace(":", "_")
     run_dir = Path(args.work) / f"scale_{rows}{tag}"
-    out = OUT / f"scale_{rows}{tag}.json"
+    out = Path(args.out) / f"scale_{rows}{tag}.json"
     cmd = [sys.executable, "-m", "integration.train", "--tables", f"uniform:{rows}",
            "--steps", str(args.steps), "--batch", str(args.batch), "--hot", str(args.hot),
            "--alpha", str(args.alpha), "--device-capacity", args.device_capacity,
@@ -65,9 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--admission", default="none",
                     help="comma-separated admission settings to run each size with, e.g. none,count:2")
     ap.add_argument("--eval-batches", type=int, default=2)
+    ap.add_argument("--out", default=str(OUT), help="where the JSON and PNG files go")
     args = ap.parse_args(argv)
+    out_dir = Path(args.out)
     rows = [int(float(x)) for x in args.rows.split(",")]
-    OUT.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for n in rows:
         for adm in args.admission.split(","):
@@ -107,15 +109,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{max(r['checkpoint_over_raw'] for r in results):.2f} compacted checkpoint (< 1.5)")
     record = {"bench": "scale", "machine": platform.platform(), "cpus": os.cpu_count(),
               "args": vars(args), "results": results}
-    (OUT / "scale.json").write_text(json.dumps(record, indent=2))
-    print(f"wrote {OUT / 'scale.json'}")
+    (out_dir / "scale.json").write_text(json.dumps(record, indent=2))
+    print(f"wrote {out_dir / 'scale.json'}")
     labels = [f"{r['rows_per_table']:.0e} rows/table" for r in results]
-    bar_plot(OUT / "scale.png", labels,
+    bar_plot(out_dir / "scale.png", labels,
              {"throughput vs first": [r["throughput_vs_first"] for r in results],
               "anon GiB over caches": [r["anon_over_caches_gib"] for r in results],
               "disk / raw bytes": [r["disk_over_raw"] for r in results]},
              "ratio", "DLRM trainer at growing table sizes (same skew)")
-    print(f"wrote {OUT / 'scale.png'}")
+    print(f"wrote {out_dir / 'scale.png'}")
     return 0
 
 

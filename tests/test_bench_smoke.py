@@ -123,3 +123,16 @@ def test_bench_steady_puts_the_whole_cache_in_the_device_tier_when_told(tmp_path
     (rec,) = _load(tmp_path / "steady_tierstore_cache10.json")
     assert rec["capacity"] == {"device": 800, "host": 0} and rec["policy"] == "s3fifo"
     assert rec["counters_per_step"]["rows_read"] > 0
+
+
+def test_bench_scale_writes_where_told(tmp_path):
+    from bench import scale
+
+    out = tmp_path / "out"
+    rc = scale.main(["--rows", "1e4", "--steps", "2", "--batch", "32", "--hot", "500",
+                     "--eval-batches", "1", "--work", str(tmp_path / "runs"), "--out", str(out)])
+    assert rc == 0
+    record = json.loads((out / "scale.json").read_text())
+    (result,) = record["results"]
+    assert result["rows_per_table"] == 10_000 and result["throughput_vs_first"] == 1.0
+    assert (out / "scale.png").stat().st_size > 0 and (out / "scale_10000.json").exists()
