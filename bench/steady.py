@@ -71,7 +71,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="distinct pre-generated batches (default: warmup + steps, so none repeats: "
                         "with a repeating pool a log longer than one cycle of evictions absorbs "
                         "every rewrite, and a large --write-log looks far cheaper than it is)")
-    p.add_argument("--write-log", default=None, help="TierStore(write_log=...): rows or a size")
     add_cache_options(p)
     p.add_argument("--workdir", default=None, help="where the store lives (default: under --out)")
     p.add_argument("--out", default=str(OUT_DIR))
@@ -89,9 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_steady_", dir=args.workdir or out_dir))
     args.pool = args.pool or args.warmup + args.steps
     wl = Workload(args.tables, args.rows, args.dim, args.batch, args.max_len, args.alpha, args.pool)
-    wlog = int(args.write_log) if args.write_log and args.write_log.isdigit() else args.write_log
     runner = TierstoreRunner(wl, args.config, work, FRACTIONS[args.config], "populated",
-                             write_log=wlog, split=args.split, policy=args.policy)
+                             write_log=args.write_log, split=args.split, policy=args.policy)
     try:
         for i in range(args.warmup):
             runner.step(i)

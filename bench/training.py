@@ -159,6 +159,7 @@ class TierstoreRunner(Runner):
         """Cumulative I/O and pipeline counters (differences over the timed steps go in the record)."""
         st = self.store
         pf, wb = st.prefetch_stats, st.writeback
+        read_fg = st.ssd_stats.lookups - pf.rows_read_ahead  # read at use: no read-ahead buffer held them
         return {"lmdb_training_s": st.io_seconds["training"],
                 "lmdb_background_s": st.io_seconds["background"],
                 "stall_s": pf.stall_seconds,
@@ -166,9 +167,8 @@ class TierstoreRunner(Runner):
                 "writer_s": wb.writer_seconds, "readahead_s": pf.read_seconds,
                 "stage_s": pf.stage_seconds, "writeback_wait_s": wb.wait_seconds,
                 # rows read below the caches once each: by the pipeline's readers ahead of use,
-                # plus those read at use that no read-ahead buffer held (`rows_read_fg`)
-                "rows_read": pf.rows_read_ahead_from_ssd + st.ssd_stats.lookups - pf.rows_read_ahead,
-                "rows_read_fg": st.ssd_stats.lookups - pf.rows_read_ahead,
+                # plus those read at use
+                "rows_read": pf.rows_read_ahead_from_ssd + read_fg, "rows_read_fg": read_fg,
                 "rows_written": wb.rows_written,
                 "rows_merged": st.log.rows_merged}
 
@@ -355,9 +355,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--profile", action="store_true", help="also cProfile one block per config")
     p.add_argument("--depth", type=int, default=2, help="prefetch depth of the tierstore configs")
-    p.add_argument("--write-log", default=None, type=lambda v: int(v) if v.isdigit() else v,
-                   help="TierStore(write_log=...): rows (or a size) of the write-behind log; "
-                        "default: the store's")
     add_cache_options(p)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quick", action="store_true", help="a short run: 8 x 100k rows, batch 512")
@@ -372,13 +369,16 @@ FRACTIONS = {"tierstore_resident": None, "tierstore_cache10": 0.10, "tierstore_c
 
 
 def add_cache_options(p: argparse.ArgumentParser) -> None:
-    """The cache options bench.training and bench.steady share: the tier split and the policy."""
+    """The store options bench.training and bench.steady share: tier split, policy, log size."""
     p.add_argument("--split", choices=("even", "device"), default="even",
                    help="how a cacheN config splits its rows: half device tier, half host tier "
                         "(even), or all in the device tier, host tier empty (device: on a "
                         "CPU-only machine both tiers are host memory, and each miss then moves "
                         "once instead of twice)")
     p.add_argument("--policy", default="lru", help="the cache policy of both tiers")
+    p.add_argument("--write-log", default=None, type=lambda v: int(v) if v.isdigit() else v,
+                   help="TierStore(write_log=...): rows (or a size) of the write-behind log; "
+                        "default: the store's")
 
 
 def main(argv: list[str] | None = None) -> int:

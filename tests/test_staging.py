@@ -39,7 +39,7 @@ def test_add_pins_matches_index_add_then_clamp(slots, delta, start):
 @given(st.integers(0, 12), st.integers(0, 12),
        st.lists(st.lists(st.integers(0, 30), max_size=25), min_size=1, max_size=5))
 def test_staged_slots_equal_a_fresh_lookup(tmp_path_factory, dcap, hcap, batches):
-    """After `_stage`, `_last_staged` holds every row's device slot (-1 off the device), as a
+    """`_stage_many` gives every row's device slot (-1 off the device), as a
     lookup right then would; unpinning the batches by slot leaves no pin behind."""
     path = tmp_path_factory.mktemp("s")
     spec = ts.TableSpec("a", 100, 3, optimizer=ts.SGD(0.1))
@@ -51,8 +51,7 @@ def test_staged_slots_equal_a_fresh_lookup(tmp_path_factory, dcap, hcap, batches
             for ids in batches:
                 uniq = torch.unique(torch.tensor(ids, dtype=torch.int64))
                 epoch = dev.pin_epoch
-                d, h, s = store._stage(tab, uniq)
-                got = store._last_staged
+                (((d, h, s), got),) = store._stage_many([(tab, uniq)])
                 want = dev.lookup(tab.tix, uniq, count=False)
                 assert torch.equal(got, want)
                 assert d + h + s == uniq.numel()
@@ -122,8 +121,8 @@ def test_unpin_by_slot_falls_back_to_lookups_when_the_epoch_moved(tmp_path):
         with store._lock:
             uniq = torch.arange(5)
             epoch = dev.pin_epoch
-            store._stage(tab, uniq)
-            slots = store._last_staged.clone()
+            ((_, slots),) = store._stage_many([(tab, uniq)])
+            slots = slots.clone()
             # a pinned row leaves the device (the epoch moves): the slots no longer name the rows
             moved = dev.remove(slots[:2])
             assert dev.pin_epoch != epoch

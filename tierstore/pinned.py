@@ -142,18 +142,11 @@ class PinnedSteps:
         return True
 
     # staging (called by tierstore.prefetch with the store lock held) ---------------------
-    def _stage(self, tab: _Table, uniq: torch.Tensor) -> tuple[int, int, int]:
-        """Bring sorted unique rows up the hierarchy and pin them; returns (device, host, ssd).
-
-        Leaves the rows' device slots in `_last_staged` (-1 for rows that overflowed to the host).
-        """
-        ((sources, self._last_staged),) = self._stage_many([(tab, uniq)])
-        self._last_sources = sources
-        return sources
-
     def _stage_many(self, items: list[tuple[_Table, torch.Tensor]]
                     ) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
-        """`_stage` for a batch's tables at once: ((device, host, ssd), device slots or -1) each.
+        """Bring each table's sorted unique rows up the hierarchy and pin them, all tables at
+        once: ((device, host, ssd) counts, device slots or -1 where a row overflowed to the
+        host) per table.
 
         The keys of all tables go through each step together: one device lookup, one pin of the
         hits, one host lookup and removal of the misses it holds, the rest loaded table by

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import OutOfSpaceError
 from . import lmdb_backend as _lb
-from .record import CHECK_BYTES, open_records, seal
+from .record import CHECK_BYTES, open_records, open_values, seal
 
 
 class TableRows:
@@ -103,14 +103,9 @@ class TableRows:
                                          f"store {self.path}, ")
                 found[dest] = True
             return out, found
+        # an empty stored value counts as stored: the size check reports it
         hit = np.fromiter(map(operator.is_not, vals, repeat(None)), dtype=bool, count=n)
-        nhit = int(np.count_nonzero(hit))
-        if nhit:
-            # filter(None) drops the misses (and an empty stored value, caught by the size check)
-            dest = order if nhit == n else order[hit]
-            blob = np.frombuffer(b"".join(filter(None, vals)), dtype=np.uint8)
-            out[dest] = open_records(table, rows[dest], blob, width, f"store {self.path}, ")
-            found[dest] = True
+        open_values(table, rows, order, vals, hit, out, found, f"store {self.path}, ")
         return out, found
 
     def put(self, batches: dict[str, tuple[np.ndarray, np.ndarray]], sealed: bool = False) -> int:

@@ -130,3 +130,19 @@ def open_records(table: str, keys: np.ndarray, blob: np.ndarray, w: int, where: 
             f"{where}table {table!r}: row {int(keys[bad[0]])} failed its checksum ({bad.size} damaged "
             f"row(s) in this read); the store file is damaged")
     return body.view(np.float32)
+
+
+def open_values(table: str, rows: np.ndarray, order: np.ndarray, vals: list, hit: np.ndarray,
+                out: np.ndarray, found: np.ndarray, where: str = "") -> None:
+    """Verify and decode stored values read in key order into `out` / `found` (in place).
+
+    `vals[i]` is the value of row `rows[order[i]]`; `hit[i]` says which values count as stored
+    (an empty value the caller counts as stored fails the size check). `out` is [n, w] float32.
+    """
+    nhit = int(np.count_nonzero(hit))
+    if not nhit:
+        return
+    dest = order if nhit == len(order) else order[hit]
+    blob = np.frombuffer(b"".join(filter(None, vals)), dtype=np.uint8)  # the stored ones, in order
+    out[dest] = open_records(table, rows[dest], blob, out.shape[1], where)
+    found[dest] = True

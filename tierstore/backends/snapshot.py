@@ -36,7 +36,7 @@ import numpy as np
 from ..errors import StoreCorruptError, TierstoreError
 from .lmdb_backend import DATA_NAME, META_DB, encode_keys
 from .publish import PUBLISH_DB, PUBLISHED, UNDO_PREFIX
-from .record import open_records
+from .record import open_values
 
 LOCK_FILE = "lock.mdb"
 _RETRIES = 50
@@ -334,12 +334,7 @@ class SnapshotReader:
             self._abort()
             raise SnapshotLostError(f"{self.path}: snapshot lost ({exc})") from exc
         hit = np.fromiter(map(operator.truth, vals), dtype=bool, count=n)  # None and b"": absent
-        nhit = int(np.count_nonzero(hit))
-        if nhit:
-            dest = order if nhit == n else order[hit]
-            blob = np.frombuffer(b"".join(filter(None, vals)), dtype=np.uint8)
-            out[dest] = open_records(table, rows[dest], blob, width, f"store {self.path}, ")
-            found[dest] = True
+        open_values(table, rows, order, vals, hit, out, found, f"store {self.path}, ")
         return out, found
 
     def _read(self, db, undo, keys: list[bytes]) -> list:
