@@ -161,3 +161,21 @@ def test_version_1_stores_are_refused_then_upgraded_in_place(tmp_path, capsys):
         s.apply("t", torch.tensor([2]), torch.ones(1, 6))
     with ts.TierStore(tmp_path / "old", spec, device="cpu", device_capacity=64, host_capacity=64) as s:
         assert not torch.equal(s.read("t", torch.tensor([2])), torch.from_numpy(payload[:1, :6]))
+
+
+def test_version_2_stores_are_upgraded_by_the_cli_and_idempotently(tmp_path, capsys):
+    spec = ts.TableSpec("t", 10**6, 6)
+    with ts.TierStore(tmp_path / "s", spec, device="cpu", device_capacity=4, host_capacity=4) as s:
+        s.apply("t", torch.arange(50), torch.ones(50, 6))
+        want = s.read("t", torch.arange(50))
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=8)
+    meta = env.open_db(META_DB)
+    with env.begin(write=True, db=meta) as txn:
+        txn.put(b"store", json.dumps({**json.loads(txn.get(b"store")), "format_version": 2}).encode())
+    env.close()
+    assert cli_main(["upgrade", str(tmp_path / "s")]) == 0
+    assert "converted 0 rows" in capsys.readouterr().out  # its log was empty: nothing to merge
+    assert upgrade_store(tmp_path / "s")["upgraded"] is False
+    with ts.TierStore(tmp_path / "s", spec, device="cpu", device_capacity=4, host_capacity=4) as s:
+        assert s.backend.get_meta("store")["format_version"] == 3
+        assert torch.equal(s.read("t", torch.arange(50)), want)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -243,31 +244,91 @@ def _leave_a_log(path, version_rows: dict[int, int]) -> dict[int, torch.Tensor]:
     return {int(r): torch.from_numpy(pay[i, : SPEC.dim]) for i, r in enumerate(rows)}, wal
 
 
-def test_a_log_left_behind_is_replayed_on_open_chunks_and_one_row_values(tmp_path):
-    """Chunked log values and the one-row values of logs written before chunks both replay."""
+def _legacy_log_value(row: int, value: float, wal) -> bytes:
+    """A one-row log value as logs wrote them before chunks."""
+    from tierstore.backends.record import seal
+
+    rec = np.zeros(SPEC.row_dim, dtype=np.float32)
+    rec[: SPEC.dim] = value
+    body = seal(np.array([row]), rec[None, :])[0].tobytes()
+    head = np.array([wal.table_id("t"), 0], dtype=np.uint32).tobytes() + \
+        np.array([row], dtype="<i8").tobytes()
+    return head + body
+
+
+def test_a_log_left_behind_is_replayed_on_open_and_its_files_removed(tmp_path):
     path = tmp_path / "s"
     want, wal = _leave_a_log(path, {r: float(r) + 0.5 for r in range(0, 9000, 3)})
-    import lmdb as _lmdb
-
-    env = _lmdb.open(str(path), max_dbs=4096, subdir=True)
-    db = env.open_db(wal.LOG_DB)
-    with env.begin(write=True, db=db) as txn:  # one older-format entry past the chunks
-        rec = np.zeros(SPEC.row_dim, dtype=np.float32)
-        rec[: SPEC.dim] = 7.25
-        from tierstore.backends.record import seal
-
-        body = seal(np.array([5]), rec[None, :])[0].tobytes()
-        head = np.array([wal.table_id("t"), 0], dtype=np.uint32).tobytes() + \
-            np.array([5], dtype="<i8").tobytes()
-        txn.put((10**9).to_bytes(8, "big"), head + body, append=True)
-    env.close()
-    want[5] = torch.full((SPEC.dim,), 7.25)
+    assert (path / "wlog" / "data.mdb").exists()  # the log's own environment
     with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
         assert s.log.size == 0  # replayed and emptied
+        assert wal.merged_through(s.backend) == max(want) // 3  # 3000 entries: seq 0..2999
+        assert s.log.next == 3000  # new entries continue past the merged ones
         ids = torch.tensor(sorted(want))
         got = s.read("t", ids)
         for i, r in enumerate(ids.tolist()):
             assert torch.equal(got[i], want[r]), r
+    assert not (path / "wlog").exists()  # an empty log leaves no file behind at close
+
+
+def test_a_format_2_store_with_its_log_in_the_tables_environment_is_converted(tmp_path):
+    """Format 2 kept the log (chunks, and one-row values before chunks) in the tables' own
+    environment: a writable open merges and drops it, and the store becomes format 3."""
+    import json
+
+    import lmdb as _lmdb
+
+    from tierstore.backends.lmdb_backend import META_DB
+
+    path = tmp_path / "s"
+    want, wal = _leave_a_log(path, {r: float(r) + 0.5 for r in range(0, 9000, 3)})
+    log_env = _lmdb.open(str(path / "wlog"), max_dbs=4, subdir=True)
+    with log_env.begin(db=log_env.open_db(wal.LOG_DB)) as txn:
+        chunks = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+    log_env.close()
+    shutil.rmtree(path / "wlog")
+    env = _lmdb.open(str(path), max_dbs=4096, subdir=True)
+    db = env.open_db(wal.LOG_DB)
+    meta = env.open_db(META_DB)
+    with env.begin(write=True) as txn:
+        for k, v in chunks:
+            txn.put(k, v, db=db, append=True)
+        txn.put((10**9).to_bytes(8, "big"), _legacy_log_value(5, 7.25, wal), db=db, append=True)
+        store = json.loads(txn.get(b"store", db=meta))
+        txn.put(b"store", json.dumps({**store, "format_version": 2}).encode(), db=meta)
+    env.close()
+    want[5] = torch.full((SPEC.dim,), 7.25)
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        assert s.backend.get_meta("store")["format_version"] == ts.store.FORMAT_VERSION == 3
+        ids = torch.tensor(sorted(want))
+        got = s.read("t", ids)
+        for i, r in enumerate(ids.tolist()):
+            assert torch.equal(got[i], want[r]), r
+    env = _lmdb.open(str(path), max_dbs=4096, subdir=True, readonly=True)
+    with pytest.raises(_lmdb.NotFoundError):
+        env.open_db(wal.LOG_DB, create=False)  # the old log is gone from the tables' file
+    env.close()
+
+
+def test_log_entries_the_tables_record_as_merged_are_not_replayed(tmp_path):
+    """After an OS crash the log's unsynced file may come back older than the tables: holding
+    entries a merge already folded in and deleted, older than rows the tables have since. The
+    tables' `merged_through` record keeps replay from writing them back."""
+    path = tmp_path / "s"
+    _leave_a_log(path, {r: 1.0 for r in range(100)})
+    old_log = (path / "wlog" / "data.mdb").read_bytes()  # the log holding version 1.0
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        ids = torch.arange(100)
+        s.apply("t", ids, torch.ones(100, SPEC.dim))  # newer versions, merged at the flush
+        s.flush()
+        want = s.read("t", ids)
+        assert not torch.equal(want[:, 0], torch.ones(100))
+    (path / "wlog").mkdir()
+    (path / "wlog" / "data.mdb").write_bytes(old_log)  # the stale log file comes back
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        assert torch.equal(s.read("t", torch.arange(100)), want)
+        assert s.log.next > 100  # and sequence numbers go on past every merged one
+    assert not (path / "wlog").exists()
 
 
 def test_a_damaged_log_chunk_is_reported(tmp_path):
@@ -275,7 +336,7 @@ def test_a_damaged_log_chunk_is_reported(tmp_path):
     _, wal = _leave_a_log(path, {r: 1.0 for r in range(100)})
     import lmdb as _lmdb
 
-    env = _lmdb.open(str(path), max_dbs=4096, subdir=True)
+    env = _lmdb.open(str(path / "wlog"), max_dbs=4, subdir=True)
     db = env.open_db(wal.LOG_DB)
     with env.begin(write=True, db=db) as txn:
         key, val = next(iter(txn.cursor()))
@@ -284,6 +345,18 @@ def test_a_damaged_log_chunk_is_reported(tmp_path):
         txn.put(key, bytes(bad))
     env.close()
     with pytest.raises(ts.StoreCorruptError):
+        ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+    # the failed open released the store: the next one gets the same clear error, not a lock error
+    with pytest.raises(ts.StoreCorruptError):
+        ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+
+
+def test_a_truncated_log_file_is_reported(tmp_path):
+    path = tmp_path / "s"
+    _leave_a_log(path, {r: 1.0 for r in range(5000)})
+    data = path / "wlog" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(ts.StoreCorruptError, match="log"):
         ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
 
 
@@ -686,3 +759,38 @@ def test_kill_during_a_merge_loses_nothing_the_log_held(tmp_path, monkeypatch, p
         s.check()
     want = (rows % 997 + 2).to(torch.float32)[:, None].expand(-1, 4)
     assert torch.equal(got, want)
+
+
+def test_restoring_a_checkpoint_over_a_crash_left_log_never_replays_that_log(tmp_path):
+    """The log left by a crash after a checkpoint belongs to the replaced file: restore removes
+    it first, so its newer entries are not replayed onto the checkpoint's rows."""
+    path = tmp_path / "s"
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        s.apply("t", torch.arange(100), torch.ones(100, SPEC.dim))
+        s.checkpoint(tmp_path / "ck")
+        want = s.read("t", torch.arange(100))
+    _leave_a_log(path, {r: 9.0 for r in range(100)})  # rows after the checkpoint, then a kill
+    with ts.TierStore.restore(tmp_path / "ck", path, device="cpu", device_capacity=0,
+                              host_capacity=0) as s:
+        assert torch.equal(s.read("t", torch.arange(100)), want)
+
+
+def test_export_and_offline_compaction_of_a_crash_left_store_see_the_rows_in_its_log(tmp_path):
+    from tierstore.export import export_store, import_store
+    from tierstore.persistence import compact
+
+    for how in ("export", "compact"):
+        path = tmp_path / how
+        want, _ = _leave_a_log(path, {r: float(r) + 0.25 for r in range(0, 3000, 7)})
+        if how == "export":
+            export_store(path, tmp_path / "exp")
+            import_store(tmp_path / "exp", tmp_path / "imp")
+            path = tmp_path / "imp"
+        else:
+            compact(path)
+        assert not (path / "wlog").exists()
+        with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+            ids = torch.tensor(sorted(want))
+            got = s.read("t", ids)
+            for i, r in enumerate(ids.tolist()):
+                assert torch.equal(got[i], want[r]), (how, r)

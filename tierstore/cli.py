@@ -80,8 +80,11 @@ def _forwarded() -> dict[str, tuple[str, str]]:
 def _upgrade(args: argparse.Namespace) -> int:
     from .backends.upgrade import upgrade_store
 
+    from .store import FORMAT_VERSION
+
     report = upgrade_store(args.path)
-    state = f"converted {report['rows']} rows" if report["upgraded"] else "already at format 2"
+    state = f"converted {report['rows']} rows" if report["upgraded"] else \
+        f"already at format {FORMAT_VERSION}"
     print(f"{report['path']}: {state}")
     return 0
 
@@ -194,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=fmt)
     p.add_argument("dest")
     p.set_defaults(func=_checkpoint_verify)
-    p = sub.add_parser("upgrade", help="convert a closed store of on-disk format 1 to format 2",
+    p = sub.add_parser("upgrade", help="convert a closed store of on-disk format 1 or 2 to format 3",
                        formatter_class=fmt)
     p.add_argument("path")
     p.set_defaults(func=_upgrade)

@@ -23,6 +23,7 @@ import numpy as np
 import zstandard
 
 from .backends.lmdb_backend import LmdbBackend, lmdb_errors
+from .backends.wal import replay_stored
 from .config import TableSpec, parse_size
 from .errors import ConfigError, ConfigMismatchError, StoreCorruptError, TierstoreError
 from .persistence import (
@@ -94,6 +95,11 @@ def _source(src: TierStore | str | os.PathLike) -> Iterator[tuple[LmdbBackend, A
             backend = LmdbBackend(path, readonly=True)
         else:
             backend = LmdbBackend(path)  # takes the writer lock: nobody changes it meanwhile
+            try:  # a write-behind log left by a crash holds the newest versions of its rows
+                replay_stored(backend)
+            except BaseException:
+                backend.close()
+                raise
         owned = True
     try:
         txn = backend.snapshot()
@@ -111,7 +117,7 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
                  overwrite: bool = False) -> dict:
     """Dump every table of a store (or checkpoint) to `dest` as compressed shards; the manifest."""
     from . import __version__
-    from .store import FORMAT_VERSION
+    from .store import FORMAT_VERSION, ROW_FORMATS
 
     dest = Path(dest)
     shard_bytes = parse_size(shard_bytes)
@@ -124,7 +130,7 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
     with lmdb_errors(src.path if hasattr(src, "path") else src), _source(src) as (backend, txn):
         meta = backend.snapshot_meta(txn)
         store_meta = meta.get("store") or {}
-        if store_meta.get("format_version") != FORMAT_VERSION:
+        if store_meta.get("format_version") not in ROW_FORMATS:
             raise ConfigMismatchError(
                 f"store format version {store_meta.get('format_version')!r}; this tierstore "
                 f"exports version {FORMAT_VERSION}")

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import validate
 from .backends.lmdb_backend import LOCK_NAME, LmdbBackend, lmdb_errors
+from .backends.lmdb_log import unlink_log_dir
+from .backends.wal import replay_stored
 from .config import TableSpec
 from .errors import (
     ConfigError,
@@ -422,9 +424,9 @@ def read_manifest(dest: str | os.PathLike) -> dict:
     recover_dest(dest)
     manifest = load_manifest(dest, MANIFEST, "checkpoint", CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
                              " (use `tierstore export` to move across versions)")
-    from .store import FORMAT_VERSION
+    from .store import FORMAT_VERSION, ROW_FORMATS
 
-    if manifest.get("store_format_version") != FORMAT_VERSION:
+    if manifest.get("store_format_version") not in ROW_FORMATS:  # 2 is converted when opened
         raise ConfigMismatchError(
             f"checkpoint {dest} holds a store of format version "
             f"{manifest.get('store_format_version')!r}; this tierstore reads {FORMAT_VERSION}")
@@ -552,6 +554,10 @@ def restore(dest: str | os.PathLike, path: str | os.PathLike, **open_kwargs: Any
         try:
             want = manifest["files"][DATA]
             _copy_verified(src, tmp, int(want["bytes"]), str(want["sha256"]))
+            # a write-behind log left by a crash belongs to the replaced file: it goes first, so
+            # its entries are never replayed onto the checkpoint's rows (a crash between leaves
+            # the old store at its last flush, which its crash guarantee allows)
+            unlink_log_dir(path)
             (path / "lock.mdb").unlink(missing_ok=True)  # reader table of the replaced file, first
             os.replace(tmp, path / DATA)  # (a reader never pairs the new file with the old table)
             fsync_dir(path)
@@ -579,6 +585,7 @@ def compact(path: str | os.PathLike) -> dict:
     t0 = time.perf_counter()
     backend = LmdbBackend(path)
     try:
+        replay_stored(backend)  # a write-behind log left by a crash is folded in first
         before, after = backend.compact(reopen=False)
     finally:
         backend.close()

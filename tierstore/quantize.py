@@ -96,7 +96,7 @@ def export_quantized(src: TierStore | str | os.PathLike, dest: str | os.PathLike
     import json
 
     from .export import MANIFEST, _source
-    from .store import FORMAT_VERSION
+    from .store import FORMAT_VERSION, ROW_FORMATS
 
     _check_dtype(dtype)
     dest = Path(dest)
@@ -105,7 +105,7 @@ def export_quantized(src: TierStore | str | os.PathLike, dest: str | os.PathLike
     with _source(src) as (backend, txn):
         meta = backend.snapshot_meta(txn)
         store_meta = meta.get("store") or {}
-        if store_meta.get("format_version") != FORMAT_VERSION:
+        if store_meta.get("format_version") not in ROW_FORMATS:
             raise ConfigMismatchError(
                 f"store format version {store_meta.get('format_version')!r}; this tierstore "
                 f"exports version {FORMAT_VERSION}")

@@ -2,7 +2,7 @@
 
 `LmdbBackend` opens the environment, holds the writer's lock file, reads and writes the
 metadata, syncs and closes; its other parts are mixins by concept: `lmdb_tables` (row reads,
-writes and commits), `lmdb_log` (the write-behind log's database), `lmdb_map` (the map's size
+writes and commits), `lmdb_log` (the write-behind log's own environment), `lmdb_map` (the map's size
 and resident pages), `lmdb_compact` (compaction) and `lmdb_snapshots` (snapshots and their
 copies). The module's constants stay here, where tests and benchmarks set them; the mixins read
 them from this module at call time.
@@ -179,7 +179,6 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
         """Open the LMDB environment and its metadata database (releases the lock on failure)."""
         self._map_gen += 1
         self._pages: PageReader | None = None
-        self._log_db = None  # the write-behind log's handle belongs to one environment
         if not hasattr(self, "quiesce"):
             # set by the store: a context in which no background thread writes (the writer is
             # drained and held), so a compaction cannot lose a write made to the old file
@@ -325,8 +324,12 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
                 return int(txn.stat(db)["entries"])
 
     def disk_bytes(self) -> int:
-        """Size of the data file on disk (allocated blocks)."""
-        p = self.path / "data.mdb"
+        """Bytes the store takes on disk: the tables' file and the write-behind log's (allocated)."""
+        return self.data_bytes() + self.log_bytes()
+
+    def data_bytes(self) -> int:
+        """Size of the tables' data file on disk (allocated blocks)."""
+        p = self.path / DATA_NAME
         return p.stat().st_blocks * 512 if p.exists() else 0
 
     def sync(self) -> None:
@@ -350,11 +353,14 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
             if not self.readonly:
                 try:
                     env.sync(True)
-                except lmdb.Error:
+                    if self.log_is_empty():  # merged and synced: the log's file goes
+                        self.drop_log_env()
+                except (lmdb.Error, TierstoreError, OSError):
                     pass
+                self.close_log_env()  # a log not merged stays for the next open's replay
                 if self._wrote and self.compact_on_close is not None:
                     try:
-                        disk = self.disk_bytes()
+                        disk = self.data_bytes()
                         if disk >= _COMPACT_MIN_BYTES and \
                                 disk > self.compact_on_close * self.estimate_compact_bytes():
                             self.compact(reopen=False)

@@ -77,7 +77,7 @@ class Compaction:
         self.wait_for_copies()
         with self.quiesce(), self._exclusive():
             self.sync()
-            before = self.disk_bytes()
+            before = self.data_bytes()
             tables = list(self._dbs)
             dbs = self._named_dbs()
             tmp = self.path / f"{_lb.COMPACT_PREFIX}{uuid.uuid4().hex[:8]}"
@@ -108,7 +108,7 @@ class Compaction:
                 if self.env is None and reopen:
                     self._open_env()
                     self.open_tables(tables)
-        return before, self.disk_bytes()
+        return before, self.data_bytes()
 
 
 def fsync_path(path: Path) -> None:

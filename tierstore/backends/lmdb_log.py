@@ -1,58 +1,167 @@
-"""The SSD tier's side of the write-behind log: the log database's I/O (the log itself is wal.py).
+"""The SSD tier's side of the write-behind log: its own LMDB environment (the log itself is wal.py).
 
-`LogIO` is the `LmdbBackend` mixin that the log (wal.py) calls: it opens the log's database in
-the current environment, appends chunks past the log's end (`MDB_APPEND`, growing the map as
-needed), reads chunks as zero-copy buffers inside one read transaction, and deletes merged ones.
+`LogIO` is the `LmdbBackend` mixin that the log (wal.py) calls. The log lives in a second LMDB
+environment, `<store>/wlog/`, beside the tables' `data.mdb`: its free list then holds only
+whole freed chunks, each a run of the pages a new chunk needs, instead of the pages the merges'
+copy-on-writes fragment (a shared file spent a third of the writer's time searching that free
+list: BENCHMARKS.md, session 8). The mixin opens that environment on demand, appends chunks past
+the log's end (`MDB_APPEND`, growing its map as needed), reads chunks as zero-copy buffers
+inside one read transaction, deletes merged ones, and removes the environment's files once the
+log is empty (`drop_log_env`). Its commits are never synced: what the log's file holds after an
+OS crash is bounded by the tables' record of the log merged through (`wal.MERGED_KEY`), so only
+the tables' environment needs a sync for a flush to be durable (docs/persistence.md).
 """
 
 from __future__ import annotations
 
+import shutil
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 import lmdb
 
+from ..errors import OutOfSpaceError, StoreCorruptError
+from . import lmdb_backend as _lb
+
+LOG_DIR = "wlog"  # the log's environment, inside the store's directory
+LOG_DB = b"__tierstore_log__"  # the log's database (in the tables' environment before format 3)
+_LOG_INITIAL_MAP = 256 << 20
+
 
 class LogIO:
-    """Transactions on the write-behind log's database (an `LmdbBackend` mixin)."""
+    """The write-behind log's environment and its transactions (an `LmdbBackend` mixin)."""
 
-    def log_db(self, name: bytes) -> object:
-        """The write-behind log's database handle in the current environment (opened on demand)."""
-        if self._log_db is None:
-            self._log_db = self.open_named(name, create=not self.readonly)
-        return self._log_db
+    _wlog: lmdb.Environment | None = None
+    _wlog_db: object = None
+
+    @property
+    def log_path(self) -> Path:
+        """Directory of the log's LMDB environment."""
+        return self.path / LOG_DIR
+
+    def log_env(self, create: bool = True) -> lmdb.Environment | None:
+        """The log's environment (opened on demand; None when it does not exist and not `create`)."""
+        if self._wlog is None:
+            path = self.log_path
+            data = path / _lb.DATA_NAME
+            if not data.exists() and (not create or self.readonly):
+                return None
+            path.mkdir(exist_ok=True)
+            start = _LOG_INITIAL_MAP if self.map_limit is None else min(_LOG_INITIAL_MAP, self.map_limit)
+            try:
+                env = lmdb.open(str(path), map_size=start, max_dbs=4, subdir=True, sync=False,
+                                metasync=False, readahead=False, meminit=False)
+            except lmdb.Error as exc:
+                raise StoreCorruptError(f"cannot open the write-behind log of {self.path}: "
+                                        f"{exc}") from exc
+            need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            if data.stat().st_size < need:
+                env.close()
+                raise StoreCorruptError(f"store {self.path}: the write-behind log's file is "
+                                        f"truncated ({data.stat().st_size} bytes, LMDB needs {need})")
+            self._wlog = env
+        return self._wlog
+
+    def log_db(self, name: bytes, create: bool = True) -> object:
+        """The log database's handle in the log's environment (None when it does not exist)."""
+        if self._wlog_db is None:
+            env = self.log_env(create)
+            if env is None:
+                return None
+            try:
+                with env.begin(write=True) as txn:  # see `open_named`: never open_db without one
+                    self._wlog_db = env.open_db(name, txn=txn, create=create)
+            except lmdb.NotFoundError:
+                return None
+            except lmdb.Error as exc:
+                self._raise_io(exc)
+        return self._wlog_db
 
     def append_log(self, db: object, keys: list[bytes], vals: list[bytes]) -> int:
         """Append entries under increasing keys past the log's end in one transaction; returns bytes."""
         total = sum(map(len, vals)) + 8 * len(keys)
-        self._ensure_room(total)
-        self._wrote = True
-        self._check_space(total // 4096 + len(keys) + 1)  # pages: values this large overflow
+        env = self.log_env()
+        info, stat = env.info(), env.stat()
+        if (info["last_pgno"] + 1) * stat["psize"] + 2 * total + (1 << 20) > info["map_size"]:
+            self._grow_log(total)
         while True:
             try:
-                with self.env.begin(write=True, db=db) as txn:
+                with env.begin(write=True, db=db) as txn:
                     txn.cursor().putmulti(zip(keys, vals), append=True)
                 return total
             except lmdb.MapFullError:
-                self._grow(total)
+                self._grow_log(total)
             except lmdb.Error as exc:
                 self._raise_io(exc)
 
-    def log_chunks(self, db: object, keys: list[bytes], use: Callable[[list], object]) -> object:
+    def _grow_log(self, incoming: int) -> None:
+        """Double the log environment's map (readers of it wait; `map_limit` caps it too)."""
+        env = self._wlog
+        with self._exclusive():
+            cur = env.info()["map_size"]
+            used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            new = max(2 * cur, used + 4 * incoming + (1 << 20))
+            if self.map_limit is not None:
+                if cur >= self.map_limit:
+                    raise OutOfSpaceError(f"store {self.path}: the write-behind log reached the "
+                                          f"map limit of {self.map_limit} bytes")
+                new = min(new, self.map_limit)
+            try:
+                env.set_mapsize(new)
+            except lmdb.Error as exc:
+                self._raise_io(exc)
+
+    def log_chunks(self, db: object, keys: list[bytes], use: Callable[[list], object],
+                   env: lmdb.Environment | None = None) -> object:
         """`use(values)` of log keys inside one read transaction (values are zero-copy buffers of
-        the map, valid only inside `use`; None where absent: merged meanwhile); returns its result."""
+        the map, valid only inside `use`; None where absent: merged meanwhile); returns its result.
+        `env`: the environment holding `db` (None: the log's own)."""
         with self.reading():
             try:
-                with self.env.begin(db=db, buffers=True) as txn:
+                with (env or self._wlog).begin(db=db, buffers=True) as txn:
                     return use([txn.get(k) for k in keys])
             except lmdb.Error as exc:
                 self._raise_io(exc)
 
     def delete_log(self, db: object, keys: list[bytes]) -> None:
         """Delete merged log chunks in one transaction."""
-        self._wrote = True
         try:
-            with self.env.begin(write=True, db=db) as txn:
+            with self._wlog.begin(write=True, db=db) as txn:
                 deque(map(txn.delete, keys), maxlen=0)  # a C loop over the keys
         except lmdb.Error as exc:
             self._raise_io(exc)
+
+    def log_bytes(self) -> int:
+        """Allocated bytes of the log's file on disk (0 when there is none)."""
+        p = self.log_path / _lb.DATA_NAME
+        return p.stat().st_blocks * 512 if p.exists() else 0
+
+    def close_log_env(self) -> None:
+        """Close the log's environment (its file stays)."""
+        if self._wlog is not None:
+            self._wlog.close()
+        self._wlog = None
+        self._wlog_db = None
+
+    def drop_log_env(self) -> None:
+        """Close the log's environment and remove its files; callers check the log is merged
+        (the tables record it merged through its last entry), so nothing in it is needed."""
+        self.close_log_env()
+        unlink_log_dir(self.path)
+
+    def log_is_empty(self) -> bool:
+        """Whether the log's environment holds no entry (or does not exist)."""
+        db = self.log_db(LOG_DB, create=False)
+        if db is None:
+            return True
+        with self.reading(), self._wlog.begin(db=db) as txn:
+            return not txn.stat(db)["entries"]
+
+
+def unlink_log_dir(path: Path) -> None:
+    """Remove a closed store's log environment (before its tables' file is replaced: restore)."""
+    log = Path(path) / LOG_DIR
+    if log.exists():
+        shutil.rmtree(log)
+        _lb.fsync_path(Path(path))

@@ -1,4 +1,4 @@
-"""In-place conversion of a closed store from on-disk format version 1 to version 2."""
+"""In-place conversion of a closed store of an older on-disk format (1 or 2) to the current one (3)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,17 @@ _CHUNK = 16384
 
 
 def upgrade_store(path: str | os.PathLike) -> dict:
-    """Rewrite a version-1 store (rows without stamp or checksum) as version 2; returns a report.
+    """Convert a closed store of format 1 or 2 to format 3 in place; returns a report.
 
-    Each row gets a last-update stamp of 0 and its checksum. The new file is written beside the
-    old one, synced, and renamed over it: a crash leaves the old store or the new one, whole.
-    A store already at version 2 is left as it is.
+    Format 1 (rows without stamp or checksum): each row gets a last-update stamp of 0 and its
+    checksum; the new file is written beside the old one, synced, and renamed over it, so a
+    crash leaves the old store or the new one, whole. Format 2 (the write-behind log inside the
+    tables' file): its log is merged into the tables and dropped, then the version is bumped
+    (a writable `TierStore` open does the same). A store already at format 3 is left as it is.
     """
+    from ..store.core import FORMAT_VERSION
+    from .wal import replay_stored
+
     path = Path(path)
     backend = LmdbBackend(path)  # the writer lock: nobody else has the store open
     try:
@@ -33,11 +38,16 @@ def upgrade_store(path: str | os.PathLike) -> dict:
         if store is None:
             raise TierstoreError(f"{path} holds no tierstore store")
         version = store.get("format_version")
-        if version == 2:
+        if version == FORMAT_VERSION:
             return {"path": str(path), "upgraded": False, "rows": 0}
+        if version == 2:
+            rows = replay_stored(backend)
+            backend.put_meta({"store": {**store, "format_version": FORMAT_VERSION}})
+            backend.sync()
+            return {"path": str(path), "upgraded": True, "rows": rows}
         if version != 1:
             raise ConfigMismatchError(f"store {path} has format version {version!r}; "
-                                      "this tierstore converts version 1 only")
+                                      "this tierstore converts versions 1 and 2")
         specs = {f"t:{k[6:]}".encode(): TableSpec.from_config(backend.get_meta(k))
                  for k in backend.meta_keys() if k.startswith("table:")}
         tmp = path / f".upgrade-{uuid.uuid4().hex[:8]}"
@@ -80,10 +90,12 @@ def upgrade_store(path: str | os.PathLike) -> dict:
 
 
 def _upgraded_meta(key: bytes, value: bytes) -> bytes:
+    from ..store.core import FORMAT_VERSION
+
     if key != b"store":
         return value
     rec = json.loads(value)
-    rec["format_version"] = 2
+    rec["format_version"] = FORMAT_VERSION
     return json.dumps(rec, sort_keys=True).encode()
 
 

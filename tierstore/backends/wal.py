@@ -1,9 +1,9 @@
-"""The write-behind log: rows appended in arrival order to a log database inside the LMDB env.
+"""The write-behind log: rows appended in arrival order to a log database in its own LMDB env.
 
 The writer thread appends each batch it takes from the write-behind ring to the database
-`__tierstore_log__` (`MDB_APPEND`: full pages, no random B-tree update), then folds the oldest
-part of the log into the tables in large key-sorted batches (`merge`), so each leaf page of a
-table absorbs many rows at once.
+`__tierstore_log__` of the log's environment (`<store>/wlog/`, `lmdb_log.py`; `MDB_APPEND`:
+full pages, no random B-tree update), then folds the oldest part of the log into the tables in
+large key-sorted batches (`merge`), so each leaf page of a table absorbs many rows at once.
 
 Every row has a sequence number. The log stores rows in *chunks*: one LMDB value of up to
 `CHUNK_ROWS` consecutive rows of one entry size, under the 8-byte big-endian sequence number of
@@ -14,10 +14,17 @@ make an append, a merge's read and its delete a handful of LMDB calls and byte c
 one Python object and B-tree operation per row (values this large live in LMDB's overflow pages,
 written whole). An in-memory hash index maps each (table, row) with a version in the log to the
 sequence number of its newest version; it holds at most `capacity` entries (the log is merged
-before it holds more), so its memory is bounded by the log's size. On open, a log left by a
-crash is merged into the tables before anything else (`replay`, which also reads the one-row
-values of logs written before chunks): appends are committed transactions, so the log holds
-whole chunks only; a merge that was cut short is simply done again (rows are idempotent).
+before it holds more), so its memory is bounded by the log's size.
+
+The two environments share no transaction, so every merge records in the tables' environment
+the sequence number it merged through (`MERGED_KEY`) after its rows and before it deletes its
+chunks, and sequence numbers never restart below that record. On open, a log left by a crash is
+merged into the tables before anything else (`replay`): entries at or below the record are
+already in the tables and skipped (after an OS crash the log's unsynced file may come back
+older than the tables), a merge that was cut short is simply done again (rows are idempotent),
+and the log's files are removed once the tables hold it all. A store of format version 2 kept
+its log inside the tables' environment; `replay` merges and drops that one too (the conversion
+to format 3 needs nothing else).
 """
 
 from __future__ import annotations
@@ -32,11 +39,13 @@ import lmdb
 import numpy as np
 import torch
 
+from ..config import TableSpec
 from ..errors import StoreCorruptError
 from ..index import HashIndex
+from .lmdb_log import LOG_DB
 from .record import open_records, row_checks
 
-LOG_DB = b"__tierstore_log__"
+MERGED_KEY = "log"  # metadata record of the tables: {"merged_through": last merged sequence number}
 HEADER = 16  # table id u32, pad u32, row id i64
 CHUNK_MAGIC = b"TSLC"
 CHUNK_HEADER = 16  # magic, entry size u32, count u32, pad u32
@@ -71,7 +80,8 @@ class WriteLog:
         self.index = HashIndex(self.capacity)
         self.seq_of = np.full(self.capacity, -1, dtype=np.int64)  # index slot -> sequence number
         self.lock = lock  # the write-behind ring's condition: guards the index
-        self.next = self._last() + 1  # next sequence number
+        # next sequence number: past the log's end and past every number merged before
+        self.next = max(self._last(), merged_through(backend)) + 1
         self.merged = self.next  # sequence numbers below are merged (or were never appended)
         # the chunks not yet merged, oldest first: first sequence number, row count, entry size
         self._chunks = np.zeros((0, 3), dtype=np.int64)
@@ -96,7 +106,8 @@ class WriteLog:
 
     def _last(self) -> int:
         """The last sequence number in the log (-1 when empty; the log is replayed before this)."""
-        with self.backend.reading(), self.backend.env.begin(db=self.db) as txn:
+        db = self.db
+        with self.backend.reading(), self.backend.log_env().begin(db=db) as txn:
             cur = txn.cursor()
             if not cur.last():
                 return -1
@@ -256,6 +267,7 @@ class WriteLog:
 
         written, merged, (slots, seqs) = fold(self.backend, self.db, chunks, self.names,
                                               self.row_dims, self.ids, newest)
+        record_merged(self.backend, hi - 1)  # the tables hold the log through hi - 1
         self.backend.delete_log(self.db, _seq_keys(chunks[:, 0]))
         with self.lock:
             still = self.seq_of[slots] == seqs  # not re-appended meanwhile
@@ -395,7 +407,7 @@ def parse_blob(sel: np.ndarray, blob: np.ndarray, ids: np.ndarray, row_dims: lis
 
 
 def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int], ids: np.ndarray,
-         newest: Callable) -> tuple[int, int, tuple[np.ndarray, np.ndarray]]:
+         newest: Callable, env=None) -> tuple[int, int, tuple[np.ndarray, np.ndarray]]:
     """Write the newest versions held by these log chunks (first, count, entry size) into the
     tables, in key order; returns (bytes written, rows written, what `newest` gave for them).
 
@@ -403,7 +415,8 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
     table is rewritten once per merge however many of its rows the merge holds; the records are
     gathered from the mapped chunks in pieces of at most `MERGE_ROWS` rows of one table, so the
     merge's memory is its keys (~40 bytes a row) plus one piece. `newest(tabs, rows, seqs)` gives
-    (mask of the entries to write, a per-entry value returned with those entries).
+    (mask of the entries to write, a per-entry value returned with those entries). `env` is the
+    environment holding `db` (None: the log's own; the tables' for a log of format 2).
     """
     keys = _seq_keys(chunks[:, 0])
     path = backend.path
@@ -416,7 +429,7 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
             out.append((tabs, rows, np.arange(first, first + count, dtype=np.int64)))
         return [np.concatenate(c) for c in zip(*out)]
 
-    tabs, rows, seqs = backend.log_chunks(db, keys, headers)
+    tabs, rows, seqs = backend.log_chunks(db, keys, headers, env)
     keep, extra = newest(tabs, rows, seqs)
     sel = np.flatnonzero(keep)
     # key order: by table, then row (row ids are < 2**63; one argsort per table present)
@@ -432,13 +445,14 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
         t = int(tabs[order[lo]])
         for a in range(lo, end, MERGE_ROWS):
             part = order[a : min(a + MERGE_ROWS, end)]
-            recs = _gather(backend, db, chunks, seqs[part], HEADER + 4 * row_dims[t] + 4, path)
+            recs = _gather(backend, db, chunks, seqs[part], HEADER + 4 * row_dims[t] + 4, path, env)
             open_records(names[t], rows[part], recs, row_dims[t], f"store {path}, ")  # verified
             written += backend.put({names[t]: (rows[part], recs)}, sealed=True)
     return written, len(sel), (extra[sel], seqs[sel])
 
 
-def _gather(backend, db, chunks: np.ndarray, seqs: np.ndarray, size: int, path: object) -> np.ndarray:
+def _gather(backend, db, chunks: np.ndarray, seqs: np.ndarray, size: int, path: object,
+            env=None) -> np.ndarray:
     """Records (uint8 [n, size - HEADER]) of log entries by sequence number, copied out of the map."""
     at = np.searchsorted(chunks[:, 0], seqs, side="right") - 1
     by, used, bounds = _by_chunk(at, np.arange(len(seqs)))
@@ -452,36 +466,88 @@ def _gather(backend, db, chunks: np.ndarray, seqs: np.ndarray, size: int, path: 
             mine = by[bounds[i] : bounds[i + 1]]
             out[mine] = blob[seqs[mine] - chunks[c, 0], HEADER:]
 
-    backend.log_chunks(db, _seq_keys(chunks[used, 0]), copy)
+    backend.log_chunks(db, _seq_keys(chunks[used, 0]), copy, env)
     return out
+
+
+def merged_through(backend) -> int:
+    """The last sequence number the tables hold the log through (-1 when none was recorded)."""
+    rec = backend.get_meta(MERGED_KEY) or {}
+    value = rec.get("merged_through", -1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise StoreCorruptError(f"store {backend.path}: metadata record {MERGED_KEY!r} is damaged")
+    return value
+
+
+def record_merged(backend, last: int) -> None:
+    """Record in the tables' environment that they hold the log through sequence number `last`."""
+    backend.put_meta({MERGED_KEY: {"merged_through": int(last)}})
 
 
 def replay(backend, names: list[str], row_dims: list[int]) -> int:
     """Merge a log left by an earlier run into the tables (the newest version of each row wins).
 
-    Returns the rows written; the log is emptied in the same way as a merge (tables first, then
-    the log, so a crash during replay replays again).
+    Returns the rows written. First a log in the tables' own environment (format 2), then the
+    log's environment: its entries past the tables' `merged_through` record are folded in, the
+    record moves to the log's last entry, the tables are synced and only then are the log's
+    files removed, so a crash at any point replays again.
     """
+    ids = np.array([table_id(n) for n in names], dtype=np.uint32)
+    total = _replay_legacy(backend, names, row_dims, ids)
+    db = backend.log_db(LOG_DB, create=False)
+    if db is None:
+        backend.drop_log_env()
+        return total
+    done = merged_through(backend)
+    with backend.reading(), backend.log_env().begin(db=db, buffers=True) as txn:
+        heads = [(int.from_bytes(k, "big"), bytes(v[:CHUNK_HEADER]))
+                 for k, v in txn.cursor().iternext(keys=True, values=True)]
+    if heads:
+        if any(h[:4] != CHUNK_MAGIC or len(h) != CHUNK_HEADER for _, h in heads):
+            raise StoreCorruptError(f"write-behind log of {backend.path}: a value is not a chunk "
+                                    "(damaged log)")
+        chunks = np.array([(k, int.from_bytes(h[8:12], "little"), int.from_bytes(h[4:8], "little"))
+                           for k, h in heads], dtype=np.int64).reshape(-1, 3)
+        chunks = chunks[chunks[:, 0] + chunks[:, 1] - 1 > done]  # wholly merged: skipped
+        if len(chunks):
+            _, rows, _ = fold(backend, db, chunks, names, row_dims, ids,
+                              lambda tabs, rows, seqs: (_last_versions(tabs, rows, seqs) & (seqs > done),
+                                                        seqs))
+            total += rows
+            record_merged(backend, int(chunks[-1, 0] + chunks[-1, 1] - 1))
+            backend.sync()
+    backend.drop_log_env()
+    return total
+
+
+def replay_stored(backend) -> int:
+    """`replay` for a store opened without its specs (export, offline compaction, upgrade): the
+    tables' names and row sizes come from its metadata. Returns the rows written."""
+    specs = [TableSpec.from_config(backend.get_meta(k)) for k in backend.meta_keys()
+             if k.startswith("table:")]
+    return replay(backend, [t.name for t in specs], [t.row_dim for t in specs])
+
+
+def _replay_legacy(backend, names: list[str], row_dims: list[int], ids: np.ndarray) -> int:
+    """Merge and drop a log kept in the tables' environment (format 2); rows written."""
     try:
-        db = backend.env.open_db(LOG_DB, create=False)
+        db = backend.open_named(LOG_DB, create=False)
     except lmdb.NotFoundError:
         return 0
-    ids = np.array([table_id(n) for n in names], dtype=np.uint32)
     with backend.reading(), backend.env.begin(db=db, buffers=True) as txn:
-        if not txn.stat(db)["entries"]:
-            return 0
-        heads = [(int.from_bytes(k, "big"), bytes(v[:CHUNK_HEADER]), len(v))
+        heads = [(int.from_bytes(k, "big"), bytes(v[:CHUNK_HEADER]))
                  for k, v in txn.cursor().iternext(keys=True, values=True)]
-    if all(h[:4] == CHUNK_MAGIC for _, h, _ in heads):  # chunks: merged like a log in use
+    total = 0
+    if heads and all(h[:4] == CHUNK_MAGIC for _, h in heads):  # chunks: merged like a log in use
         chunks = np.array([(k, int.from_bytes(h[8:12], "little"), int.from_bytes(h[4:8], "little"))
-                           for k, h, _ in heads], dtype=np.int64).reshape(-1, 3)
-
+                           for k, h in heads], dtype=np.int64).reshape(-1, 3)
         _, total, _ = fold(backend, db, chunks, names, row_dims, ids,
-                           lambda tabs, rows, seqs: (_last_versions(tabs, rows, seqs), seqs))
-    else:
+                           lambda tabs, rows, seqs: (_last_versions(tabs, rows, seqs), seqs),
+                           env=backend.env)
+    elif heads:
         total = _replay_values(backend, db, names, row_dims, ids)
     with backend.env.begin(write=True) as txn:
-        txn.drop(db, delete=False)
+        txn.drop(db, delete=True)
     backend.sync()
     return total
 

@@ -14,6 +14,7 @@ from .core import (
     LAST_OPEN,
     LOG_MAX_ROWS,
     LOG_RINGS,
+    ROW_FORMATS,
     WB_SLOT_OVERHEAD,
     _locked,
     _resolve_device,
@@ -25,7 +26,7 @@ from .metrics import _proc_status
 from .opening import _mismatch, _open_readonly, old_format_message, open_tables, stored_config
 
 __all__ = [
-    "TierStore", "Gathered", "HAVE_NUMBA", "FORMAT_VERSION", "CLOCK_MAX", "WB_SLOT_OVERHEAD",
+    "TierStore", "Gathered", "HAVE_NUMBA", "FORMAT_VERSION", "ROW_FORMATS", "CLOCK_MAX", "WB_SLOT_OVERHEAD",
     "FLUSH_CHUNK", "LOG_RINGS", "LOG_MAX_ROWS", "LAST_OPEN", "_OPEN_STORES", "_Table", "_locked",
     "_resolve_device", "_mismatch", "_open_readonly", "_weak_context", "_proc_status",
     "_close_open_stores", "old_format_message", "stored_config", "open_tables",

@@ -13,7 +13,12 @@ from ..backends.lmdb_backend import lmdb_error
 from ..config import TableSpec
 from ..errors import ConfigError
 
-FORMAT_VERSION = 2  # 2: rows carry a last-update stamp column and a checksum word
+# 2: rows carry a last-update stamp column and a checksum word; 3: the write-behind log lives in
+# its own LMDB environment (`wlog/`), and the tables record the sequence number merged through
+FORMAT_VERSION = 3
+# on-disk versions whose tables hold rows this tierstore reads as they are (format 2 differs only
+# in where the write-behind log lives; a writable open converts it in place, docs/persistence.md)
+ROW_FORMATS = (2, 3)
 CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
 # bytes per write-behind ring row besides its payload: the ring's index and bookkeeping, and the
 # log index (LOG_RINGS = 8 log entries per ring row, ~30 B each)

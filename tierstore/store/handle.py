@@ -18,7 +18,7 @@ from .. import expiry as _exp
 from .. import store as _st  # the package: HAVE_NUMBA is read there, where tests patch it
 from ..backends.lmdb_backend import LmdbBackend
 from ..backends.slab import SlabTier
-from ..backends.wal import HEADER, WriteLog, replay
+from ..backends.wal import HEADER, WriteLog, replay_stored
 from ..backends.writeback import WriteBehind
 from ..bagpaths import BagPaths
 from ..cascade import TierCascade
@@ -29,7 +29,7 @@ from ..pinned import PinnedSteps
 from ..stats import PrefetchStats, SsdStats
 from ..stored_rows import StoredRows
 from .clock import StoreClock
-from .core import LOG_MAX_ROWS, LOG_RINGS, WB_SLOT_OVERHEAD, _resolve_device, _Table
+from .core import FORMAT_VERSION, LOG_MAX_ROWS, LOG_RINGS, WB_SLOT_OVERHEAD, _resolve_device, _Table
 from .lifecycle import _OPEN_STORES, StoreLifecycle, _weak_context
 from .metrics import StoreMetrics
 from .opening import StoreOpening
@@ -107,6 +107,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
 
         make_policy(policy, 0)  # an unknown policy is refused before the store is touched
         self.backend = LmdbBackend(self.path, map_limit=limit)
+        self._converting: dict | None = None  # the store record of a format-2 store (opening.py)
         try:
             self._check_config(tables, add_tables)
             self.backend.open_tables(names)
@@ -131,10 +132,14 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self._readahead: dict[str, list[tuple[Any, np.ndarray, np.ndarray, np.ndarray]]] = {}
         # seconds spent reading LMDB inside the store, on the main (training) thread and on others
         self.io_seconds = {"training": 0.0, "background": 0.0}
-        stored = [TableSpec.from_config(self.backend.get_meta(k)) for k in self.backend.meta_keys()
-                  if k.startswith("table:")]
-        # a write-behind log left by a crash: fold it into the tables before anything reads them
-        replay(self.backend, [t.name for t in stored], [t.row_dim for t in stored])
+        try:  # a write-behind log left by a crash: fold it into the tables before anything reads them
+            replay_stored(self.backend)
+            if self._converting is not None:  # format 2: its log (if any) is merged and gone
+                self.backend.put_meta({"store": {**self._converting, "format_version": FORMAT_VERSION}})
+                self.backend.sync()
+        except BaseException:
+            self.backend.close()
+            raise
         self.writeback = WriteBehind(wcap, width, self._write_rows, name=f"tierstore-writer:{self.path.name}")
         self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], log_rows,
                             self.writeback._cv)

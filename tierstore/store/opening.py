@@ -12,7 +12,7 @@ import torch
 from ..backends.lmdb_backend import DATA_NAME, LmdbBackend
 from ..config import TableSpec
 from ..errors import ConfigMismatchError, StoreNotFoundError, UnknownTableError
-from .core import FORMAT_VERSION, LAST_OPEN
+from .core import FORMAT_VERSION, LAST_OPEN, ROW_FORMATS
 
 if TYPE_CHECKING:
     from ..serving import ReadOnlyStore
@@ -25,7 +25,7 @@ class StoreOpening:
     def _check_config(self, tables: list[TableSpec], add_tables: bool = False) -> None:
         store = self.backend.get_meta("store")
         if store is not None:
-            if store.get("format_version") != FORMAT_VERSION:
+            if store.get("format_version") not in ROW_FORMATS:  # 2 is converted after replay
                 raise ConfigMismatchError(old_format_message(self.path, store.get("format_version")))
             if store.get("seed") != self.seed:
                 raise ConfigMismatchError(
@@ -49,6 +49,8 @@ class StoreOpening:
                     + "; ".join(problems))
         if store is None:
             new["store"] = {"format_version": FORMAT_VERSION, "seed": self.seed}
+        elif store.get("format_version") != FORMAT_VERSION:
+            self._converting = store  # written as format 3 once its old log is merged (handle.py)
         old = self.backend.get_meta(LAST_OPEN) or {}  # each table's specs at its latest open
         last = {**old, **{t.name: t.to_config() for t in tables}}
         if last != old:
