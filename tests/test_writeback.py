@@ -794,3 +794,20 @@ def test_export_and_offline_compaction_of_a_crash_left_store_see_the_rows_in_its
             got = s.read("t", ids)
             for i, r in enumerate(ids.tolist()):
                 assert torch.equal(got[i], want[r]), (how, r)
+
+
+def test_a_log_file_of_garbage_is_reported_and_removing_it_opens_the_last_flush(tmp_path):
+    path = tmp_path / "s"
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        s.apply("t", torch.arange(10), torch.ones(10, SPEC.dim))
+        s.flush()
+        want = s.read("t", torch.arange(10))
+    _leave_a_log(path, {r: 5.0 for r in range(10)})
+    data = path / "wlog" / "data.mdb"
+    data.write_bytes(np.random.default_rng(0).bytes(data.stat().st_size))
+    with pytest.raises(ts.StoreCorruptError, match="wlog"):
+        ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+    assert data.exists()  # the failed open changed nothing
+    shutil.rmtree(path / "wlog")
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        assert torch.equal(s.read("t", torch.arange(10)), want)

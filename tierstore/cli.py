@@ -79,7 +79,6 @@ def _forwarded() -> dict[str, tuple[str, str]]:
 
 def _upgrade(args: argparse.Namespace) -> int:
     from .backends.upgrade import upgrade_store
-
     from .store import FORMAT_VERSION
 
     report = upgrade_store(args.path)

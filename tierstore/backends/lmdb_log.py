@@ -26,7 +26,8 @@ from . import lmdb_backend as _lb
 
 LOG_DIR = "wlog"  # the log's environment, inside the store's directory
 LOG_DB = b"__tierstore_log__"  # the log's database (in the tables' environment before format 3)
-_LOG_INITIAL_MAP = 256 << 20
+_DROP_HINT = ("; removing the directory {} opens the store with its rows as of its last flush (the "
+              "rows written back since are lost)")
 
 
 class LogIO:
@@ -48,18 +49,19 @@ class LogIO:
             if not data.exists() and (not create or self.readonly):
                 return None
             path.mkdir(exist_ok=True)
-            start = _LOG_INITIAL_MAP if self.map_limit is None else min(_LOG_INITIAL_MAP, self.map_limit)
+            start = _lb._INITIAL_MAP if self.map_limit is None else min(_lb._INITIAL_MAP, self.map_limit)
             try:
                 env = lmdb.open(str(path), map_size=start, max_dbs=4, subdir=True, sync=False,
                                 metasync=False, readahead=False, meminit=False)
             except lmdb.Error as exc:
-                raise StoreCorruptError(f"cannot open the write-behind log of {self.path}: "
-                                        f"{exc}") from exc
+                raise StoreCorruptError(f"cannot open the write-behind log of {self.path}: {exc}"
+                                        f"{_DROP_HINT.format(path)}") from exc
             need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
             if data.stat().st_size < need:
                 env.close()
                 raise StoreCorruptError(f"store {self.path}: the write-behind log's file is "
-                                        f"truncated ({data.stat().st_size} bytes, LMDB needs {need})")
+                                        f"truncated ({data.stat().st_size} bytes, LMDB needs {need})"
+                                        f"{_DROP_HINT.format(path)}")
             self._wlog = env
         return self._wlog
 

@@ -101,7 +101,7 @@ class WriteLog:
 
     @property
     def db(self) -> object:
-        """The log database's handle (reopened with the environment, e.g. after a compaction)."""
+        """The log database's handle in the log's own environment (opened on first use)."""
         return self.backend.log_db(LOG_DB)
 
     def _last(self) -> int:
