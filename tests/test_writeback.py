@@ -859,3 +859,19 @@ def test_a_merge_cut_between_its_steps_replays_to_the_newest_rows(tmp_path, monk
         got = again.read("t", ids)
         for i, r in enumerate(ids.tolist()):
             assert torch.equal(got[i], want[r]), (cut, r)
+
+
+def test_a_log_whose_tables_are_gone_is_refused_not_replayed_into_a_new_store(tmp_path):
+    """data.mdb and the lock file removed, the log left behind: opening must not create a new
+    store holding the old store's logged rows."""
+    path = tmp_path / "s"
+    _leave_a_log(path, {r: 3.0 for r in range(50)})
+    (path / "data.mdb").unlink()
+    (path / "tierstore.lock").unlink()
+    with pytest.raises(ts.StoreCorruptError, match="wlog"):
+        ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+    assert (path / "wlog" / "data.mdb").exists()  # left for the user to restore or remove
+    shutil.rmtree(path / "wlog")
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        assert s.backend.count("t") == 0  # a new, empty store
+        assert not torch.equal(s.read("t", torch.arange(50))[:, 0], torch.full((50,), 3.0))

@@ -11,7 +11,7 @@ import torch
 
 from ..backends.lmdb_backend import DATA_NAME, LmdbBackend
 from ..config import TableSpec
-from ..errors import ConfigMismatchError, StoreNotFoundError, UnknownTableError
+from ..errors import ConfigMismatchError, StoreCorruptError, StoreNotFoundError, UnknownTableError
 from .core import FORMAT_VERSION, LAST_OPEN, ROW_FORMATS
 
 if TYPE_CHECKING:
@@ -24,6 +24,13 @@ class StoreOpening:
 
     def _check_config(self, tables: list[TableSpec], add_tables: bool = False) -> None:
         store = self.backend.get_meta("store")
+        if store is None and (self.backend.log_path / DATA_NAME).exists():
+            # a log is written only after its store's record: this one belongs to a store whose
+            # tables are gone, and replaying it would put that store's rows into a new one
+            raise StoreCorruptError(
+                f"{self.path} holds a write-behind log ({self.backend.log_path.name}/) but no "
+                f"store: its tables' file is gone or was replaced; restore the store from a "
+                f"checkpoint, or remove {self.backend.log_path} to create a new store here")
         if store is not None:
             if store.get("format_version") not in ROW_FORMATS:  # 2 is converted after replay
                 raise ConfigMismatchError(old_format_message(self.path, store.get("format_version")))
