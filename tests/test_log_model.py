@@ -7,12 +7,18 @@ index). Two tables of different row sizes share the log, chunks are a few rows e
 is small enough to fill and merge inline. After every step the log's hash index is whole, and
 every row reads as its newest version through the path the store uses: the log when the index
 names a version, the table otherwise.
+
+The store may also be killed and reopened at any point (the log replayed), or, after a merge of
+the whole log, reopened with the log's file put back as a copy taken at any earlier point (what
+an OS crash may leave of the log's unsynced file, or worse): the tables' merged-through record
+must keep every stale entry out.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+from pathlib import Path
 
 import hypothesis.strategies as st
 import numpy as np
@@ -41,8 +47,10 @@ class LogVsDict(RuleBasedStateMachine):
         wal.CHUNK_ROWS = chunk
         self.store.log.stop_merger()  # merges happen when a rule (or a full log) says so
         self.log = self.store.log
+        self.capacity = capacity
         self.model: dict[tuple[int, int], np.ndarray] = {}
         self.version = 0
+        self.log_copies: list[bytes] = []  # the log's file at earlier points
 
     def _append(self, keys: list[tuple[int, int]]) -> None:
         if not keys:
@@ -89,6 +97,35 @@ class LogVsDict(RuleBasedStateMachine):
             wal.fold = fold
         for keys in late:
             self._append(keys)
+
+    @precondition(lambda self: hasattr(self, "store"))
+    @rule()
+    def copy_log_file(self):
+        """Keep the log's file as it is now (nothing writes it between rules)."""
+        self.log_copies.append((Path(self.dir) / "wlog" / "data.mdb").read_bytes())
+
+    @precondition(lambda self: hasattr(self, "store"))
+    @rule(stale=st.booleans(), pick=st.integers(0, 10**6))
+    def kill_and_reopen(self, stale, pick):
+        """A kill (no flush): replay must bring back every logged row. `stale`: the whole log is
+        merged first, then the log's file comes back as an earlier copy."""
+        if stale:
+            self.log.merge()
+        self.store.writeback.close()  # the writer stops as a kill would leave it
+        self.store.backend.sync()
+        self.store.backend.close()
+        self.store._closed = True
+        log_dir = Path(self.dir) / "wlog"
+        if stale and self.log_copies:
+            shutil.rmtree(log_dir, ignore_errors=True)
+            log_dir.mkdir()
+            (log_dir / "data.mdb").write_bytes(self.log_copies[pick % len(self.log_copies)])
+        self.store = ts.TierStore(self.dir, SPECS, device="cpu", device_capacity=0,
+                                  host_capacity=0, write_log=self.capacity)
+        self.store.log.stop_merger()
+        self.log = self.store.log
+        assert self.log.size == 0  # replayed: nothing of the old log is pending
+        assert self.log.next > wal.merged_through(self.store.backend)
 
     @precondition(lambda self: hasattr(self, "store"))
     @invariant()
