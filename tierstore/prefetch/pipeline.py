@@ -14,6 +14,7 @@ import lmdb
 import numpy as np
 import torch
 
+from .._parallel import CPUS
 from ..backends.lmdb_backend import lmdb_error
 from ..errors import ConfigError, ShapeError, TierstoreError
 from ..index import sorted_unique
@@ -21,6 +22,9 @@ from ..store import TierStore
 from .reads import StoredReads
 
 _END = object()
+# reader threads of a pipeline: more than one per CPU only queue for cores. On the 2-core VM, 2
+# readers ran steady cache10 and cache1 steps 1.04x faster than 4 (BENCHMARKS.md, session 9)
+DEFAULT_READERS = min(4, CPUS)
 READ_CHUNK = 16384  # rows per reader task: page-cached reads gain nothing from more GIL hand-offs
 CLOSE_TIMEOUT_S = 2.0  # how long close() waits for the staging thread before leaving it (daemon)
 
@@ -57,12 +61,12 @@ class Prefetcher:
 
     Staged rows are pinned (protected from eviction) until their batch has been used: batch i is
     released when the consumer asks for batch i+1. Cold rows are first read from LMDB by
-    `readers` threads without the store lock (py-lmdb releases the GIL), which pulls their pages
-    into the page cache; staging then moves them into the caches under the store lock, so a row
-    staged early still reflects every update made before its batch runs. Look-ahead policies
-    receive each staged row's next use within the window. Use it with `with` or call `close()`;
-    one dropped without either is stopped (threads ended, pins released) when it is
-    garbage-collected or when its store closes (docs/reliability.md).
+    `readers` threads (default: 4, at most one per CPU) without the store lock (py-lmdb releases
+    the GIL), which pulls their pages into the page cache; staging then moves them into the
+    caches under the store lock, so a row staged early still reflects every update made before
+    its batch runs. Look-ahead policies receive each staged row's next use within the window.
+    Use it with `with` or call `close()`; one dropped without either is stopped (threads ended,
+    pins released) when it is garbage-collected or when its store closes (docs/reliability.md).
     """
 
     def __new__(cls, store: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -73,7 +77,7 @@ class Prefetcher:
 
     def __init__(self, store: TierStore | Any, batches: Iterable[Any], depth: int = 2, *,
                  features: Mapping[str, str] | None = None,
-                 extract: Callable[[Any], Any] | None = None, readers: int = 4,
+                 extract: Callable[[Any], Any] | None = None, readers: int = DEFAULT_READERS,
                  delay: Callable[[], float] | None = None) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ConfigError(f"depth must be an int >= 0, got {depth!r}")
