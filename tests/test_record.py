@@ -179,3 +179,21 @@ def test_version_2_stores_are_upgraded_by_the_cli_and_idempotently(tmp_path, cap
     with ts.TierStore(tmp_path / "s", spec, device="cpu", device_capacity=4, host_capacity=4) as s:
         assert s.backend.get_meta("store")["format_version"] == 3
         assert torch.equal(s.read("t", torch.arange(50)), want)
+
+
+def test_version_2_stores_export_as_they_are(tmp_path):
+    from tierstore.export import export_store, import_store
+
+    spec = ts.TableSpec("t", 10**6, 6)
+    with ts.TierStore(tmp_path / "s", spec, device="cpu", device_capacity=4, host_capacity=4) as s:
+        s.apply("t", torch.arange(50), torch.ones(50, 6))
+        want = s.read("t", torch.arange(50))
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=8)
+    meta = env.open_db(META_DB)
+    with env.begin(write=True, db=meta) as txn:
+        txn.put(b"store", json.dumps({**json.loads(txn.get(b"store")), "format_version": 2}).encode())
+    env.close()
+    export_store(tmp_path / "s", tmp_path / "exp")  # the rows of format 2 are format 3's
+    import_store(tmp_path / "exp", tmp_path / "imp")
+    with ts.TierStore(tmp_path / "imp", spec, device="cpu", device_capacity=4, host_capacity=4) as s:
+        assert torch.equal(s.read("t", torch.arange(50)), want)
