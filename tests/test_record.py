@@ -163,16 +163,22 @@ def test_version_1_stores_are_refused_then_upgraded_in_place(tmp_path, capsys):
         assert not torch.equal(s.read("t", torch.tensor([2])), torch.from_numpy(payload[:1, :6]))
 
 
-def test_version_2_stores_are_upgraded_by_the_cli_and_idempotently(tmp_path, capsys):
-    spec = ts.TableSpec("t", 10**6, 6)
-    with ts.TierStore(tmp_path / "s", spec, device="cpu", device_capacity=4, host_capacity=4) as s:
+def _format_2_store(path, spec) -> torch.Tensor:
+    """A store whose metadata says format 2 (its log is empty); returns its rows 0..49."""
+    with ts.TierStore(path, spec, device="cpu", device_capacity=4, host_capacity=4) as s:
         s.apply("t", torch.arange(50), torch.ones(50, 6))
         want = s.read("t", torch.arange(50))
-    env = lmdb.open(str(tmp_path / "s"), max_dbs=8)
+    env = lmdb.open(str(path), max_dbs=8)
     meta = env.open_db(META_DB)
     with env.begin(write=True, db=meta) as txn:
         txn.put(b"store", json.dumps({**json.loads(txn.get(b"store")), "format_version": 2}).encode())
     env.close()
+    return want
+
+
+def test_version_2_stores_are_upgraded_by_the_cli_and_idempotently(tmp_path, capsys):
+    spec = ts.TableSpec("t", 10**6, 6)
+    want = _format_2_store(tmp_path / "s", spec)
     assert cli_main(["upgrade", str(tmp_path / "s")]) == 0
     assert "converted 0 rows" in capsys.readouterr().out  # its log was empty: nothing to merge
     assert upgrade_store(tmp_path / "s")["upgraded"] is False
@@ -185,14 +191,7 @@ def test_version_2_stores_export_as_they_are(tmp_path):
     from tierstore.export import export_store, import_store
 
     spec = ts.TableSpec("t", 10**6, 6)
-    with ts.TierStore(tmp_path / "s", spec, device="cpu", device_capacity=4, host_capacity=4) as s:
-        s.apply("t", torch.arange(50), torch.ones(50, 6))
-        want = s.read("t", torch.arange(50))
-    env = lmdb.open(str(tmp_path / "s"), max_dbs=8)
-    meta = env.open_db(META_DB)
-    with env.begin(write=True, db=meta) as txn:
-        txn.put(b"store", json.dumps({**json.loads(txn.get(b"store")), "format_version": 2}).encode())
-    env.close()
+    want = _format_2_store(tmp_path / "s", spec)
     export_store(tmp_path / "s", tmp_path / "exp")  # the rows of format 2 are format 3's
     import_store(tmp_path / "exp", tmp_path / "imp")
     with ts.TierStore(tmp_path / "imp", spec, device="cpu", device_capacity=4, host_capacity=4) as s:

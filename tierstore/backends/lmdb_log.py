@@ -21,7 +21,7 @@ from pathlib import Path
 
 import lmdb
 
-from ..errors import OutOfSpaceError, StoreCorruptError
+from ..errors import StoreCorruptError
 from . import lmdb_backend as _lb
 
 LOG_DIR = "wlog"  # the log's environment, inside the store's directory
@@ -48,20 +48,19 @@ class LogIO:
             data = path / _lb.DATA_NAME
             if not data.exists() and (not create or self.readonly):
                 return None
-            path.mkdir(exist_ok=True)
             start = _lb._INITIAL_MAP if self.map_limit is None else min(_lb._INITIAL_MAP, self.map_limit)
             try:
+                path.mkdir(exist_ok=True)
                 env = lmdb.open(str(path), map_size=start, max_dbs=4, subdir=True, sync=False,
                                 metasync=False, readahead=False, meminit=False)
-            except lmdb.Error as exc:
+            except (lmdb.Error, OSError) as exc:
                 raise StoreCorruptError(f"cannot open the write-behind log of {self.path}: {exc}"
                                         f"{_DROP_HINT.format(path)}") from exc
-            need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-            if data.stat().st_size < need:
+            try:
+                self._check_file(env, data)
+            except StoreCorruptError as exc:
                 env.close()
-                raise StoreCorruptError(f"store {self.path}: the write-behind log's file is "
-                                        f"truncated ({data.stat().st_size} bytes, LMDB needs {need})"
-                                        f"{_DROP_HINT.format(path)}")
+                raise StoreCorruptError(f"{exc}{_DROP_HINT.format(path)}") from exc
             self._wlog = env
         return self._wlog
 
@@ -84,33 +83,14 @@ class LogIO:
         """Append entries under increasing keys past the log's end in one transaction; returns bytes."""
         total = sum(map(len, vals)) + 8 * len(keys)
         env = self.log_env()
-        info, stat = env.info(), env.stat()
-        if (info["last_pgno"] + 1) * stat["psize"] + 2 * total + (1 << 20) > info["map_size"]:
-            self._grow_log(total)
+        self._ensure_room(total, env)
         while True:
             try:
                 with env.begin(write=True, db=db) as txn:
                     txn.cursor().putmulti(zip(keys, vals), append=True)
                 return total
             except lmdb.MapFullError:
-                self._grow_log(total)
-            except lmdb.Error as exc:
-                self._raise_io(exc)
-
-    def _grow_log(self, incoming: int) -> None:
-        """Double the log environment's map (readers of it wait; `map_limit` caps it too)."""
-        env = self._wlog
-        with self._exclusive():
-            cur = env.info()["map_size"]
-            used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-            new = max(2 * cur, used + 4 * incoming + (1 << 20))
-            if self.map_limit is not None:
-                if cur >= self.map_limit:
-                    raise OutOfSpaceError(f"store {self.path}: the write-behind log reached the "
-                                          f"map limit of {self.map_limit} bytes")
-                new = min(new, self.map_limit)
-            try:
-                env.set_mapsize(new)
+                self._grow(total, env)  # `map_limit` caps this map too
             except lmdb.Error as exc:
                 self._raise_io(exc)
 

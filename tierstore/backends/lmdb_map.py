@@ -27,15 +27,18 @@ class MemoryMap:
     """The map's size and resident pages (an `LmdbBackend` mixin)."""
 
     # map size --------------------------------------------------------------------------------
-    def used_bytes(self) -> int:
-        """Bytes of the map in use (last page number times page size)."""
-        info, stat = self.env.info(), self.env.stat()
+    def used_bytes(self, env: lmdb.Environment | None = None) -> int:
+        """Bytes of the map in use (last page number times page size); `env`: the tables' by
+        default, or the write-behind log's."""
+        env = env or self.env
+        info, stat = env.info(), env.stat()
         return (info["last_pgno"] + 1) * stat["psize"]
 
-    def _ensure_room(self, incoming: int) -> None:
-        need = self.used_bytes() + 2 * incoming + (1 << 20)
-        if need > self.env.info()["map_size"]:
-            self._grow(incoming)
+    def _ensure_room(self, incoming: int, env: lmdb.Environment | None = None) -> None:
+        env = env or self.env
+        need = self.used_bytes(env) + 2 * incoming + (1 << 20)
+        if need > env.info()["map_size"]:
+            self._grow(incoming, env)
 
     @contextmanager
     def reading(self):
@@ -51,14 +54,17 @@ class MemoryMap:
                 self._readers -= 1
                 self._io.notify_all()
 
-    def _grow(self, incoming: int) -> None:
-        self.wait_for_copies()  # remapping would invalidate a snapshot being copied
+    def _grow(self, incoming: int, env: lmdb.Environment | None = None) -> None:
+        """Grow a map (the tables' by default) with every background reader out."""
+        if env is None or env is self.env:
+            self.wait_for_copies()  # remapping would invalidate a snapshot being copied
         with self._exclusive():
-            self._grow_now(incoming)
+            self._grow_now(incoming, env)
 
-    def _grow_now(self, incoming: int) -> None:
-        cur = self.env.info()["map_size"]
-        new = max(2 * cur, self.used_bytes() + 4 * incoming + (1 << 20))
+    def _grow_now(self, incoming: int, env: lmdb.Environment | None = None) -> None:
+        env = env or self.env
+        cur = env.info()["map_size"]
+        new = max(2 * cur, self.used_bytes(env) + 4 * incoming + (1 << 20))
         if self.map_limit is not None:
             if cur >= self.map_limit:
                 raise OutOfSpaceError(
@@ -66,7 +72,7 @@ class MemoryMap:
             new = min(new, self.map_limit)
         self._map_gen += 1
         try:
-            self.env.set_mapsize(new)
+            env.set_mapsize(new)
         except lmdb.Error as exc:
             self._raise_io(exc)
 

@@ -31,13 +31,16 @@ class Snapshots:
         """Raise StoreCorruptError when data.mdb is shorter than the pages LMDB says it holds."""
         self._check_file(self.env)
 
-    def _check_file(self, env: lmdb.Environment) -> None:
-        data = self.path / _lb.DATA_NAME
+    def _check_file(self, env: lmdb.Environment, data: Path | None = None) -> None:
+        """Raise StoreCorruptError when `data` (the tables' data.mdb by default), the file of
+        `env`, is shorter than the pages LMDB says it holds."""
+        data = data or self.path / _lb.DATA_NAME
         need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
         have = data.stat().st_size if data.exists() else 0
         if have < need:
+            name = data.name if data.parent == self.path else data.relative_to(self.path)
             raise StoreCorruptError(
-                f"store {self.path}: data.mdb is truncated ({have} bytes, LMDB needs {need})")
+                f"store {self.path}: {name} is truncated ({have} bytes, LMDB needs {need})")
 
     def snapshot(self) -> lmdb.Transaction:
         """A read transaction: an MVCC snapshot that later commits do not change."""

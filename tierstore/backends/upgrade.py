@@ -15,6 +15,7 @@ from ..config import TableSpec
 from ..errors import ConfigMismatchError, TierstoreError
 from .lmdb_backend import DATA_NAME, META_DB, LmdbBackend, decode_keys, fsync_path
 from .record import seal
+from .wal import replay_stored
 
 _CHUNK = 16384
 
@@ -29,7 +30,6 @@ def upgrade_store(path: str | os.PathLike) -> dict:
     (a writable `TierStore` open does the same). A store already at format 3 is left as it is.
     """
     from ..store.core import FORMAT_VERSION
-    from .wal import replay_stored
 
     path = Path(path)
     backend = LmdbBackend(path)  # the writer lock: nobody else has the store open
@@ -41,10 +41,7 @@ def upgrade_store(path: str | os.PathLike) -> dict:
         if version == FORMAT_VERSION:
             return {"path": str(path), "upgraded": False, "rows": 0}
         if version == 2:
-            rows = replay_stored(backend)
-            backend.put_meta({"store": {**store, "format_version": FORMAT_VERSION}})
-            backend.sync()
-            return {"path": str(path), "upgraded": True, "rows": rows}
+            return {"path": str(path), "upgraded": True, "rows": replay_and_convert(backend)}
         if version != 1:
             raise ConfigMismatchError(f"store {path} has format version {version!r}; "
                                       "this tierstore converts versions 1 and 2")
@@ -87,6 +84,20 @@ def upgrade_store(path: str | os.PathLike) -> dict:
         return {"path": str(path), "upgraded": True, "rows": rows}
     finally:
         backend.close()
+
+
+def replay_and_convert(backend: LmdbBackend) -> int:
+    """Fold a write-behind log left by a crash into the tables (`wal.replay_stored`); a store of
+    format 2 (its log inside the tables' file, now merged and dropped) is then recorded as the
+    current format. Returns the rows the replay wrote."""
+    from ..store.core import FORMAT_VERSION
+
+    rows = replay_stored(backend)
+    store = backend.get_meta("store")
+    if store is not None and store.get("format_version") == 2:
+        backend.put_meta({"store": {**store, "format_version": FORMAT_VERSION}})
+        backend.sync()
+    return rows
 
 
 def _upgraded_meta(key: bytes, value: bytes) -> bytes:

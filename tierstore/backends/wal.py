@@ -499,23 +499,18 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
         backend.drop_log_env()
         return total
     done = merged_through(backend)
-    with backend.reading(), backend.log_env().begin(db=db, buffers=True) as txn:
-        heads = [(int.from_bytes(k, "big"), bytes(v[:CHUNK_HEADER]))
-                 for k, v in txn.cursor().iternext(keys=True, values=True)]
-    if heads:
-        if any(h[:4] != CHUNK_MAGIC or len(h) != CHUNK_HEADER for _, h in heads):
-            raise StoreCorruptError(f"write-behind log of {backend.path}: a value is not a chunk "
-                                    "(damaged log)")
-        chunks = np.array([(k, int.from_bytes(h[8:12], "little"), int.from_bytes(h[4:8], "little"))
-                           for k, h in heads], dtype=np.int64).reshape(-1, 3)
-        chunks = chunks[chunks[:, 0] + chunks[:, 1] - 1 > done]  # wholly merged: skipped
-        if len(chunks):
-            _, rows, _ = fold(backend, db, chunks, names, row_dims, ids,
-                              lambda tabs, rows, seqs: (_last_versions(tabs, rows, seqs) & (seqs > done),
-                                                        seqs))
-            total += rows
-            record_merged(backend, int(chunks[-1, 0] + chunks[-1, 1] - 1))
-            backend.sync()
+    chunks = _chunk_table(backend, backend.log_env(), db)
+    if chunks is None:
+        raise StoreCorruptError(f"write-behind log of {backend.path}: a value is not a chunk "
+                                "(damaged log)")
+    chunks = chunks[chunks[:, 0] + chunks[:, 1] - 1 > done]  # wholly merged: skipped
+    if len(chunks):
+        _, rows, _ = fold(backend, db, chunks, names, row_dims, ids,
+                          lambda tabs, rows, seqs: (_last_versions(tabs, rows, seqs) & (seqs > done),
+                                                    seqs))
+        total += rows
+        record_merged(backend, int(chunks[-1, 0] + chunks[-1, 1] - 1))
+        backend.sync()
     backend.drop_log_env()
     return total
 
@@ -534,22 +529,30 @@ def _replay_legacy(backend, names: list[str], row_dims: list[int], ids: np.ndarr
         db = backend.open_named(LOG_DB, create=False)
     except lmdb.NotFoundError:
         return 0
-    with backend.reading(), backend.env.begin(db=db, buffers=True) as txn:
-        heads = [(int.from_bytes(k, "big"), bytes(v[:CHUNK_HEADER]))
-                 for k, v in txn.cursor().iternext(keys=True, values=True)]
+    chunks = _chunk_table(backend, backend.env, db)
     total = 0
-    if heads and all(h[:4] == CHUNK_MAGIC for _, h in heads):  # chunks: merged like a log in use
-        chunks = np.array([(k, int.from_bytes(h[8:12], "little"), int.from_bytes(h[4:8], "little"))
-                           for k, h in heads], dtype=np.int64).reshape(-1, 3)
+    if chunks is None:  # one-row values of logs written before chunks
+        total = _replay_values(backend, db, names, row_dims, ids)
+    elif len(chunks):  # chunks: merged like a log in use
         _, total, _ = fold(backend, db, chunks, names, row_dims, ids,
                            lambda tabs, rows, seqs: (_last_versions(tabs, rows, seqs), seqs),
                            env=backend.env)
-    elif heads:
-        total = _replay_values(backend, db, names, row_dims, ids)
     with backend.env.begin(write=True) as txn:
         txn.drop(db, delete=True)
     backend.sync()
     return total
+
+
+def _chunk_table(backend, env, db) -> np.ndarray | None:
+    """(first sequence number, row count, entry size) of every chunk of a log database, in key
+    order, from their headers; None when a value is not a chunk."""
+    with backend.reading(), env.begin(db=db, buffers=True) as txn:
+        heads = [(int.from_bytes(k, "big"), bytes(v[:CHUNK_HEADER]))
+                 for k, v in txn.cursor().iternext(keys=True, values=True)]
+    if any(h[:4] != CHUNK_MAGIC or len(h) != CHUNK_HEADER for _, h in heads):
+        return None
+    return np.array([(k, int.from_bytes(h[8:12], "little"), int.from_bytes(h[4:8], "little"))
+                     for k, h in heads], dtype=np.int64).reshape(-1, 3)
 
 
 def _replay_values(backend, db, names: list[str], row_dims: list[int], ids: np.ndarray) -> int:

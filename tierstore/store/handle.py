@@ -18,7 +18,8 @@ from .. import expiry as _exp
 from .. import store as _st  # the package: HAVE_NUMBA is read there, where tests patch it
 from ..backends.lmdb_backend import LmdbBackend
 from ..backends.slab import SlabTier
-from ..backends.wal import HEADER, WriteLog, replay_stored
+from ..backends.upgrade import replay_and_convert
+from ..backends.wal import HEADER, WriteLog
 from ..backends.writeback import WriteBehind
 from ..bagpaths import BagPaths
 from ..cascade import TierCascade
@@ -29,7 +30,7 @@ from ..pinned import PinnedSteps
 from ..stats import PrefetchStats, SsdStats
 from ..stored_rows import StoredRows
 from .clock import StoreClock
-from .core import FORMAT_VERSION, LOG_MAX_ROWS, LOG_RINGS, WB_SLOT_OVERHEAD, _resolve_device, _Table
+from .core import LOG_MAX_ROWS, LOG_RINGS, WB_SLOT_OVERHEAD, _resolve_device, _Table
 from .lifecycle import _OPEN_STORES, StoreLifecycle, _weak_context
 from .metrics import StoreMetrics
 from .opening import StoreOpening
@@ -107,7 +108,6 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
 
         make_policy(policy, 0)  # an unknown policy is refused before the store is touched
         self.backend = LmdbBackend(self.path, map_limit=limit)
-        self._converting: dict | None = None  # the store record of a format-2 store (opening.py)
         try:
             self._check_config(tables, add_tables)
             self.backend.open_tables(names)
@@ -132,11 +132,8 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self._readahead: dict[str, list[tuple[Any, np.ndarray, np.ndarray, np.ndarray]]] = {}
         # seconds spent reading LMDB inside the store, on the main (training) thread and on others
         self.io_seconds = {"training": 0.0, "background": 0.0}
-        try:  # a write-behind log left by a crash: fold it into the tables before anything reads them
-            replay_stored(self.backend)
-            if self._converting is not None:  # format 2: its log (if any) is merged and gone
-                self.backend.put_meta({"store": {**self._converting, "format_version": FORMAT_VERSION}})
-                self.backend.sync()
+        try:  # a write-behind log left by a crash: fold it into the tables before anything reads
+            replay_and_convert(self.backend)  # them (and a format-2 store becomes format 3)
         except BaseException:
             self.backend.close()
             raise

@@ -56,8 +56,6 @@ class StoreOpening:
                     + "; ".join(problems))
         if store is None:
             new["store"] = {"format_version": FORMAT_VERSION, "seed": self.seed}
-        elif store.get("format_version") != FORMAT_VERSION:
-            self._converting = store  # written as format 3 once its old log is merged (handle.py)
         old = self.backend.get_meta(LAST_OPEN) or {}  # each table's specs at its latest open
         last = {**old, **{t.name: t.to_config() for t in tables}}
         if last != old:
