@@ -331,6 +331,76 @@ def test_log_entries_the_tables_record_as_merged_are_not_replayed(tmp_path):
     assert not (path / "wlog").exists()
 
 
+def _kill(s) -> None:
+    """Leave a store as a kill would: its writer stopped, its log unmerged, nothing closed."""
+    s.log.stop_merger()
+    s.writeback.close()
+    s.backend.sync()
+    s.backend.close()
+    s._closed = True
+
+
+def _log_rows(s, rows: np.ndarray, value: float) -> None:
+    """Append versions of rows of table "t" holding `value` to the log, as the writer does."""
+    pay = np.zeros((len(rows), s.width), dtype=np.float32)
+    pay[:, : SPEC.dim] = value
+    with s.writeback._cv:
+        s.log.append(np.zeros(len(rows), dtype=np.int64), rows, pay)
+
+
+def test_tables_older_than_their_log_are_refused_not_mixed_with_it(tmp_path):
+    """data.mdb put back from an older copy of the same store beside a crash-left log (or an OS
+    crash that kept the log's deletes but not the tables' writes): the entries a merge folded
+    into the newer tables and deleted from the log are in neither file. Replaying the rest
+    would give rows from two different moments; the open is refused, and removing the log
+    opens the tables as they were copied."""
+    path = tmp_path / "s"
+    s = ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+    ids = torch.arange(200)
+    s.apply("t", ids, torch.ones(200, SPEC.dim))
+    s.flush()
+    old_rows = s.read("t", ids)
+    s.backend.sync()
+    old_tables = (path / "data.mdb").read_bytes()  # the tables at this flush
+    _log_rows(s, np.arange(0, 200, dtype=np.int64), 2.0)  # every row: 2.0, then merged
+    s.log.stop_merger()
+    s.log.merge()
+    _log_rows(s, np.arange(0, 200, 2, dtype=np.int64), 3.0)  # half the rows: 3.0, in the log
+    _kill(s)
+    (path / "data.mdb").write_bytes(old_tables)
+    with pytest.raises(ts.StoreCorruptError, match="wlog") as err:
+        ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+    assert "another tables file" in str(err.value)
+    assert (path / "wlog" / "data.mdb").exists()  # the failed open changed nothing
+    assert (path / "data.mdb").read_bytes()[:4096] == old_tables[:4096]
+    shutil.rmtree(path / "wlog")
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as again:
+        assert torch.equal(again.read("t", ids), old_rows)  # the copy's rows, not a mix
+
+
+def test_a_log_missing_a_chunk_between_others_is_refused(tmp_path):
+    """A log whose chunks skip a range of sequence numbers lost those rows: refused, not
+    replayed around the hole."""
+    import lmdb
+
+    from tierstore.backends import wal
+
+    path = tmp_path / "s"
+    s = ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+    s.flush()
+    for value in (1.0, 2.0, 3.0):  # three appends: three chunks
+        _log_rows(s, np.arange(0, 50, dtype=np.int64), value)
+    middle = int(s.log._chunks[1, 0])
+    _kill(s)
+    env = lmdb.open(str(path / "wlog"), max_dbs=4, subdir=True)
+    with env.begin(write=True) as txn:
+        db = env.open_db(wal.LOG_DB, txn=txn, create=False)
+        assert txn.delete(middle.to_bytes(8, "big"), db=db)
+    env.close()
+    with pytest.raises(ts.StoreCorruptError, match="missing"):
+        ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+
+
 def test_a_damaged_log_chunk_is_reported(tmp_path):
     path = tmp_path / "s"
     _, wal = _leave_a_log(path, {r: 1.0 for r in range(100)})

@@ -34,6 +34,7 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import lmdb
 import numpy as np
@@ -42,7 +43,7 @@ import torch
 from ..config import TableSpec
 from ..errors import StoreCorruptError
 from ..index import HashIndex
-from .lmdb_log import LOG_DB
+from .lmdb_log import LOG_DB, LOG_DIR
 from .record import open_records, row_checks
 
 MERGED_KEY = "log"  # metadata record of the tables: {"merged_through": last merged sequence number}
@@ -503,6 +504,7 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
     if chunks is None:
         raise StoreCorruptError(f"write-behind log of {backend.path}: a value is not a chunk "
                                 "(damaged log)")
+    _check_continues(backend, chunks, done)
     chunks = chunks[chunks[:, 0] + chunks[:, 1] - 1 > done]  # wholly merged: skipped
     if len(chunks):
         _, rows, _ = fold(backend, db, chunks, names, row_dims, ids,
@@ -513,6 +515,32 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
         backend.sync()
     backend.drop_log_env()
     return total
+
+
+def _check_continues(backend, chunks: np.ndarray, done: int) -> None:
+    """StoreCorruptError unless the log's chunks are contiguous and continue the tables.
+
+    A merge records its last sequence number in the tables before it deletes its chunks, so
+    the log of a consistent pair starts at or below `done + 1`. A log starting past it was
+    merged into a tables file that is not this one: data.mdb was put back from an older copy,
+    or an OS crash lost the tables' writes since their last sync but not the log's deletes.
+    Replaying it would mix two states, missing the rows merged in between.
+    """
+    if not len(chunks):
+        return
+    where = f"write-behind log of {backend.path}"
+    hint = (f"; remove {Path(backend.path) / LOG_DIR} to open the store as its tables hold it "
+            "(the last flush)")
+    ends = chunks[:, 0] + chunks[:, 1]
+    gap = np.flatnonzero(chunks[1:, 0] != ends[:-1])
+    if gap.size:
+        raise StoreCorruptError(f"{where}: entries {int(ends[gap[0]])} to "
+                                f"{int(chunks[gap[0] + 1, 0]) - 1} are missing (damaged log){hint}")
+    if int(chunks[0, 0]) > done + 1:
+        raise StoreCorruptError(
+            f"{where}: it starts at entry {int(chunks[0, 0])}, but the tables hold the log only "
+            f"through entry {done}: the entries in between were merged into another tables "
+            f"file (data.mdb replaced by an older copy, or its writes lost in an OS crash){hint}")
 
 
 def replay_stored(backend) -> int:
