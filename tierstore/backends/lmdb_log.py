@@ -26,7 +26,7 @@ from . import lmdb_backend as _lb
 
 LOG_DIR = "wlog"  # the log's environment, inside the store's directory
 LOG_DB = b"__tierstore_log__"  # the log's database (in the tables' environment before format 3)
-_DROP_HINT = ("; removing the directory {} opens the store with its rows as of its last flush (the "
+DROP_HINT = ("; removing the directory {} opens the store with its rows as of its last flush (the "
               "rows written back since are lost)")
 
 
@@ -55,12 +55,12 @@ class LogIO:
                                 metasync=False, readahead=False, meminit=False)
             except (lmdb.Error, OSError) as exc:
                 raise StoreCorruptError(f"cannot open the write-behind log of {self.path}: {exc}"
-                                        f"{_DROP_HINT.format(path)}") from exc
+                                        f"{DROP_HINT.format(path)}") from exc
             try:
                 self._check_file(env, data)
             except StoreCorruptError as exc:
                 env.close()
-                raise StoreCorruptError(f"{exc}{_DROP_HINT.format(path)}") from exc
+                raise StoreCorruptError(f"{exc}{DROP_HINT.format(path)}") from exc
             self._wlog = env
         return self._wlog
 

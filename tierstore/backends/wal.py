@@ -34,7 +34,6 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 
 import lmdb
 import numpy as np
@@ -43,7 +42,7 @@ import torch
 from ..config import TableSpec
 from ..errors import StoreCorruptError
 from ..index import HashIndex
-from .lmdb_log import LOG_DB, LOG_DIR
+from .lmdb_log import DROP_HINT, LOG_DB
 from .record import open_records, row_checks
 
 MERGED_KEY = "log"  # metadata record of the tables: {"merged_through": last merged sequence number}
@@ -529,8 +528,7 @@ def _check_continues(backend, chunks: np.ndarray, done: int) -> None:
     if not len(chunks):
         return
     where = f"write-behind log of {backend.path}"
-    hint = (f"; remove {Path(backend.path) / LOG_DIR} to open the store as its tables hold it "
-            "(the last flush)")
+    hint = DROP_HINT.format(backend.log_path)
     ends = chunks[:, 0] + chunks[:, 1]
     gap = np.flatnonzero(chunks[1:, 0] != ends[:-1])
     if gap.size:
