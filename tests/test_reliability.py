@@ -79,6 +79,26 @@ def test_damaged_pages_raise_store_corrupt(tmp_path, mode):
     assert _damage_trials(tmp_path, mode, range(12)) > 0  # detected at least somewhere
 
 
+@pytest.mark.parametrize("marker", [b'{"epoch": 3, "cov', b'[1, 2]', b'{"epoch": "3", "covered": true}'])
+def test_a_damaged_published_marker_is_reported_with_the_store_path(tmp_path, marker):
+    """The marker of the last published flush (read at every writable open) holds bad JSON or
+    the wrong shape: a path-naming StoreCorruptError, not a JSON or key error."""
+    import lmdb
+
+    from tierstore.backends.publish import PUBLISH_DB, PUBLISHED
+
+    path = tmp_path / "s"
+    store, _, _ = _trained(path, rows=200)
+    store.close()
+    env = lmdb.open(str(path), max_dbs=4096, subdir=True)
+    with env.begin(write=True) as txn:
+        txn.put(PUBLISHED, marker, db=env.open_db(PUBLISH_DB, txn=txn, create=False))
+    env.close()
+    with pytest.raises(ts.StoreCorruptError, match="published-state marker") as err:
+        _store(path)
+    assert str(path) in str(err.value)
+
+
 @pytest.mark.slow
 @pytest.mark.ci  # it failed unnoticed outside CI's slow subset once
 @pytest.mark.parametrize("mode", ["zero", "flip"])

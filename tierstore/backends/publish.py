@@ -37,6 +37,8 @@ from itertools import compress, repeat
 from operator import not_
 from pathlib import Path
 
+from ..errors import StoreCorruptError
+
 READERS_LOCK = "readers.lock"
 PUBLISHED = b"published"
 PUBLISH_DB = b"__tierstore_published__"
@@ -61,7 +63,8 @@ class Publisher:
             raw = txn.get(PUBLISHED, db=self.meta)
         # rows may have been written since the last published flush (none: a new store, or
         # one a crashed writer left uncovered); a covered marker needs no publish until a write
-        self._changed = not raw or not json.loads(raw).get("covered", False)
+        self.path = path
+        self._changed = not raw or not self._marker(raw).get("covered", False)
         self._undo: dict[object, object] = {}  # table db handle -> undo db handle
         for name in names:
             if name.startswith(b"t:"):
@@ -99,10 +102,21 @@ class Publisher:
                     self._preserve(txn, db, undo, keys)
             return
         raw = txn.get(PUBLISHED, db=self.meta)
-        marker = json.loads(raw) if raw else {"epoch": 0, "covered": True}
+        marker = self._marker(raw) if raw else {"epoch": 0, "covered": True}
         if marker.get("covered", True):
             marker["covered"] = False
             txn.put(PUBLISHED, json.dumps(marker).encode(), db=self.meta)
+
+    def _marker(self, raw) -> dict:
+        """The published marker ({"epoch": int, "covered": bool}); StoreCorruptError when damaged."""
+        try:
+            marker = json.loads(bytes(raw))
+        except ValueError:
+            marker = None
+        if not isinstance(marker, dict) or isinstance(marker.get("epoch"), bool) or \
+                not isinstance(marker.get("epoch"), int) or not isinstance(marker.get("covered", True), bool):
+            raise StoreCorruptError(f"store {self.path}: its published-state marker is damaged")
+        return marker
 
     @staticmethod
     def _preserve(txn, db, undo, keys: list[bytes]) -> None:
@@ -121,7 +135,7 @@ class Publisher:
         if not self._changed:
             return None
         raw = txn.get(PUBLISHED, db=self.meta)
-        epoch = (json.loads(raw)["epoch"] if raw else 0) + 1
+        epoch = (self._marker(raw)["epoch"] if raw else 0) + 1
         for undo in self._undo.values():
             txn.drop(undo, delete=False)
         txn.put(PUBLISHED, json.dumps({"epoch": epoch, "covered": True}).encode(), db=self.meta)
