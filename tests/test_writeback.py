@@ -378,6 +378,41 @@ def test_tables_older_than_their_log_are_refused_not_mixed_with_it(tmp_path):
         assert torch.equal(again.read("t", ids), old_rows)  # the copy's rows, not a mix
 
 
+def test_a_log_beside_another_stores_tables_is_refused(tmp_path):
+    """data.mdb of a different store copied beside a crash-left log: the log's entries must not
+    be replayed into it, even where its merged-through record would let them continue."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _leave_a_log(a, {r: 4.0 for r in range(30)})  # store a: a log from entry 0 on, unmerged
+    with ts.TierStore(b, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        s.apply("t", torch.arange(30), torch.ones(30, SPEC.dim))
+        s.flush()  # store b's tables hold its own log through some entry >= 0
+        theirs = s.read("t", torch.arange(30))
+    shutil.copyfile(b / "data.mdb", a / "data.mdb")
+    with pytest.raises(ts.StoreCorruptError, match="another store") as err:
+        ts.TierStore(a, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+    assert "wlog" in str(err.value)
+    shutil.rmtree(a / "wlog")
+    with ts.TierStore(a, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        assert torch.equal(s.read("t", torch.arange(30)), theirs)
+
+
+def test_a_store_made_before_identities_gets_one_and_its_log_still_replays(tmp_path, monkeypatch):
+    """Stores of format 3 written before the log carried its store's identity: their crash-left
+    log replays as before, and the open gives the store an identity that its new log carries."""
+    from tierstore.backends import wal
+
+    path = tmp_path / "s"
+    monkeypatch.setattr(wal, "_own_log", lambda backend: None)  # as those stores were written
+    want, _ = _leave_a_log(path, {r: 6.0 for r in range(40)})
+    monkeypatch.undo()
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        got = s.read("t", torch.arange(40))
+        for r in range(40):
+            assert torch.equal(got[r], want[r]), r
+        mine = wal.store_identity(s.backend)
+        assert mine is not None and s.backend.log_owner() == mine == s.log.owner
+
+
 def test_a_log_missing_a_chunk_between_others_is_refused(tmp_path):
     """A log whose chunks skip a range of sequence numbers lost those rows: refused, not
     replayed around the hole."""

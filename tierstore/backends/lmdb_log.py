@@ -26,6 +26,7 @@ from . import lmdb_backend as _lb
 
 LOG_DIR = "wlog"  # the log's environment, inside the store's directory
 LOG_DB = b"__tierstore_log__"  # the log's database (in the tables' environment before format 3)
+OWNER_DB = b"__tierstore_log_owner__"  # the identity of the store whose log this is (key b"store")
 DROP_HINT = ("; removing the directory {} opens the store with its rows as of its last flush (the "
               "rows written back since are lost)")
 
@@ -78,6 +79,31 @@ class LogIO:
             except lmdb.Error as exc:
                 self._raise_io(exc)
         return self._wlog_db
+
+    def log_owner(self) -> str | None:
+        """The identity of the store the log's environment was written for (None: not recorded)."""
+        env = self.log_env(create=False)
+        if env is None:
+            return None
+        try:
+            with self.reading(), env.begin() as txn:
+                db = env.open_db(OWNER_DB, txn=txn, create=False)
+                value = txn.get(b"store", db=db)
+        except lmdb.NotFoundError:
+            return None
+        except lmdb.Error as exc:
+            self._raise_io(exc)
+        return None if value is None else bytes(value).decode("ascii", "replace")
+
+    def set_log_owner(self, owner: str) -> None:
+        """Record in the log's environment the identity of the store it belongs to."""
+        env = self.log_env()
+        try:
+            with env.begin(write=True) as txn:
+                db = env.open_db(OWNER_DB, txn=txn)
+                txn.put(b"store", owner.encode("ascii"), db=db)
+        except lmdb.Error as exc:
+            self._raise_io(exc)
 
     def append_log(self, db: object, keys: list[bytes], vals: list[bytes]) -> int:
         """Append entries under increasing keys past the log's end in one transaction; returns bytes."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 import weakref
 import zlib
 from collections.abc import Callable
@@ -82,6 +83,7 @@ class WriteLog:
         self.lock = lock  # the write-behind ring's condition: guards the index
         # next sequence number: past the log's end and past every number merged before
         self.next = max(self._last(), merged_through(backend)) + 1
+        self.owner = _own_log(backend)
         self.merged = self.next  # sequence numbers below are merged (or were never appended)
         # the chunks not yet merged, oldest first: first sequence number, row count, entry size
         self._chunks = np.zeros((0, 3), dtype=np.int64)
@@ -479,9 +481,34 @@ def merged_through(backend) -> int:
     return value
 
 
+def store_identity(backend) -> str | None:
+    """The store's identity, which its log carries too (None for a store that never had one)."""
+    value = (backend.get_meta(MERGED_KEY) or {}).get("store")
+    if value is not None and not (isinstance(value, str) and len(value) == 32
+                                  and all(c in "0123456789abcdef" for c in value)):
+        raise StoreCorruptError(f"store {backend.path}: metadata record {MERGED_KEY!r} is damaged")
+    return value
+
+
 def record_merged(backend, last: int) -> None:
     """Record in the tables' environment that they hold the log through sequence number `last`."""
-    backend.put_meta({MERGED_KEY: {"merged_through": int(last)}})
+    rec = {"merged_through": int(last)}
+    owner = store_identity(backend)
+    if owner is not None:
+        rec["store"] = owner
+    backend.put_meta({MERGED_KEY: rec})
+
+
+def _own_log(backend) -> str:
+    """Give the store an identity if it has none (stores made before identities) and write it
+    into the log's environment, so a replay can tell its log from another store's."""
+    owner = store_identity(backend)
+    if owner is None:
+        owner = uuid.uuid4().hex
+        backend.put_meta({MERGED_KEY: {"merged_through": merged_through(backend), "store": owner}})
+    if backend.log_owner() != owner:
+        backend.set_log_owner(owner)
+    return owner
 
 
 def replay(backend, names: list[str], row_dims: list[int]) -> int:
@@ -499,6 +526,11 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
         backend.drop_log_env()
         return total
     done = merged_through(backend)
+    owner, mine = backend.log_owner(), store_identity(backend)
+    if owner is not None and mine is not None and owner != mine:
+        raise StoreCorruptError(f"write-behind log of {backend.path}: it belongs to another store "
+                                f"(store {owner}; these tables are store {mine})"
+                                f"{DROP_HINT.format(backend.log_path)}")
     chunks = _chunk_table(backend, backend.log_env(), db)
     if chunks is None:
         raise StoreCorruptError(f"write-behind log of {backend.path}: a value is not a chunk "
