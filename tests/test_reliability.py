@@ -81,8 +81,8 @@ def test_damaged_pages_raise_store_corrupt(tmp_path, mode):
 
 @pytest.mark.parametrize("marker", [b'{"epoch": 3, "cov', b'[1, 2]', b'{"epoch": "3", "covered": true}'])
 def test_a_damaged_published_marker_is_reported_with_the_store_path(tmp_path, marker):
-    """The marker of the last published flush (read at every writable open) holds bad JSON or
-    the wrong shape: a path-naming StoreCorruptError, not a JSON or key error."""
+    """The marker of the last published flush (read at every open, writer's or reader's) holds
+    bad JSON or the wrong shape: a path-naming StoreCorruptError, not a JSON or key error."""
     import lmdb
 
     from tierstore.backends.publish import PUBLISH_DB, PUBLISHED
@@ -97,6 +97,10 @@ def test_a_damaged_published_marker_is_reported_with_the_store_path(tmp_path, ma
     with pytest.raises(ts.StoreCorruptError, match="published-state marker") as err:
         _store(path)
     assert str(path) in str(err.value)
+    from tierstore.serving import ReadOnlyStore
+
+    with pytest.raises(ts.StoreCorruptError, match="published-state marker"):  # a reader too
+        ReadOnlyStore(path, device="cpu", timeout=5.0)
 
 
 @pytest.mark.slow

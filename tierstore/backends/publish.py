@@ -50,6 +50,18 @@ def undo_name(table: str) -> bytes:
     return f"{UNDO_PREFIX}{table}".encode()
 
 
+def parse_marker(raw, path: object) -> dict:
+    """The published marker ({"epoch": int, "covered": bool}) of a store; StoreCorruptError when damaged."""
+    try:
+        marker = json.loads(bytes(raw))
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict) or isinstance(marker.get("epoch"), bool) or \
+            not isinstance(marker.get("epoch"), int) or not isinstance(marker.get("covered", True), bool):
+        raise StoreCorruptError(f"store {path}: its published-state marker is damaged")
+    return marker
+
+
 class Publisher:
     """Keeps a writer's last flushed state readable by snapshot readers (any process)."""
 
@@ -64,7 +76,7 @@ class Publisher:
         # rows may have been written since the last published flush (none: a new store, or
         # one a crashed writer left uncovered); a covered marker needs no publish until a write
         self.path = path
-        self._changed = not raw or not self._marker(raw).get("covered", False)
+        self._changed = not raw or not parse_marker(raw, self.path).get("covered", False)
         self._undo: dict[object, object] = {}  # table db handle -> undo db handle
         for name in names:
             if name.startswith(b"t:"):
@@ -102,21 +114,10 @@ class Publisher:
                     self._preserve(txn, db, undo, keys)
             return
         raw = txn.get(PUBLISHED, db=self.meta)
-        marker = self._marker(raw) if raw else {"epoch": 0, "covered": True}
+        marker = parse_marker(raw, self.path) if raw else {"epoch": 0, "covered": True}
         if marker.get("covered", True):
             marker["covered"] = False
             txn.put(PUBLISHED, json.dumps(marker).encode(), db=self.meta)
-
-    def _marker(self, raw) -> dict:
-        """The published marker ({"epoch": int, "covered": bool}); StoreCorruptError when damaged."""
-        try:
-            marker = json.loads(bytes(raw))
-        except ValueError:
-            marker = None
-        if not isinstance(marker, dict) or isinstance(marker.get("epoch"), bool) or \
-                not isinstance(marker.get("epoch"), int) or not isinstance(marker.get("covered", True), bool):
-            raise StoreCorruptError(f"store {self.path}: its published-state marker is damaged")
-        return marker
 
     @staticmethod
     def _preserve(txn, db, undo, keys: list[bytes]) -> None:
@@ -135,7 +136,7 @@ class Publisher:
         if not self._changed:
             return None
         raw = txn.get(PUBLISHED, db=self.meta)
-        epoch = (self._marker(raw)["epoch"] if raw else 0) + 1
+        epoch = (parse_marker(raw, self.path)["epoch"] if raw else 0) + 1
         for undo in self._undo.values():
             txn.drop(undo, delete=False)
         txn.put(PUBLISHED, json.dumps({"epoch": epoch, "covered": True}).encode(), db=self.meta)

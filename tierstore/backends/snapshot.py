@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import StoreCorruptError, TierstoreError
 from .lmdb_backend import DATA_NAME, META_DB, encode_keys
-from .publish import PUBLISH_DB, PUBLISHED, UNDO_PREFIX
+from .publish import PUBLISH_DB, PUBLISHED, UNDO_PREFIX, parse_marker
 from .record import open_values
 
 LOCK_FILE = "lock.mdb"
@@ -297,7 +297,7 @@ class SnapshotReader:
             marker = None
             if PUBLISH_DB in handles:
                 raw = txn.get(PUBLISHED, db=handles[PUBLISH_DB])
-                marker = json.loads(raw) if raw else None
+                marker = parse_marker(raw, self.path) if raw else None
         except BaseException:
             txn.abort()
             raise
