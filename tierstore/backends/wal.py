@@ -22,9 +22,12 @@ chunks, and sequence numbers never restart below that record. On open, a log lef
 merged into the tables before anything else (`replay`): entries at or below the record are
 already in the tables and skipped (after an OS crash the log's unsynced file may come back
 older than the tables), a merge that was cut short is simply done again (rows are idempotent),
-and the log's files are removed once the tables hold it all. A store of format version 2 kept
-its log inside the tables' environment; `replay` merges and drops that one too (the conversion
-to format 3 needs nothing else).
+and the log's files are removed once the tables hold it all. Replay first checks that the log
+is the tables' own: both carry the store's identity (a random id in the `MERGED_KEY` record,
+copied into the log's environment at open), and the log's chunks are contiguous and start at
+or below the record plus one (a log starting past it was merged into another copy of the
+tables). A store of format version 2 kept its log inside the tables' environment; `replay`
+merges and drops that one too (the conversion to format 3 needs nothing else).
 """
 
 from __future__ import annotations
