@@ -538,8 +538,8 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
     if chunks is None:
         raise StoreCorruptError(f"write-behind log of {backend.path}: a value is not a chunk "
                                 "(damaged log)")
-    _check_continues(backend, chunks, done)
     chunks = chunks[chunks[:, 0] + chunks[:, 1] - 1 > done]  # wholly merged: skipped
+    _check_continues(backend, chunks, done)
     if len(chunks):
         _, rows, _ = fold(backend, db, chunks, names, row_dims, ids,
                           lambda tabs, rows, seqs: (_last_versions(tabs, rows, seqs) & (seqs > done),
@@ -552,10 +552,12 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
 
 
 def _check_continues(backend, chunks: np.ndarray, done: int) -> None:
-    """StoreCorruptError unless the log's chunks are contiguous and continue the tables.
+    """StoreCorruptError unless the log's chunks past `done` are contiguous and continue the tables.
 
     A merge records its last sequence number in the tables before it deletes its chunks, so
-    the log of a consistent pair starts at or below `done + 1`. A log starting past it was
+    the unmerged part of a consistent pair's log starts at or below `done + 1` (chunks wholly at
+    or below `done` are left out: a log whose removal failed after a replay keeps them, and new
+    entries then start at `done + 1`). A log starting past it was
     merged into a tables file that is not this one: data.mdb was put back from an older copy,
     or an OS crash lost the tables' writes since their last sync but not the log's deletes.
     Replaying it would mix two states, missing the rows merged in between.
