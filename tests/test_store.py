@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -301,8 +302,11 @@ def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
 
 def test_bad_record_path_is_a_config_error_and_releases_the_lock(tmp_path):
     spec = ts.TableSpec("t", 5, 2)
+    before = set(threading.enumerate())
     with pytest.raises(ts.ConfigError):
         _open(tmp_path / "s", [spec], record=tmp_path / "no" / "such" / "dir" / "x.tsrec")
+    # nor is a thread it started (writer, merger) left running
+    assert not [t for t in threading.enumerate() if t not in before]
     with _open(tmp_path / "s", [spec]) as s:  # not locked by the failed open
         s.read("t", torch.tensor([1]))
 

@@ -223,6 +223,15 @@ def test_kill_with_a_full_ring_loses_nothing_acknowledged(tmp_path, kill_after):
     assert np.isfinite(got.numpy()).all()
 
 
+def _kill(s) -> None:
+    """Leave a store as a kill would: its writer stopped, its log unmerged, nothing closed."""
+    s.log.stop_merger()
+    s.writeback.close()
+    s.backend.sync()
+    s.backend.close()
+    s._closed = True
+
+
 def _leave_a_log(path, version_rows: dict[int, int]) -> dict[int, torch.Tensor]:
     """A store whose writer appended rows to the log but never merged them (as after a kill):
     returns the rows' logged payloads."""
@@ -237,10 +246,7 @@ def _leave_a_log(path, version_rows: dict[int, int]) -> dict[int, torch.Tensor]:
     with s.writeback._cv:
         s.log.append(np.zeros(len(rows), dtype=np.int64), rows, pay)
     assert s.log.size == len(rows) and len(s.log._chunks) >= 1
-    s.writeback.close()  # the writer stops: the log stays as a kill would leave it
-    s.backend.sync()
-    s.backend.close()
-    s._closed = True
+    _kill(s)  # the log stays as a kill would leave it
     return {int(r): torch.from_numpy(pay[i, : SPEC.dim]) for i, r in enumerate(rows)}, wal
 
 
@@ -331,15 +337,6 @@ def test_log_entries_the_tables_record_as_merged_are_not_replayed(tmp_path):
     assert not (path / "wlog").exists()
 
 
-def _kill(s) -> None:
-    """Leave a store as a kill would: its writer stopped, its log unmerged, nothing closed."""
-    s.log.stop_merger()
-    s.writeback.close()
-    s.backend.sync()
-    s.backend.close()
-    s._closed = True
-
-
 def _log_rows(s, rows: np.ndarray, value: float) -> None:
     """Append versions of rows of table "t" holding `value` to the log, as the writer does."""
     pay = np.zeros((len(rows), s.width), dtype=np.float32)
@@ -411,6 +408,25 @@ def test_a_store_made_before_identities_gets_one_and_its_log_still_replays(tmp_p
             assert torch.equal(got[r], want[r]), r
         mine = wal.store_identity(s.backend)
         assert mine is not None and s.backend.log_owner() == mine == s.log.owner
+
+
+def test_a_damaged_store_identity_fails_the_open_and_leaves_no_thread_or_lock(tmp_path):
+    """The identity in the tables' `log` record is checked when the log opens, after the writer
+    thread has started: the failed open stops that thread and frees the lock, so the next open
+    meets the same error, not a lock held by a dead handle."""
+    import threading
+
+    from tierstore.backends import wal
+
+    path = tmp_path / "s"
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        s.backend.put_meta({wal.MERGED_KEY: {"merged_through": wal.merged_through(s.backend),
+                                             "store": "not an id"}})
+    before = set(threading.enumerate())
+    for _ in range(2):
+        with pytest.raises(ts.StoreCorruptError, match="damaged"):
+            ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+        assert not [t for t in threading.enumerate() if t not in before]
 
 
 def test_a_log_missing_a_chunk_between_others_is_refused(tmp_path):

@@ -138,22 +138,29 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
             self.backend.close()
             raise
         self.writeback = WriteBehind(wcap, width, self._write_rows, name=f"tierstore-writer:{self.path.name}")
-        self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], log_rows,
-                            self.writeback._cv)
-        self.backend.quiesce = _weak_context(self._quiesce_writer)  # the merger holds the backend
-        self.log.start_merger(self._add_written)
-        clock = self.backend.get_meta("clock") or {}
-        self.clock = int(clock.get("value", 0))  # logical clock (store.advance), stamped on updates
-        self._clock_saved = self.clock
-        self._recorder = None
-        if record is not None:
-            from ..traces import TraceRecorder
+        self.log = None
+        try:  # a failure from here on stops the threads started so far and frees the lock
+            self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], log_rows,
+                                self.writeback._cv)
+            self.backend.quiesce = _weak_context(self._quiesce_writer)  # the merger holds the backend
+            self.log.start_merger(self._add_written)
+            clock = self.backend.get_meta("clock") or {}
+            self.clock = int(clock.get("value", 0))  # logical clock (store.advance), stamped on updates
+            self._clock_saved = self.clock
+            self._recorder = None
+            if record is not None:
+                from ..traces import TraceRecorder
 
-            try:
-                self._recorder = TraceRecorder(record)
-            except OSError as exc:
-                self.backend.close()
-                raise ConfigError(f"cannot record the access trace to {record!r}: {exc}") from exc
+                try:
+                    self._recorder = TraceRecorder(record)
+                except OSError as exc:
+                    raise ConfigError(f"cannot record the access trace to {record!r}: {exc}") from exc
+        except BaseException:
+            if self.log is not None:
+                self.log.stop_merger()
+            self.writeback.close()
+            self.backend.close()
+            raise
         self._closed = False
         _OPEN_STORES.add(self)
 
