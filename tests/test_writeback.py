@@ -429,6 +429,38 @@ def test_a_damaged_store_identity_fails_the_open_and_leaves_no_thread_or_lock(tm
         assert not [t for t in threading.enumerate() if t not in before]
 
 
+def test_an_old_log_whose_removal_failed_is_no_gap_for_the_next_crash(tmp_path, monkeypatch):
+    """Removing a replayed log is best effort. When a stale log file (all of it at or below the
+    tables' record, as after an OS crash) cannot be removed, its chunks stay and the new run's
+    entries start past the record: a crash then leaves a log with a hole below the record,
+    which must replay, not be refused as missing entries."""
+    from tierstore.backends import lmdb_log
+
+    path = tmp_path / "s"
+    _leave_a_log(path, {r: 1.0 for r in range(100)})  # entries 0..99
+    stale = (path / "wlog" / "data.mdb").read_bytes()
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
+        s.apply("t", torch.arange(100, 400), torch.ones(300, SPEC.dim))
+        s.flush()  # the record moves well past entry 99
+    (path / "wlog").mkdir()
+    (path / "wlog" / "data.mdb").write_bytes(stale)
+
+    def cannot(_path):
+        raise OSError("busy")
+
+    monkeypatch.setattr(lmdb_log, "unlink_log_dir", cannot)
+    s = ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0)
+    monkeypatch.undo()
+    assert (path / "wlog" / "data.mdb").exists() and s.log.next > 100  # old chunks stayed
+    want = s.read("t", torch.arange(400))
+    _log_rows(s, np.arange(0, 400, 2, dtype=np.int64), 8.0)
+    _kill(s)
+    with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as again:
+        got = again.read("t", torch.arange(400))
+        assert torch.equal(got[::2, 0], torch.full((200,), 8.0))
+        assert torch.equal(got[1::2], want[1::2])
+
+
 def test_a_log_missing_a_chunk_between_others_is_refused(tmp_path):
     """A log whose chunks skip a range of sequence numbers lost those rows: refused, not
     replayed around the hole."""
