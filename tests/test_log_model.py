@@ -43,8 +43,8 @@ class LogVsDict(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp()
         self.store = ts.TierStore(self.dir, SPECS, device="cpu", device_capacity=0,
                                   host_capacity=0, write_log=capacity)
-        self.saved_chunk = wal.CHUNK_ROWS
-        wal.CHUNK_ROWS = chunk
+        self.saved_chunk = wal.writelog.CHUNK_ROWS
+        wal.writelog.CHUNK_ROWS = chunk
         self.store.log.stop_merger()  # merges happen when a rule (or a full log) says so
         self.log = self.store.log
         self.capacity = capacity
@@ -77,7 +77,7 @@ class LogVsDict(RuleBasedStateMachine):
 
         An append that would fill the log waits for the merge in the store (the writer thread
         blocks on the merge lock); here it runs right after the merge instead."""
-        fold = wal.fold
+        fold = wal.writelog.fold
         late = []
 
         def writer_meanwhile(backend, db, chunks, names, dims, ids, newest):
@@ -90,11 +90,11 @@ class LogVsDict(RuleBasedStateMachine):
                 return out
             return fold(backend, db, chunks, names, dims, ids, looked_up)
 
-        wal.fold = writer_meanwhile
+        wal.writelog.fold = writer_meanwhile
         try:
             self.log.merge(n)
         finally:
-            wal.fold = fold
+            wal.writelog.fold = fold
         for keys in late:
             self._append(keys)
 
@@ -161,7 +161,7 @@ class LogVsDict(RuleBasedStateMachine):
                         assert np.array_equal(data, np.stack([self.model[(t, r)] for r in rows.tolist()]))
                 self.store.close()
             finally:
-                wal.CHUNK_ROWS = self.saved_chunk
+                wal.writelog.CHUNK_ROWS = self.saved_chunk
                 shutil.rmtree(self.dir, ignore_errors=True)
 
 

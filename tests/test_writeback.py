@@ -118,7 +118,7 @@ def test_staged_batches_of_two_tables_stay_exact_with_a_slow_writer_and_merges(t
     from tierstore.backends import wal
     from tierstore.prefetch import Prefetcher
 
-    monkeypatch.setattr(wal, "CHUNK_ROWS", 16)
+    monkeypatch.setattr(wal.writelog, "CHUNK_ROWS", 16)
     specs = [SPEC, ts.TableSpec("u", 10**6, 6, optimizer=ts.RowWiseAdagrad(0.2))]
     gen = torch.Generator().manual_seed(7)
     batches = [{"t": torch.randint(0, 400, (30,), generator=gen),
@@ -399,7 +399,7 @@ def test_a_store_made_before_identities_gets_one_and_its_log_still_replays(tmp_p
     from tierstore.backends import wal
 
     path = tmp_path / "s"
-    monkeypatch.setattr(wal, "_own_log", lambda backend: None)  # as those stores were written
+    monkeypatch.setattr(wal.writelog, "own_log", lambda backend: None)  # as those stores were written
     want, _ = _leave_a_log(path, {r: 6.0 for r in range(40)})
     monkeypatch.undo()
     with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as s:
@@ -577,7 +577,7 @@ def test_a_merge_writes_each_table_once_in_ascending_key_order(tmp_path, monkeyp
     ranges (each leaf page rewritten once per merge), and the tables end with the newest rows."""
     from tierstore.backends import wal
 
-    monkeypatch.setattr(wal, "MERGE_ROWS", 50)
+    monkeypatch.setattr(wal.merge, "MERGE_ROWS", 50)
     specs = [ts.TableSpec("a", 10**6, 4), ts.TableSpec("b", 10**6, 4)]
     with ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=0, host_capacity=0) as s:
         s.flush()
@@ -649,7 +649,7 @@ def test_rows_appended_again_while_a_merge_runs_keep_the_log_index_whole(tmp_pat
         with s.writeback._cv:
             s.log.append(tabs, rows, first)
             s.log.append(tabs[:100], later, np.full((100, s.width), 3.0, dtype=np.float32))
-        fold = wal.fold
+        fold = wal.writelog.fold
 
         def writer_meanwhile(backend, db, chunks, names, dims, ids, newest):
             def looked_up(t, r, q):
@@ -659,9 +659,9 @@ def test_rows_appended_again_while_a_merge_runs_keep_the_log_index_whole(tmp_pat
                 return out
             return fold(backend, db, chunks, names, dims, ids, looked_up)
 
-        monkeypatch.setattr(wal, "fold", writer_meanwhile)
+        monkeypatch.setattr(wal.writelog, "fold", writer_meanwhile)
         s.log.merge(len(rows))  # the first append's chunk
-        monkeypatch.setattr(wal, "fold", fold)
+        monkeypatch.setattr(wal.writelog, "fold", fold)
         s.log.index.check()  # live count, positions and lookups agree
         assert s.log.index.live == len(again) + len(later)
         want = first[:, : SPEC.dim].copy()
@@ -766,7 +766,7 @@ def test_log_reads_across_many_chunks_in_any_order_return_each_rows_newest_versi
     per chunk, chunks skipped, some rows superseded by a later append), come back exactly."""
     from tierstore.backends import wal
 
-    monkeypatch.setattr(wal, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(wal.writelog, "CHUNK_ROWS", 7)
     specs = [ts.TableSpec("a", 10**6, 4), ts.TableSpec("b", 10**6, 6)]
     with _log_only_store(tmp_path, specs) as s:
         rng = np.random.default_rng(5)
@@ -794,7 +794,7 @@ def test_one_log_read_for_all_tables_returns_each_rows_newest_version(tmp_path, 
     from tierstore.backends import wal
     from tierstore.prefetch.reads import StoredReads
 
-    monkeypatch.setattr(wal, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(wal.writelog, "CHUNK_ROWS", 7)
     specs = [ts.TableSpec("a", 10**6, 4), ts.TableSpec("b", 10**6, 6), ts.TableSpec("c", 10**6, 4)]
     with _log_only_store(tmp_path, specs) as s:
         rng = np.random.default_rng(11)
@@ -869,7 +869,7 @@ two = np.zeros((len(rows), s.width), dtype=np.float32)
 two[:, :4] = (rows % 997 + 2).astype(np.float32)[:, None]
 with s.writeback._cv:  # version 2 of every row: committed to the log, not merged
     s.log.append(np.zeros(len(rows), dtype=np.int64), rows, two)
-wal.MERGE_ROWS = 500  # a merge of 20 pieces, each its own transaction
+wal.merge.MERGE_ROWS = 500  # a merge of 20 pieces, each its own transaction
 lmdb_backend.TXN_ROWS = 500
 commit = lmdb_backend.LmdbBackend._commit
 
@@ -892,7 +892,7 @@ def test_kill_during_a_merge_loses_nothing_the_log_held(tmp_path, monkeypatch, p
     none is torn)."""
     from tierstore.backends import wal
 
-    monkeypatch.setattr(wal, "MERGE_ROWS", 500)
+    monkeypatch.setattr(wal.merge, "MERGE_ROWS", 500)
     path = tmp_path / "s"
     proc = subprocess.Popen([sys.executable, "-c", MERGE_WORKER, str(path)], stdout=subprocess.PIPE,
                             text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -991,7 +991,7 @@ def test_a_merge_cut_between_its_steps_replays_to_the_newest_rows(tmp_path, monk
         raise Killed
 
     if cut == "before_record":
-        monkeypatch.setattr(wal, "record_merged", die)
+        monkeypatch.setattr(wal.writelog, "record_merged", die)
     else:
         monkeypatch.setattr(s.backend, "delete_log", die)
     s.log.stop_merger()

@@ -1,6 +1,6 @@
-"""The SSD tier's side of the write-behind log: its own LMDB environment (the log itself is wal.py).
+"""The SSD tier's side of the write-behind log: its own LMDB environment (the log itself is the wal package).
 
-`LogIO` is the `LmdbBackend` mixin that the log (wal.py) calls. The log lives in a second LMDB
+`LogIO` is the `LmdbBackend` mixin that the log (the `wal` package) calls. The log lives in a second LMDB
 environment, `<store>/wlog/`, beside the tables' `data.mdb`: its free list then holds only
 whole freed chunks, each a run of the pages a new chunk needs, instead of the pages the merges'
 copy-on-writes fragment (a shared file spent a third of the writer's time searching that free

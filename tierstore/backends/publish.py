@@ -3,7 +3,7 @@
 Readers (tierstore.serving) read the state of the writer's last `flush()` from an LMDB MVCC
 snapshot. Between flushes the writer keeps changing the environment in the background:
 
-- the write-behind writer appends evicted rows to the log database (`wal.py`): those are newer
+- the write-behind writer appends evicted rows to the log database (the `wal` package): those are newer
   than the flush, and readers never read the log;
 - it merges the log into the tables when the log is 3/4 full: those commits overwrite flushed
   rows, so for every row first overwritten after a flush the writer keeps the flushed value in an
