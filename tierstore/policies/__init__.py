@@ -10,6 +10,7 @@ from .base import Evictable, Policy, QueuePolicy
 from .belady import Belady
 from .clock import Clock
 from .fifo import FIFO
+from .hlfu import HistoryLFU
 from .lfu import LFU
 from .lookahead import Lookahead
 from .lru import LRU
@@ -20,6 +21,7 @@ from .wtinylfu import WTinyLFU
 POLICIES: dict[str, type[Policy]] = {
     LRU.name: LRU,
     LFU.name: LFU,
+    HistoryLFU.name: HistoryLFU,
     FIFO.name: FIFO,
     Clock.name: Clock,
     S3FIFO.name: S3FIFO,
@@ -54,6 +56,7 @@ def make_policy(name: str, capacity: int, device: torch.device | str = "cpu") ->
 __all__ = [
     "ARC",
     "FIFO",
+    "HistoryLFU",
     "LFU",
     "LRU",
     "POLICIES",
