@@ -21,7 +21,7 @@ from tierstore.policies.base import key_hash
 
 from .common import OUT_DIR, bar_plot, save, table
 
-POLICIES = "lru,fifo,clock,sieve,s3fifo,lfu,wtinylfu,arc,lookahead,full-scan"
+POLICIES = "lru,fifo,clock,sieve,s3fifo,lfu,hlfu,wtinylfu,arc,lookahead,full-scan"
 _FILL_CHUNK = 1 << 20
 
 
