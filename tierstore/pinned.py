@@ -71,15 +71,17 @@ class PinnedSteps:
                 self._pin(tab, item[1], -1)
 
     def _drain_hits(self) -> None:
-        """Count and tell the device policy the hits of lock-free gathers (store lock held).
+        """Count the hits of lock-free gathers in the device tier's stats (store lock held).
 
-        Their rows are pinned, so no victim choice could have used the hits in between.
+        The policy is not told again: staging told it of this use of every one of these rows
+        (a hit or an insert) when it pinned them, and they stayed pinned since, so no victim
+        choice came between. A second touch would count one use twice (frequency policies) and
+        cost a queue move per row (~10% of staging with `hlfu`, BENCHMARKS.md session 11).
         """
         hits, dev = self._pending_hits, self.device_tier
         while hits:
             slots = hits.popleft()
             dev.count_lookups(slots.numel(), slots.numel())
-            dev.touch(slots)
 
     def _pinned_slots(self, tab: _Table, uniq: torch.Tensor) -> torch.Tensor | None:
         """Device slots of `uniq` from the batch the pipeline staged for this thread, or None.
