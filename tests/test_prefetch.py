@@ -62,6 +62,37 @@ def _delays(seed):
     return lambda: rng.random() * 0.004
 
 
+def test_a_staged_use_is_reported_once_and_consumes_its_look_ahead_hint(tmp_path):
+    # staging reports each access of a staged row (on_hit / on_insert); the step's own use is
+    # reported as on_use, which drops the look-ahead hint of that use but counts nothing again
+    store = ts.TierStore(tmp_path / "s", _specs(), device_capacity=4000, host_capacity=4000,
+                         policy="lookahead", device="cpu")
+    ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+    dev = store.device_tier
+    hits = []
+    real_on_hit = dev.policy.on_hit
+
+    def on_hit(slots):
+        hits.append(int(slots.numel()))
+        real_on_hit(slots)
+
+    dev.policy.on_hit = on_hit
+    steps = 12
+    with Prefetcher(store, _batches(steps), depth=2, features=FEATS,
+                    extract=lambda b: b["sparse"]) as pf:
+        for b in pf:
+            ebc(*b["sparse"]).sum().backward()
+    with store._exclusive():  # drains the last lock-free gathers
+        pass
+    st = store.prefetch_stats
+    assert st.lock_free_bags == 2 * steps and st.warm_only == 0  # every step staged, lock-free
+    # every hint was for a step that has run: all were consumed by the steps' uses
+    assert not dev.policy.hinted.any(), dev.policy.next_use[dev.policy.hinted]
+    # the policy heard of each staged row's use once: staging's device hits, not again at use
+    assert sum(hits) == st.rows_resident_at_use - st.staged_from_host > 0
+    store.close()
+
+
 def test_bit_identical_at_every_depth_with_random_delays(tmp_path):
     base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5))
     staged = lock_free = 0

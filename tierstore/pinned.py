@@ -71,17 +71,19 @@ class PinnedSteps:
                 self._pin(tab, item[1], -1)
 
     def _drain_hits(self) -> None:
-        """Count the hits of lock-free gathers in the device tier's stats (store lock held).
+        """Count the hits of lock-free gathers and report the use to the policy (store lock held).
 
-        The policy is not told again: staging told it of this use of every one of these rows
-        (a hit or an insert) when it pinned them, and they stayed pinned since, so no victim
-        choice came between. A second touch would count one use twice (frequency policies) and
-        cost a queue move per row (~10% of staging with `hlfu`, BENCHMARKS.md session 11).
+        Staging told the policy of this access of every one of these rows (a hit or an insert)
+        when it pinned them, and they stayed pinned since, so no victim choice came between:
+        the policy gets `on_use` (look-ahead drops the hint of this use), not a second `on_hit`,
+        which would count one use twice and cost a queue move per row (~10% of staging with
+        `hlfu`, BENCHMARKS.md session 11).
         """
         hits, dev = self._pending_hits, self.device_tier
         while hits:
             slots = hits.popleft()
             dev.count_lookups(slots.numel(), slots.numel())
+            dev.policy.on_use(slots)
 
     def _pinned_slots(self, tab: _Table, uniq: torch.Tensor) -> torch.Tensor | None:
         """Device slots of `uniq` from the batch the pipeline staged for this thread, or None.

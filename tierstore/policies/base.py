@@ -114,6 +114,13 @@ class Policy:
     def on_future(self, slots: torch.Tensor, next_use: torch.Tensor) -> None:
         """Receive the next known use (a step number) of slots; default: ignore."""
 
+    def on_use(self, slots: torch.Tensor) -> None:
+        """Staged slots were used by the step they were staged for; default: ignore.
+
+        Staging already reported this access (`on_hit` or `on_insert`) when it pinned the rows,
+        so the access is not counted again; a policy holding hints of that use drops them here.
+        """
+
     def victims(self, n: int, evictable: Evictable | torch.Tensor) -> torch.Tensor:
         """Return up to `n` distinct slots to evict among the evictable resident ones."""
         raise NotImplementedError

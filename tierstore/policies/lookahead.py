@@ -47,6 +47,10 @@ class Lookahead(Policy):
         self._forget(as_numpy(slots))
         self.fallback.on_hit(slots)
 
+    def on_use(self, slots: torch.Tensor) -> None:
+        """The hinted use happened: drop the hints (the fallback was told at staging)."""
+        self._forget(as_numpy(slots))
+
     def on_insert(self, slots: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         """New slots have no known next use until hinted."""
         self._forget(as_numpy(slots))
