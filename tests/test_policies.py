@@ -457,6 +457,42 @@ def test_hlfu_counts_saturate_and_age_by_halving():
     p.check()
 
 
+def test_hlfu_below_another_ranks_arrivals_by_the_upper_count_without_counting():
+    upper, lower = make_policy("hlfu", 4), make_policy("hlfu", 4)
+    lower.follow(upper)
+    upper.on_insert(torch.tensor([0, 1]), torch.tensor([7, 8]))
+    upper.on_hit(torch.tensor([0, 0, 0]))  # key 7: four accesses, key 8: one
+    upper.on_remove(torch.tensor([0, 1]))  # both move down a tier: not an access
+    lower.on_insert(torch.tensor([2, 3]), torch.tensor([7, 8]))
+    assert lower.counts(torch.tensor([2, 3])).tolist() == [4, 1]
+    upper.on_insert(torch.tensor([0]), torch.tensor([7]))  # key 7 comes back up: its 5th access
+    assert upper.counts(torch.tensor([0])).tolist() == [5]
+    ev = torch.ones(4, dtype=torch.bool)
+    assert lower.victims(1, ev).tolist() == [3]
+    # the upper tier halves the shared sketch; the lower one halves its cached counts with it
+    need = int(upper.period - upper.g[upper.lists + 1])
+    upper.on_hit(torch.tensor([0] * need))
+    assert upper.agings == 1 and lower.agings == 0
+    lower.on_hit(torch.tensor([], dtype=torch.int64))
+    assert lower.agings == 1
+    assert lower.counts(torch.tensor([2, 3])).tolist() == [2, 1]
+    lower.check()
+    # a store wires its host tier's policy below its device tier's
+    a, b = make_policy("hlfu", 0), make_policy("hlfu", 4)
+    b.follow(a)  # an empty upper tier counts nothing: the lower keeps its own sketch
+    assert b.upper is None
+
+
+def test_a_store_puts_its_host_policy_below_its_device_policy(tmp_path):
+    import tierstore as ts
+
+    specs = [ts.TableSpec("a", 1000, 3)]
+    with ts.TierStore(tmp_path / "s", specs, device_capacity=4, host_capacity=8, policy="hlfu",
+                      device="cpu") as store:
+        assert store.host_tier.policy.upper is store.device_tier.policy
+        assert store.host_tier.policy.sketch is store.device_tier.policy.sketch
+
+
 def test_hlfu_keeps_the_skewed_head_better_than_lru_and_lfu():
     # batches of 1,000 Zipf(1.05) draws over 50,000 keys, cycled, through a 5,000-slot tier
     # (bench.training's shape, scaled down): a row at the cache's edge recurs every few dozen

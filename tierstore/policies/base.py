@@ -114,6 +114,11 @@ class Policy:
     def on_future(self, slots: torch.Tensor, next_use: torch.Tensor) -> None:
         """Receive the next known use (a step number) of slots; default: ignore."""
 
+    def follow(self, upper: Policy) -> None:
+        """Called on the lower tier's policy with the upper tier's (rows move down between
+        them); default: nothing. A policy that ranks rows by their accesses can read the upper
+        tier's record of them, since a row arriving from above is not an access."""
+
     def on_use(self, slots: torch.Tensor) -> None:
         """Staged slots were used by the step they were staged for; default: ignore.
 

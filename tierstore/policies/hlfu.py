@@ -64,10 +64,24 @@ def _count(lines, h):  # pragma: no cover - compiled
     return est
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _estimate(lines, h):  # pragma: no cover - compiled
+    """The sketch's count of key hash `h`, at least 1 (a cached row was accessed), no update."""
+    x = _mix(h)
+    line = x & (lines.shape[0] - 1)
+    est = MAX_COUNT
+    for r in range(4):
+        c = lines[line, (x >> (40 + 6 * r)) & 63]
+        if c < est:
+            est = c
+    return max(est, 1)
+
+
 @numba.njit(cache=True, nogil=True)
-def _access(S, cap, lines, slots, keys):  # pragma: no cover - compiled
-    """Count each access and move its slot to the end of its count's queue; with `keys`
-    (inserts) the slots are new and take those key hashes. Returns the accesses counted."""
+def _access(S, cap, lines, slots, keys, count):  # pragma: no cover - compiled
+    """Count each access (or, with `count` False, only read the sketch) and move its slot to
+    the end of its count's queue; with `keys` (inserts) the slots are new and take those key
+    hashes. Returns the slots moved."""
     log = np.empty((0, 3), dtype=np.int64)
     nlog = np.zeros(1, dtype=np.int64)
     g = S.shape[0] - 1
@@ -83,7 +97,7 @@ def _access(S, cap, lines, slots, keys):  # pragma: no cover - compiled
             S[s, _KEY] = keys[i]
         elif S[s, q.LIST] < 0:  # not cached (a hit told after the slot left): ignore
             continue
-        c = _count(lines, S[s, _KEY])
+        c = _count(lines, S[s, _KEY]) if count else _estimate(lines, S[s, _KEY])
         if S[s, q.LIST] >= 0:
             q.unlink(S, s, log, nlog)
         q.push(S, cap, c - 1, s, log, nlog)
@@ -147,27 +161,44 @@ class HistoryLFU(QueuePolicy):
         self.sketch = np.zeros((nlines, 64), dtype=np.uint8)
         self.period = max(1, self.aging_period * self.capacity)
         self.agings = 0
+        self.upper: HistoryLFU | None = None  # the tier above, whose sketch this one reads
+
+    def follow(self, upper: QueuePolicy) -> None:
+        """Below another History LFU tier, rank by its sketch: the rows arriving here are that
+        tier's victims, and a move down is not an access, so this tier counts nothing itself."""
+        if isinstance(upper, HistoryLFU) and upper is not self and upper.capacity > 0:
+            self.upper = upper
+            self.sketch = upper.sketch  # the same array: the upper tier's updates and agings
+            self.agings = upper.agings
 
     def on_hit(self, slots: torch.Tensor) -> None:
         """Count the accesses; each slot moves to the newest end of its new count's queue."""
-        _access(self.state, self.capacity, self.sketch, as_numpy(slots), _NO_KEYS)
+        _access(self.state, self.capacity, self.sketch, as_numpy(slots), _NO_KEYS,
+                self.upper is None)
         self._maybe_age()
 
     def on_insert(self, slots: torch.Tensor, keys: torch.Tensor | None = None) -> None:
-        """New slots take their key's remembered count (plus this access)."""
+        """New slots take their key's remembered count (plus this access, unless the row
+        arrives from the tier above, whose sketch counted its accesses)."""
         s = as_numpy(slots)
         k = as_numpy(keys) if keys is not None else s + 1  # no keys: each slot is its own key
-        _access(self.state, self.capacity, self.sketch, s, k)
+        _access(self.state, self.capacity, self.sketch, s, k, self.upper is None)
         self._maybe_age()
 
     def _maybe_age(self) -> None:
-        """Halve the sketch and the cached counts once `period` accesses were counted."""
+        """Halve the sketch and the cached counts once `period` accesses were counted (below
+        another tier: the cached counts, once that tier has halved the shared sketch)."""
         g = self.g
-        if g[_SINCE] < self.period:
-            return
-        g[_SINCE] = 0
-        self.sketch >>= 1
-        self.agings += 1
+        if self.upper is not None:
+            if self.upper.agings == self.agings:
+                return
+            self.agings = self.upper.agings
+        else:
+            if g[_SINCE] < self.period:
+                return
+            g[_SINCE] = 0
+            self.sketch >>= 1
+            self.agings += 1
         slots = _cached(self.state, self.capacity)
         if slots.size == 0:
             return

@@ -114,6 +114,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
             self.device_tier = SlabTier("device", dcap, width, policy, self.device)
             self.host_tier = SlabTier("host", hcap, width, policy, "cpu",
                                       pin_memory=self.device.type == "cuda")
+            self.host_tier.policy.follow(self.device_tier.policy)  # device victims move down
         except BaseException:
             self.backend.close()
             raise
