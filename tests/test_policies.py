@@ -13,7 +13,7 @@ from tierstore.backends.slab import Rows, SlabTier
 from tierstore.errors import ConfigError
 from tierstore.policies import POLICIES, Evictable, Policy, make_policy
 
-NAMES = sorted(POLICIES) + ["lookahead:lfu", "lookahead:s3fifo"]
+NAMES = sorted(POLICIES) + ["lookahead:lfu", "lookahead:s3fifo", "lookahead:hlfu"]
 
 
 def _state(policy: Policy) -> dict:
@@ -477,10 +477,14 @@ def test_hlfu_below_another_ranks_arrivals_by_the_upper_count_without_counting()
     assert lower.agings == 1
     assert lower.counts(torch.tensor([2, 3])).tolist() == [2, 1]
     lower.check()
-    # a store wires its host tier's policy below its device tier's
+    # an empty upper tier counts nothing: the lower keeps its own sketch
     a, b = make_policy("hlfu", 0), make_policy("hlfu", 4)
-    b.follow(a)  # an empty upper tier counts nothing: the lower keeps its own sketch
+    b.follow(a)
     assert b.upper is None
+    # look-ahead over hlfu: the fallbacks follow each other
+    la, lb = make_policy("lookahead:hlfu", 4), make_policy("lookahead:hlfu", 4)
+    lb.follow(la)
+    assert lb.fallback.upper is la.fallback
 
 
 def test_a_store_puts_its_host_policy_below_its_device_policy(tmp_path):

@@ -70,6 +70,10 @@ class Lookahead(Policy):
         self._forget(as_numpy(slots))
         self.fallback.on_remove(slots)
 
+    def follow(self, upper: Policy) -> None:
+        """The fallback follows the upper tier's policy (its fallback, if it looks ahead too)."""
+        self.fallback.follow(upper.fallback if isinstance(upper, Lookahead) else upper)
+
     def on_future(self, slots: torch.Tensor, next_use: torch.Tensor) -> None:
         """Record the next known use (absolute step) of slots; the last hint for a slot wins."""
         s = as_numpy(slots)
