@@ -25,7 +25,7 @@ import torch
 
 from .._kernels import prefetch
 from . import _queues as q
-from .base import QueuePolicy, as_numpy
+from .base import Policy, QueuePolicy, as_numpy
 
 MAX_COUNT = 7  # counts saturate here (measured: 7 loses ~2% of the hits 15 keeps); queue c - 1 holds count c
 _KEY, _STAMP = q.FIRST_FREE, q.FIRST_FREE + 1
@@ -33,7 +33,6 @@ _CLOCK, _SINCE = MAX_COUNT, MAX_COUNT + 1  # globals: access clock, accesses sin
 _M1 = np.int64(-4658895280553007687)
 _M2 = np.int64(-7723592293110705685)
 _NO_KEYS = np.empty(0, dtype=np.int64)
-AHEAD = q.AHEAD
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -46,15 +45,22 @@ def _mix(h):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _count(lines, h):  # pragma: no cover - compiled
-    """Count one access of key hash `h` (conservative update); return the new estimate."""
-    x = _mix(h)
-    line = x & (lines.shape[0] - 1)
+def _least(lines, line, x):  # pragma: no cover - compiled
+    """The smallest of the four counters of mixed hash `x` in its line."""
     est = MAX_COUNT
     for r in range(4):  # four counters of the line, at 6-bit positions taken from the hash
         c = lines[line, (x >> (40 + 6 * r)) & 63]
         if c < est:
             est = c
+    return est
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _count(lines, h):  # pragma: no cover - compiled
+    """Count one access of key hash `h` (conservative update); return the new estimate."""
+    x = _mix(h)
+    line = x & (lines.shape[0] - 1)
+    est = _least(lines, line, x)
     if est < MAX_COUNT:
         for r in range(4):
             p = (x >> (40 + 6 * r)) & 63
@@ -68,20 +74,14 @@ def _count(lines, h):  # pragma: no cover - compiled
 def _estimate(lines, h):  # pragma: no cover - compiled
     """The sketch's count of key hash `h`, at least 1 (a cached row was accessed), no update."""
     x = _mix(h)
-    line = x & (lines.shape[0] - 1)
-    est = MAX_COUNT
-    for r in range(4):
-        c = lines[line, (x >> (40 + 6 * r)) & 63]
-        if c < est:
-            est = c
-    return max(est, 1)
+    return max(_least(lines, x & (lines.shape[0] - 1), x), 1)
 
 
 @numba.njit(cache=True, nogil=True)
 def _access(S, cap, lines, slots, keys, count):  # pragma: no cover - compiled
     """Count each access (or, with `count` False, only read the sketch) and move its slot to
     the end of its count's queue; with `keys` (inserts) the slots are new and take those key
-    hashes. Returns the slots moved."""
+    hashes."""
     log = np.empty((0, 3), dtype=np.int64)
     nlog = np.zeros(1, dtype=np.int64)
     g = S.shape[0] - 1
@@ -89,8 +89,8 @@ def _access(S, cap, lines, slots, keys, count):  # pragma: no cover - compiled
     done = 0
     for i in range(n):
         q.ahead(S, slots, i, n)
-        if i + AHEAD < n:  # the sketch line of a later access (its slot's row is loaded by now)
-            h = keys[i + AHEAD] if keys.shape[0] else S[slots[i + AHEAD], _KEY]
+        if i + q.AHEAD < n:  # the sketch line of a later access (its slot's row is loaded by now)
+            h = keys[i + q.AHEAD] if keys.shape[0] else S[slots[i + q.AHEAD], _KEY]
             prefetch(lines, _mix(h) & (lines.shape[0] - 1), 0)
         s = slots[i]
         if keys.shape[0]:
@@ -105,26 +105,6 @@ def _access(S, cap, lines, slots, keys, count):  # pragma: no cover - compiled
         S[s, _STAMP] = S[g, _CLOCK]
         done += 1
     S[g, _SINCE] += done
-    return done
-
-
-@numba.njit(cache=True, nogil=True)
-def _cached(S, cap):  # pragma: no cover - compiled
-    """Every queued slot, lowest count first, oldest first within a count."""
-    g = S.shape[0] - 1
-    total = 0
-    for lst in range(MAX_COUNT):
-        total += S[g, lst]
-    out = np.empty(total, dtype=np.int64)
-    k = 0
-    for lst in range(MAX_COUNT):
-        t = cap + lst
-        s = S[t, q.NEXT]
-        while s != t and k < total:
-            out[k] = s
-            k += 1
-            s = S[s, q.NEXT]
-    return out[:k]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -163,7 +143,7 @@ class HistoryLFU(QueuePolicy):
         self.agings = 0
         self.upper: HistoryLFU | None = None  # the tier above, whose sketch this one reads
 
-    def follow(self, upper: QueuePolicy) -> None:
+    def follow(self, upper: Policy) -> None:
         """Below another History LFU tier, rank by its sketch: the rows arriving here are that
         tier's victims, and a move down is not an access, so this tier counts nothing itself."""
         if isinstance(upper, HistoryLFU) and upper is not self and upper.capacity > 0:
@@ -199,10 +179,11 @@ class HistoryLFU(QueuePolicy):
             g[_SINCE] = 0
             self.sketch >>= 1
             self.agings += 1
-        slots = _cached(self.state, self.capacity)
+        slots = np.concatenate([q.queue_order(self.state, self.capacity, lst)
+                                for lst in range(MAX_COUNT)])
         if slots.size == 0:
             return
-        lists = np.maximum(self.state[slots, q.LIST] + 1 >> 1, 1) - 1
+        lists = np.maximum((self.state[slots, q.LIST] + 1) >> 1, 1) - 1  # count c -> max(c // 2, 1)
         order = np.argsort(self.state[slots, _STAMP], kind="stable")
         order = order[np.argsort(lists[order], kind="stable")]
         _requeue(self.state, self.capacity, slots[order], lists[order])
