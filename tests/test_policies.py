@@ -487,6 +487,25 @@ def test_hlfu_below_another_ranks_arrivals_by_the_upper_count_without_counting()
     assert lb.fallback.upper is la.fallback
 
 
+def test_hlfu_admits_a_row_once_its_count_beats_the_lowest_cached_count():
+    # TinyLFU's admission test: a once-seen key may not displace rows counted three times, but
+    # every refused access is counted, so the key gets in once it outcounts them
+    cap = 4
+    p = make_policy("hlfu", cap)
+    p.on_insert(torch.arange(cap), torch.arange(cap) + 1)
+    p.on_hit(torch.arange(cap).repeat(2))  # every cached key: three accesses
+    new = torch.tensor([99])
+    answers = [bool(p.admit(new)[0]) for _ in range(4)]
+    assert answers == [False, False, False, True]  # counts 1, 2, 3 refused; 4 > 3 admitted
+    assert p.counts(torch.arange(cap)).tolist() == [3] * cap  # nothing cached moved
+    assert p.g[p.lists + 1] == 3 * cap + 3  # the refused accesses count towards aging
+    # below another tier, or for a policy without a test, every row is admitted
+    upper, lower = make_policy("hlfu", 4), make_policy("hlfu", 4)
+    lower.follow(upper)
+    assert lower.admit(new) is None and make_policy("lru", 4).admit(new) is None
+    p.check()
+
+
 def test_a_store_puts_its_host_policy_below_its_device_policy(tmp_path):
     import tierstore as ts
 

@@ -98,7 +98,8 @@ def test_bit_identical_at_every_depth_with_random_delays(tmp_path):
     staged = lock_free = 0
     for depth in (0, 1, 2, 8):
         # tiny caches (windows do not fit: warm-up only) and caches that hold a short window
-        for caps, policy in (((2, 3), "lru"), ((40, 60), "lookahead"), ((30, 50), "lru")):
+        for caps, policy in (((2, 3), "lru"), ((40, 60), "lookahead"), ((30, 50), "lru"),
+                             ((3, 4), "hlfu")):
             got, stats = _train(tmp_path / f"d{depth}{policy}{caps[0]}", depth, caps=caps,
                                 policy=policy, delay=_delays(depth))
             for k in base:
@@ -108,6 +109,55 @@ def test_bit_identical_at_every_depth_with_random_delays(tmp_path):
             lock_free += stats["prefetch"]["lock_free_bags"]
     assert staged > 0  # the staging path itself ran, not only the warm-up
     assert lock_free > 0  # and steps ran on pinned slots without the store lock
+
+
+@pytest.mark.parametrize("policy", ["lru", "hlfu"])
+def test_a_warm_only_forward_moves_no_row_and_its_backward_moves_each_once(tmp_path, policy):
+    # caches far smaller than a batch: every step is warm-only. Its forward reads missed rows
+    # where they are (no insertion, no eviction); its backward brings them up after the update
+    # (hlfu: only the rows its admission test lets in; the rest go to the write-behind ring)
+    base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5))
+    phase, inserts = ["idle"], {"forward": 0, "backward": 0, "idle": 0}
+    side_store, refused = [], []
+
+    def side(store, i):
+        if not side_store:
+            side_store.append(store)
+            real = store.device_tier.insert
+
+            def insert(rows, *a, **k):
+                inserts[phase[0]] += len(rows)
+                return real(rows, *a, **k)
+
+            store.device_tier.insert = insert
+            real_admit = store.device_tier.policy.admit
+
+            def admit(keys):
+                out = real_admit(keys)
+                if out is not None:
+                    refused.append(int((~out).sum()))
+                return out
+
+            store.device_tier.policy.admit = admit
+            ebc_forward = ts.TieredEmbeddingBagCollection.forward
+
+            def forward(self, *a, **k):
+                phase[0] = "forward"
+                try:
+                    return ebc_forward(self, *a, **k)
+                finally:
+                    phase[0] = "backward"
+
+            monkey.setattr(ts.TieredEmbeddingBagCollection, "forward", forward)
+
+    with pytest.MonkeyPatch.context() as monkey:
+        got, stats = _train(tmp_path / "t", 2, caps=(3, 4), policy=policy, side=side)
+    for k in base:
+        assert torch.equal(got[k], base[k]), k
+    assert stats["prefetch"]["warm_only"] == 30
+    assert inserts["forward"] == 0 and inserts["backward"] > 0, inserts
+    # lru admits every row; hlfu refused some (their updates reached the store all the same)
+    assert (sum(refused) > 0) == (policy == "hlfu"), refused
 
 
 def test_locked_operations_from_another_thread_wait_for_lock_free_updates(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,7 @@ class BagPaths:
             empty = torch.empty(0, dtype=torch.int64)
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
         uniq, inv = sort_unique(*dedup(ids))
-        payload = self._access(tab, uniq, None)
+        payload = self._access(tab, uniq, None, promote=self._deferring != threading.get_ident())
         return Gathered(uniq, inv, tab.spec.codec.decode(payload, tab.spec.dim), self._last_dslots,
                         self.device_tier.generation)
 
@@ -74,7 +75,7 @@ class BagPaths:
                 weights = codec.gather(dev.slab, dslots, dim) if need_weights else torch.empty(0, dim)
             return out, Gathered(uniq, inv, weights, dslots, dev.generation)
         uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
-        payload = self._access(tab, uniq, None)
+        payload = self._access(tab, uniq, None, promote=self._deferring != threading.get_ident())
         weights = codec.decode(payload, dim).contiguous() if codec.packed else payload
         out = fused_pool(weights, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
         return out, Gathered(uniq, inv, weights[:, :dim], self._last_dslots, dev.generation)
@@ -116,4 +117,4 @@ class BagPaths:
             self._stamp(tab, dev.slab, g.slots)
             dev.dirty[g.slots] = True
             return
-        self._access(tab, unique, update)
+        self._access(tab, unique, update, promote=self._deferring != threading.get_ident())

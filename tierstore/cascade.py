@@ -33,12 +33,16 @@ class TierCascade:
         return slots
 
     def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
-                count: bool = True, dslots: torch.Tensor | None = None) -> torch.Tensor | None:
+                count: bool = True, dslots: torch.Tensor | None = None,
+                promote: bool = True) -> torch.Tensor | None:
         """Locate sorted unique rows, optionally update them, and promote them to the device tier.
 
         `dslots` are the rows' device slots when the caller has just looked them up. Returns
-        the payloads [u, width] when reading (`update` is None), else None. (Prefetch staging,
-        which pins rows instead, is `PinnedSteps._stage_many`.)
+        the payloads [u, width] when reading (`update` is None), else None. With
+        `promote=False` (a warm-only step) a read moves no row (`_read_in_place`), and an update
+        brings up from below only the rows the device policy admits (`Policy.admit`), handing
+        the others to the write-behind ring. (Prefetch staging, which pins rows instead, is
+        `PinnedSteps._stage_many`.)
         """
         dev = self.device_tier
         n = uniq.numel()
@@ -46,6 +50,8 @@ class TierCascade:
             dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
         dhit = dslots >= 0
         nd = int(dhit.sum())
+        if nd < n and update is None and not promote:
+            return self._read_in_place(tab, uniq, dslots, dhit, nd, count)
         if nd < n:  # rows will move: room in the write-behind ring for the victims, or fail now
             self.writeback.reserve(n - nd)
         if count:
@@ -71,7 +77,8 @@ class TierCascade:
             hit_slots = dslots[:0]
             miss, miss_rows = None, uniq
         m = n - nd
-        mpay, mdirty, mpins, nh = self._fetch_misses(tab, miss_rows, count)
+        mpay, mdirty, mpins, hhit = self._fetch_misses(tab, miss_rows, count)
+        nh = int(hhit.sum())
         self._last_sources = (nd, nh, m - nh)
         if nd:  # assemble the whole batch: device hits and the rows fetched from below
             payload = torch.empty((n, self.width), dtype=torch.float32)
@@ -87,15 +94,59 @@ class TierCascade:
                 dev.write(hit_slots, payload.index_select(0, hit_idx))
                 mpay = payload.index_select(0, miss)
             mdirty = torch.ones(m, dtype=torch.bool)
-        self._place(Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins), protect=hit_slots)
+        moving = Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins)
+        if update is not None and not promote and nh < m:  # rows from below: admitted ones only
+            admit = self.device_tier.admit(moving.tabs, moving.rows)
+            if admit is not None:
+                admit |= hhit  # rows the host tier held stay cached
+                self._write_down(moving.take(~admit))
+                moving = moving.take(admit)
+        self._place(moving, protect=hit_slots)
         return None if update is not None else payload.to(self.device, non_blocking=True)
 
+    def _read_in_place(self, tab: _Table, uniq: torch.Tensor, dslots: torch.Tensor,
+                       dhit: torch.Tensor, nd: int, count: bool) -> torch.Tensor:
+        """Payloads [u, width] of sorted unique rows read wherever they are, moving none.
+
+        A warm-only batch's forward reads this way: the caches cannot hold its rows until the
+        backward, so rows it promoted would only be evicted by later tables' forwards and
+        fetched again. The backward's `_access` moves each row up once, after its update, and
+        tells the policies of the access then (so it is reported once, not here).
+        """
+        dev, host = self.device_tier, self.host_tier
+        n = uniq.numel()
+        payload = torch.empty((n, self.width), dtype=torch.float32)
+        if nd:
+            hit_idx = torch.nonzero(dhit).flatten()
+            hit_slots = dslots.index_select(0, hit_idx)
+            payload.index_copy_(0, hit_idx.cpu(), dev.read(hit_slots).cpu())
+            miss = torch.nonzero(~dhit).flatten().cpu()
+        else:
+            miss = torch.arange(n)
+        rows = uniq.index_select(0, miss)
+        hslots = host.lookup(tab.tix, rows, count=False)
+        hhit = hslots >= 0
+        nh = int(hhit.sum())
+        if count:
+            dev.count_lookups(n, nd)
+            host.count_lookups(miss.numel(), nh)
+        if nh:
+            at = torch.nonzero(hhit).flatten()
+            found = hslots.index_select(0, at)
+            payload.index_copy_(0, miss.index_select(0, at), host.read(found))
+        if nh < miss.numel():
+            cold = torch.nonzero(~hhit).flatten()
+            payload.index_copy_(0, miss.index_select(0, cold), self._load(tab, rows.index_select(0, cold)))
+        self._last_sources = (nd, nh, miss.numel() - nh)
+        self._last_dslots = None
+        return payload.to(self.device, non_blocking=True)
+
     def _fetch_misses(self, tab: _Table, rows: torch.Tensor, count: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Take device-missed rows out of the host tier or load them from LMDB.
 
-        Returns (payload [m, width], dirty [m], pins [m] or None, host hits); host hits leave
-        the host tier (the caches are exclusive).
+        Returns (payload [m, width], dirty [m], pins [m] or None, host hit mask [m]); host
+        hits leave the host tier (the caches are exclusive).
         """
         host = self.host_tier
         m = rows.numel()
@@ -105,10 +156,10 @@ class TierCascade:
         if count:
             host.count_lookups(m, nh)
         if nh == 0:
-            return self._load(tab, rows), torch.zeros(m, dtype=torch.bool), None, 0
+            return self._load(tab, rows), torch.zeros(m, dtype=torch.bool), None, hhit
         if nh == m:
             moved = host.remove(hslots)
-            return moved.payload, moved.dirty, moved.pins, nh
+            return moved.payload, moved.dirty, moved.pins, hhit
         hidx = torch.nonzero(hhit).flatten()
         cidx = torch.nonzero(~hhit).flatten()
         moved = host.remove(hslots.index_select(0, hidx))
@@ -117,7 +168,7 @@ class TierCascade:
         payload.index_copy_(0, cidx, self._load(tab, rows.index_select(0, cidx)))
         dirty = torch.zeros(m, dtype=torch.bool).index_copy_(0, hidx, moved.dirty)
         pins = torch.zeros(m, dtype=torch.int32).index_copy_(0, hidx, moved.pins)
-        return payload, dirty, pins, nh
+        return payload, dirty, pins, hhit
 
     def _uncached(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
         """Mask of rows in no cache tier and not in the write-behind ring (store lock held)."""

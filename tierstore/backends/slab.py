@@ -11,7 +11,7 @@ import torch
 from .. import _kernels, _memory
 from ..index import HashIndex
 from ..policies import Evictable, make_policy
-from ..policies.base import key_hash
+from ..policies.base import Policy, key_hash
 from ..stats import TierStats
 
 
@@ -217,6 +217,18 @@ class SlabTier:
             out = self._take(keep, dirty[dirty], pins=False)
         self._release(victims, reuse=True)
         return out, victims
+
+    @property
+    def selective(self) -> bool:
+        """Whether the policy may refuse rows arriving by a miss (`Policy.admit`)."""
+        return type(self.policy).admit is not Policy.admit
+
+    def admit(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """Mask of arriving rows the policy lets displace cached ones (`Policy.admit`); None:
+        all, also when free slots hold them all."""
+        if not self.selective or rows.numel() <= self._nfree:
+            return None
+        return self.policy.admit(key_hash(tabs, rows))
 
     def insert(self, rows: Rows, protect: torch.Tensor | None = None,
                keep_clean: bool = True) -> tuple[int, Rows | None]:

@@ -126,6 +126,15 @@ class Policy:
         so the access is not counted again; a policy holding hints of that use drops them here.
         """
 
+    def admit(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """Which rows arriving by a miss (their key hashes) may displace a cached row; None: all.
+
+        Asked only where a step's rows cannot stay cached until its backward (a warm-only
+        step, see `TierCascade._access`): a rejected row goes on to the write-behind ring and
+        its access is recorded as if it had been cached. Default: every row is admitted.
+        """
+        return None
+
     def victims(self, n: int, evictable: Evictable | torch.Tensor) -> torch.Tensor:
         """Return up to `n` distinct slots to evict among the evictable resident ones."""
         raise NotImplementedError

@@ -123,6 +123,27 @@ def _requeue(S, cap, slots, lists):  # pragma: no cover - compiled
         q.push(S, cap, lists[i], slots[i], log, nlog)
 
 
+@numba.njit(cache=True, nogil=True)
+def _admit(S, lines, keys, out):  # pragma: no cover - compiled
+    """TinyLFU's test: admit a key whose count after this access exceeds the lowest cached
+    count; a rejected key's access is counted here (an admitted one's by its insert)."""
+    g = S.shape[0] - 1
+    floor = MAX_COUNT
+    for lst in range(MAX_COUNT):
+        if S[g, lst] > 0:
+            floor = lst + 1
+            break
+    n = keys.shape[0]
+    for i in range(n):
+        if i + q.AHEAD < n:
+            prefetch(lines, _mix(keys[i + q.AHEAD]) & (lines.shape[0] - 1), 0)
+        x = _mix(keys[i])
+        after = min(_least(lines, x & (lines.shape[0] - 1), x) + 1, MAX_COUNT)
+        out[i] = after > floor
+        if not out[i]:
+            _count(lines, keys[i])
+
+
 class HistoryLFU(QueuePolicy):
     """LFU over a slowly aged frequency sketch that remembers rows after they leave the tier."""
 
@@ -164,6 +185,18 @@ class HistoryLFU(QueuePolicy):
         k = as_numpy(keys) if keys is not None else s + 1  # no keys: each slot is its own key
         _access(self.state, self.capacity, self.sketch, s, k, self.upper is None)
         self._maybe_age()
+
+    def admit(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """Rows whose count, with this access, beats the lowest cached count (TinyLFU); a
+        rejected row's access is counted all the same. Below another tier: every row."""
+        if self.upper is not None:
+            return None
+        k = as_numpy(keys)
+        out = np.empty(k.shape[0], dtype=np.bool_)
+        _admit(self.state, self.sketch, k, out)
+        self.g[_SINCE] += int(np.count_nonzero(~out))
+        self._maybe_age()
+        return torch.from_numpy(out)
 
     def _maybe_age(self) -> None:
         """Halve the sketch and the cached counts once `period` accesses were counted (below

@@ -101,6 +101,7 @@ class Prefetcher:
         self._slots: dict[int, dict] = {}  # step -> {table: (sorted rows, device slots)} when staged
         self._unpin_slots: dict[int, tuple] = {}  # step -> ({table: device slots}, pin epoch)
         self._warm_only = False  # the last batch's mode (warm-only batches are not read a batch early)
+        self._warm_steps: set[int] = set()  # warm-only batches not yet handed over
         self._consumed = -1
         self._closed = False
         self._errbox: list[BaseException] = []  # the staging thread's error, if any
@@ -169,6 +170,9 @@ class Prefetcher:
         # this thread's forward and backward may use the batch's pinned slots without the lock
         st = self._slots.pop(step, None)
         self.store._staged = (threading.get_ident(), st[0], st[1]) if st else (0, {}, -1)
+        # a warm-only batch's forward reads its misses where they are; its backward places them
+        self.store._deferring = threading.get_ident() if step in self._warm_steps else 0
+        self._warm_steps.discard(step)
         return batch
 
     def _raise_worker_error(self) -> None:
@@ -189,6 +193,7 @@ class Prefetcher:
             return
         store = self.store
         store._staged = (0, {}, -1)  # the batch's rows are about to lose their pins
+        store._deferring = 0
         if store.device_tier.policy.wants_future or store.host_tier.policy.wants_future:
             with store._lock:  # hints need the rows' slots now
                 if store._closed:
@@ -279,10 +284,15 @@ class Prefetcher:
             self._warm_only = warm_only
             ringed = {}
             if warm_only:  # rows in the ring now: copy their newest version, read the rest
+                # (only the uncached rest where the device policy admits rows selectively: the
+                # caches then keep their rows through warm-only steps)
+                selective = store.device_tier.selective
                 cold = {}
                 for t, uniq in per_table.items():
                     hit, data = store.writeback.lookup(tabs[t].index, uniq, count=False)
                     cold[t] = uniq[~hit]
+                    if selective:
+                        cold[t] = cold[t][self._uncached(tabs[t], cold[t])]
                     if data.shape[0]:
                         ringed[t] = (uniq[hit].numpy(), data[:, : tabs[t].spec.row_dim].numpy())
             else:
@@ -327,6 +337,7 @@ class Prefetcher:
                 stats.warm_only += 1
                 stats.rows_used += batch_rows
                 self._window[step] = {}
+                self._warm_steps.add(step)
                 stats.stage_seconds += time.perf_counter() - t1
                 return
             future = store.device_tier.policy.wants_future or store.host_tier.policy.wants_future
@@ -430,6 +441,7 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
 def _unpin_all(store: TierStore, window: dict) -> None:
     """Unpin every staged batch still in `window` (under the store lock)."""
     store._staged = (0, {}, -1)
+    store._deferring = 0
     with store._lock:
         steps = sorted(window)
         if not store._closed:

@@ -91,6 +91,9 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         # the batch in use, as the prefetch pipeline staged it: (consumer thread id,
         # {table: (sorted rows, device slots)}); its rows stay pinned until the pipeline's release
         self._staged: tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], int] = (0, {}, -1)
+        # the consumer thread whose batch is warm-only (0: none): its forward reads missed rows
+        # where they are, and its backward moves them up once (`_access`'s `promote`)
+        self._deferring = 0
         # batches released by the pipeline without the lock: their pins drop at the next locked
         # section (staging or any store call), after their hits are told
         self._pending_unpins: collections.deque = collections.deque()
