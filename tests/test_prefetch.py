@@ -158,6 +158,11 @@ def test_a_warm_only_forward_moves_no_row_and_its_backward_moves_each_once(tmp_p
     assert inserts["forward"] == 0 and inserts["backward"] > 0, inserts
     # lru admits every row; hlfu refused some (their updates reached the store all the same)
     assert (sum(refused) > 0) == (policy == "hlfu"), refused
+    # and they are on disk: the closed store, reopened, reads the reference's rows
+    with ts.TierStore(tmp_path / "t", _specs(), device_capacity=3, host_capacity=4,
+                      device="cpu") as again:
+        assert torch.equal(again.read("b", torch.arange(40)), base["b"][:, :5])
+        assert torch.equal(again.read("a", torch.arange(40) * 7919), base["a"][:, :3])
 
 
 def test_locked_operations_from_another_thread_wait_for_lock_free_updates(tmp_path):
