@@ -31,9 +31,9 @@ def _batches(n_steps, seed=3, batch=4):
                                                                                        generator=gen)}
 
 
-def _train(path, depth, caps=(2, 3), policy="lru", steps=30, delay=None, side=None):
+def _train(path, depth, caps=(2, 3), policy="lru", steps=30, delay=None, side=None, **store_kw):
     store = ts.TierStore(path, _specs(), device_capacity=caps[0], host_capacity=caps[1],
-                         policy=policy, device="cpu")
+                         policy=policy, device="cpu", **store_kw)
     ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
     torch.manual_seed(0)
     dense = torch.nn.Linear(11, 1)
@@ -111,18 +111,28 @@ def test_bit_identical_at_every_depth_with_random_delays(tmp_path):
     assert lock_free > 0  # and steps ran on pinned slots without the store lock
 
 
-@pytest.mark.parametrize("policy", ["lru", "hlfu"])
-def test_a_warm_only_forward_moves_no_row_and_its_backward_moves_each_once(tmp_path, policy):
+@pytest.mark.parametrize("policy,slow", [("lru", False), ("hlfu", False), ("hlfu", True)])
+def test_a_warm_only_forward_moves_no_row_and_its_backward_moves_each_once(tmp_path, monkeypatch,
+                                                                           policy, slow):
     # caches far smaller than a batch: every step is warm-only. Its forward reads missed rows
     # where they are (no insertion, no eviction); its backward brings them up after the update
-    # (hlfu: only the rows its admission test lets in; the rest go to the write-behind ring)
+    # (hlfu: only the rows its admission test lets in; the rest go to the write-behind ring).
+    # `slow`: a tiny ring drained by a slowed writer into a small log that merges meanwhile
+    from tierstore.backends import wal
+
     base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5))
+    store_kw = {}
+    if slow:
+        monkeypatch.setattr(wal.writelog, "CHUNK_ROWS", 4)
+        store_kw = {"write_buffer": 6, "write_log": 24}
     phase, inserts = ["idle"], {"forward": 0, "backward": 0, "idle": 0}
     side_store, refused = [], []
 
     def side(store, i):
         if not side_store:
             side_store.append(store)
+            if slow:
+                store.writeback.delay = lambda: 0.002
             real = store.device_tier.insert
 
             def insert(rows, *a, **k):
@@ -151,16 +161,18 @@ def test_a_warm_only_forward_moves_no_row_and_its_backward_moves_each_once(tmp_p
             monkey.setattr(ts.TieredEmbeddingBagCollection, "forward", forward)
 
     with pytest.MonkeyPatch.context() as monkey:
-        got, stats = _train(tmp_path / "t", 2, caps=(3, 4), policy=policy, side=side)
+        got, stats = _train(tmp_path / "t", 2, caps=(3, 4), policy=policy, side=side, **store_kw)
     for k in base:
         assert torch.equal(got[k], base[k]), k
     assert stats["prefetch"]["warm_only"] == 30
     assert inserts["forward"] == 0 and inserts["backward"] > 0, inserts
     # lru admits every row; hlfu refused some (their updates reached the store all the same)
     assert (sum(refused) > 0) == (policy == "hlfu"), refused
+    if slow:  # the log merged while refused rows kept arriving
+        assert stats["writeback"]["log_merged"] > 0, stats["writeback"]
     # and they are on disk: the closed store, reopened, reads the reference's rows
     with ts.TierStore(tmp_path / "t", _specs(), device_capacity=3, host_capacity=4,
-                      device="cpu") as again:
+                      device="cpu", **store_kw) as again:
         assert torch.equal(again.read("b", torch.arange(40)), base["b"][:, :5])
         assert torch.equal(again.read("a", torch.arange(40) * 7919), base["a"][:, :3])
 
