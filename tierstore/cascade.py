@@ -96,11 +96,14 @@ class TierCascade:
             mdirty = torch.ones(m, dtype=torch.bool)
         moving = Rows(tab.tix.expand(m), miss_rows, mpay, mdirty, mpins)
         if update is not None and not promote and nh < m:  # rows from below: admitted ones only
-            admit = self.device_tier.admit(moving.tabs, moving.rows)
+            below = torch.nonzero(~hhit).flatten()  # rows the host tier held stay cached
+            admit = self.device_tier.admit(moving.tabs.index_select(0, below),
+                                           miss_rows.index_select(0, below))
             if admit is not None:
-                admit |= hhit  # rows the host tier held stay cached
-                self._write_down(moving.take(~admit))
-                moving = moving.take(admit)
+                keep = hhit.clone()
+                keep[below] = admit
+                self._write_down(moving.take(~keep))
+                moving = moving.take(keep)
         self._place(moving, protect=hit_slots)
         return None if update is not None else payload.to(self.device, non_blocking=True)
 
