@@ -177,6 +177,61 @@ def test_a_warm_only_forward_moves_no_row_and_its_backward_moves_each_once(tmp_p
         assert torch.equal(again.read("a", torch.arange(40) * 7919), base["a"][:, :3])
 
 
+@pytest.mark.parametrize("caps,depth", [((48, 64), 1), ((48, 64), 2), ((64, 0), 2)])
+def test_staged_rows_hlfu_refuses_go_to_the_scratch_pad_and_stay_exact(tmp_path, caps, depth):
+    # a staged batch's rows from below that hlfu does not admit are staged in the device tier's
+    # scratch pad (pinned, unranked, evicting nothing) and leave at their last unpin
+    base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5))
+    padded = []
+
+    def side(store, i):
+        if i % 7 == 3:  # the tier's invariants hold with rows in the pad
+            store.check()
+        if i == 0:
+            real = store.device_tier.insert_scratch
+
+            def insert_scratch(rows):
+                k = real(rows)
+                padded.append(k)
+                return k
+
+            store.device_tier.insert_scratch = insert_scratch
+
+    got, stats = _train(tmp_path / "t", depth, caps=caps, policy="hlfu", side=side,
+                        delay=_delays(depth))
+    for k in base:
+        assert torch.equal(got[k], base[k]), k
+    assert stats["prefetch"]["warm_only"] < 30 and sum(padded) > 0, (stats["prefetch"], padded)
+    # the closed store holds the reference's rows: pad rows reached the disk
+    with ts.TierStore(tmp_path / "t", _specs(), device_capacity=2, host_capacity=2,
+                      device="cpu") as again:
+        assert torch.equal(again.read("b", torch.arange(40)), base["b"][:, :5])
+        assert torch.equal(again.read("a", torch.arange(40) * 7919), base["a"][:, :3])
+
+
+def test_a_pipeline_closed_mid_run_empties_the_scratch_pad(tmp_path):
+    store = ts.TierStore(tmp_path / "s", _specs(), device_capacity=48, host_capacity=64,
+                         policy="hlfu", device="cpu")
+    ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+    dev = store.device_tier
+    pf = Prefetcher(store, _batches(30), depth=2, features=FEATS, extract=lambda b: b["sparse"])
+    held = 0
+    for i, b in enumerate(pf):
+        ebc(*b["sparse"]).sum().backward()
+        held = max(held, int(dev.transient.sum()))
+        if i == 12:
+            break
+    assert held > 0  # rows were in the pad while batches were staged
+    pf.close()  # unpins the window: every pad row leaves, dirty ones for the ring
+    assert not dev.transient.any() and len(dev._scratch) == dev.scratch_slots > 0
+    store.check()
+    before = store.read("a", torch.arange(40) * 7919)
+    store.close()
+    with ts.TierStore(tmp_path / "s", _specs(), device_capacity=2, host_capacity=2,
+                      device="cpu") as again:
+        assert torch.equal(again.read("a", torch.arange(40) * 7919), before)
+
+
 def test_locked_operations_from_another_thread_wait_for_lock_free_updates(tmp_path):
     """Flushes, reads and stats from a second thread while the training thread updates pinned
     rows without the store lock: no torn row is flushed, nothing deadlocks, results unchanged."""

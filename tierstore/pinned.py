@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from .store import _Table
 
 
+SCRATCH_SHARE = 16  # a selective device policy's scratch pad: 1/16 of the tier's slots
+
+
 class PinnedSteps:
     """Staging (tierstore.prefetch, store lock held) and the lock-free path of a staged batch."""
 
@@ -69,6 +72,14 @@ class PinnedSteps:
                 dev.pin(item[2], -1)
             else:
                 self._pin(tab, item[1], -1)
+        self._expire_scratch()
+
+    def _expire_scratch(self) -> None:
+        """Hand the scratch pad's rows whose last pin dropped to the write-behind ring (dirty
+        ones; a clean one's newest version is below the caches already). Store lock held."""
+        rows = self.device_tier.take_expired()
+        if rows is not None and bool(rows.dirty.any()):
+            self._write_down(rows.take(rows.dirty))
 
     def _drain_hits(self) -> None:
         """Count the hits of lock-free gathers and report the use to the policy (store lock held).
@@ -199,10 +210,18 @@ class PinnedSteps:
             for i in torch.unique(cseg).tolist():  # loaded table by table, in key order
                 at = cold[cseg == i]
                 payload.index_copy_(0, at, self._load(items[i][0], mrows[at]))
-            k = self._place(Rows(mtabs, mrows, payload, dirty, pins), protect=hit_slots,
-                            overflow_first=True)
+            moving, placed = Rows(mtabs, mrows, payload, dirty, pins), miss
+            pad = self._refused(cold, mtabs, mrows)
+            if pad is not None:  # refused by the policy: to the scratch pad while it has room
+                kp = dev.insert_scratch(moving.take(pad))
+                if kp:
+                    staged.index_copy_(0, miss[pad[:kp]].to(staged.device), dev.last_slots[:kp])
+                    rest = torch.ones(m, dtype=torch.bool)
+                    rest[pad[:kp]] = False
+                    moving, placed = moving.take(rest), miss[rest]
+            k = self._place(moving, protect=hit_slots, overflow_first=True)
             if k:  # the first k misses, in order, landed on the device
-                staged.index_copy_(0, miss[:k].to(staged.device), dev.last_slots[:k])
+                staged.index_copy_(0, placed[:k].to(staged.device), dev.last_slots[:k])
         nd_of = torch.bincount(seg[dhit.cpu()], minlength=len(items))
         out, lo = [], 0
         for i, n in enumerate(sizes):
@@ -211,12 +230,34 @@ class PinnedSteps:
             lo += n
         return out
 
+    def _refused(self, cold: torch.Tensor, tabs: torch.Tensor, rows: torch.Tensor
+                 ) -> torch.Tensor | None:
+        """Positions among a staged batch's misses of the rows from below the caches that the
+        device policy does not admit (`Policy.admit`), or None: all admitted.
+
+        With a selective policy (hlfu) a CPU device tier sets aside a scratch pad of
+        1/`SCRATCH_SHARE` of its slots, taken from free slots only, for these rows: staged there
+        they are pinned for their steps like any staged row, but evict nothing and are not
+        ranked, and they leave for the write-behind ring at their last unpin.
+        """
+        dev = self.device_tier
+        if not cold.numel() or not dev.selective or dev.device.type != "cpu":
+            return None
+        if not dev.reserve_scratch(dev.capacity // SCRATCH_SHARE):
+            return None
+        admit = dev.admit(tabs.index_select(0, cold), rows.index_select(0, cold))
+        if admit is None or bool(admit.all()):
+            return None
+        return cold[~admit]
+
     def _pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:
         """Add `delta` to the prefetch pins of those rows wherever they are cached."""
         tabs = tab.tix
         for tier in (self.device_tier, self.host_tier):
             slots = tier.lookup(tabs.to(tier.device), uniq.to(tier.device), count=False)
             tier.pin(slots[slots >= 0], delta)
+        if delta < 0:
+            self._expire_scratch()
 
     def _hint(self, tab: _Table, rows: torch.Tensor, next_use: torch.Tensor) -> None:
         """Tell look-ahead policies the next known use (batch number) of cached rows."""

@@ -91,11 +91,17 @@ class SlabTier:
         # slots the last `insert` filled, in row order (its first k rows): callers that need
         # where rows landed read them here instead of looking the keys up again
         self.last_slots = torch.empty(0, dtype=torch.int64, device=self.device)
+        # the scratch pad (`reserve_scratch`): slots set aside for staged rows the policy did
+        # not admit; such a row is pinned, unknown to the policy, and leaves at its last unpin
+        self.transient = np.zeros(self.capacity, dtype=np.bool_)
+        self._scratch = np.empty(0, dtype=np.int64)  # free pad slots, a stack
+        self.scratch_slots = 0  # slots set aside so far (free or holding a row)
+        self._expired: list[np.ndarray] = []  # pad slots whose pins reached zero
 
     @property
     def size(self) -> int:
         """Number of occupied slots."""
-        return self.capacity - self._nfree
+        return self.capacity - self._nfree - len(self._scratch)
 
     def lookup(self, tabs: torch.Tensor, rows: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Slots holding the keys (-1 where absent); counts lookups, hits and misses."""
@@ -112,9 +118,14 @@ class SlabTier:
         st.misses += n - hits
 
     def touch(self, slots: torch.Tensor) -> None:
-        """Tell the policy these resident slots were used."""
+        """Tell the policy these resident slots were used (scratch-pad rows by key: `on_pass`)."""
         if slots.numel():
             self.policy.on_hit(slots)
+            if self.scratch_slots:
+                s = slots.cpu().numpy()
+                s = s[self.transient[s]]
+                if s.size:
+                    self.policy.on_pass(key_hash(*self.index.keys(torch.from_numpy(s))))
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """Payloads of resident slots."""
@@ -159,6 +170,8 @@ class SlabTier:
         self.index.remove(slots)
         if reuse:
             return
+        if self.scratch_slots:  # a pad row removed otherwise than at its last unpin: its slot
+            self.transient[slots.cpu().numpy()] = False  # joins the cache (the pad shrinks)
         self.dirty.index_fill_(0, slots, False)
         self.occupied.index_fill_(0, slots, False)
         self.pins.index_fill_(0, slots, 0)
@@ -230,6 +243,61 @@ class SlabTier:
             return None
         return self.policy.admit(key_hash(tabs, rows))
 
+    def reserve_scratch(self, n: int) -> int:
+        """Set aside up to `n` more free slots (never evicting) as the scratch pad; returns how
+        many the pad has now. CPU tiers only (the pad's pins are read in place)."""
+        k = min(int(n) - self.scratch_slots, self._nfree) if self.device.type == "cpu" else 0
+        if k > 0:
+            taken = self._free_buf[self._nfree - k : self._nfree].numpy().copy()
+            self._nfree -= k
+            self._scratch = np.concatenate([self._scratch, taken])
+            self.scratch_slots += k
+        return self.scratch_slots
+
+    def insert_scratch(self, rows: Rows) -> int:
+        """Put the first k of `rows` (absent keys, pinned) in free pad slots; returns k, their
+        slots in `last_slots`. The policy is not told: a pad row is never a victim."""
+        k = min(len(rows), len(self._scratch))
+        self.last_slots = self.last_slots[:0]
+        if k == 0:
+            return 0
+        s = self._scratch[len(self._scratch) - k :][::-1].copy()
+        self._scratch = self._scratch[: len(self._scratch) - k]
+        slots = torch.from_numpy(s)
+        rows = rows.take(slice(0, k)) if k < len(rows) else rows
+        self.generation += 1
+        self.index.add(rows.tabs, rows.rows, slots)
+        if _kernels.HAVE_NUMBA:
+            _kernels.scatter_rows(self.slab.numpy(), s, rows.payload.contiguous().numpy())
+        else:
+            self.slab.index_copy_(0, slots, rows.payload)
+        self.dirty.index_copy_(0, slots, rows.dirty)
+        self.occupied.index_fill_(0, slots, True)
+        self.pins.index_copy_(0, slots, rows.pins)
+        self.transient[s] = True
+        self.stats.insertions += k
+        self.last_slots = slots
+        return k
+
+    def take_expired(self) -> Rows | None:
+        """Take out the pad rows whose last pin dropped (their slots return to the pad)."""
+        if not self._expired:
+            return None
+        s = np.unique(np.concatenate(self._expired))
+        self._expired.clear()
+        s = s[self.transient[s] & (self.pins.numpy()[s] == 0)]
+        if s.size == 0:
+            return None
+        slots = torch.from_numpy(s)
+        out = self._take(slots, self.dirty.index_select(0, slots), pins=False)
+        self.generation += 1
+        self.index.remove(slots)
+        self.dirty.index_fill_(0, slots, False)
+        self.occupied.index_fill_(0, slots, False)
+        self.transient[s] = False
+        self._scratch = np.concatenate([self._scratch, s[::-1]])
+        return out
+
     def insert(self, rows: Rows, protect: torch.Tensor | None = None,
                keep_clean: bool = True) -> tuple[int, Rows | None]:
         """Insert as many of `rows` (absent keys) as fit, in order, evicting victims.
@@ -285,6 +353,11 @@ class SlabTier:
             pins.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
             if delta < 0:
                 pins.index_copy_(0, slots, pins.index_select(0, slots).clamp_(min=0))
+        if delta < 0 and self.scratch_slots and slots.numel():  # pad rows at their last unpin
+            s = slots.cpu().numpy()
+            s = s[self.transient[s]]
+            if s.size:
+                self._expired.append(s[self.pins.numpy()[s] == 0])
 
     def dirty_chunks(self, chunk: int) -> Iterator[tuple[torch.Tensor, Rows]]:
         """Slots and rows of the dirty resident rows, `chunk` rows at a time (for flushing)."""
@@ -304,9 +377,14 @@ class SlabTier:
         self.index.check()
         assert self.index.live == int(self.occupied.sum())
         free = self._free_buf[: self._nfree]
-        assert self._nfree + self.index.live == self.capacity
+        assert self._nfree + len(self._scratch) + self.index.live == self.capacity
         if free.numel():
             assert not bool(self.occupied[free].any())
             assert free.unique().numel() == free.numel()
+        if len(self._scratch):
+            assert not bool(self.occupied[torch.from_numpy(self._scratch)].any())
+            assert np.unique(self._scratch).size == len(self._scratch)
+            assert not bool(self.transient[self._scratch].any())
+        assert not bool((torch.from_numpy(self.transient) & ~self.occupied.cpu()).any())
         assert not bool((self.dirty & ~self.occupied).any())
         self.policy.check()

@@ -135,6 +135,10 @@ class Policy:
         """
         return None
 
+    def on_pass(self, keys: torch.Tensor) -> None:
+        """Accesses of rows the tier holds outside the policy (its scratch pad, see
+        `SlabTier.insert_scratch`), by key hash; default: ignore."""
+
     def victims(self, n: int, evictable: Evictable | torch.Tensor) -> torch.Tensor:
         """Return up to `n` distinct slots to evict among the evictable resident ones."""
         raise NotImplementedError

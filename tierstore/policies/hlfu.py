@@ -144,6 +144,16 @@ def _admit(S, lines, keys, out):  # pragma: no cover - compiled
             _count(lines, keys[i])
 
 
+@numba.njit(cache=True, nogil=True)
+def _count_all(lines, keys):  # pragma: no cover - compiled
+    """Count one access of each key hash."""
+    n = keys.shape[0]
+    for i in range(n):
+        if i + q.AHEAD < n:
+            prefetch(lines, _mix(keys[i + q.AHEAD]) & (lines.shape[0] - 1), 0)
+        _count(lines, keys[i])
+
+
 class HistoryLFU(QueuePolicy):
     """LFU over a slowly aged frequency sketch that remembers rows after they leave the tier."""
 
@@ -197,6 +207,15 @@ class HistoryLFU(QueuePolicy):
         self.g[_SINCE] += int(np.count_nonzero(~out))
         self._maybe_age()
         return torch.from_numpy(out)
+
+    def on_pass(self, keys: torch.Tensor) -> None:
+        """Count accesses of rows held outside the queues (the tier's scratch pad)."""
+        if self.upper is not None:
+            return
+        k = as_numpy(keys)
+        _count_all(self.sketch, k)
+        self.g[_SINCE] += k.shape[0]
+        self._maybe_age()
 
     def _maybe_age(self) -> None:
         """Halve the sketch and the cached counts once `period` accesses were counted (below
