@@ -235,13 +235,15 @@ class PinnedSteps:
         """Positions among a staged batch's misses of the rows from below the caches that the
         device policy does not admit (`Policy.admit`), or None: all admitted.
 
-        With a selective policy (hlfu) a CPU device tier sets aside a scratch pad of
-        1/`SCRATCH_SHARE` of its slots, taken from free slots only, for these rows: staged there
-        they are pinned for their steps like any staged row, but evict nothing and are not
-        ranked, and they leave for the write-behind ring at their last unpin.
+        With a selective policy (hlfu) a CPU device tier with no host tier below it sets aside a
+        scratch pad of 1/`SCRATCH_SHARE` of its slots, taken from free slots only, for these
+        rows: staged there they are pinned for their steps like any staged row, but evict nothing
+        and are not ranked, and they leave for the write-behind ring at their last unpin. With a
+        host tier the pad lost (more rows read: BENCHMARKS.md, session 12), so rows go up as
+        before.
         """
         dev = self.device_tier
-        if not cold.numel() or not dev.selective or dev.device.type != "cpu":
+        if not cold.numel() or not dev.selective or dev.device.type != "cpu" or self.host_tier.capacity:
             return None
         if not dev.reserve_scratch(dev.capacity // SCRATCH_SHARE):
             return None
