@@ -204,6 +204,7 @@ def test_staged_rows_hlfu_refuses_go_to_the_scratch_pad_and_stay_exact(tmp_path,
         assert torch.equal(got[k], base[k]), k
     assert stats["prefetch"]["warm_only"] < 30, stats["prefetch"]
     assert (sum(padded) > 0) == (caps[1] == 0), padded  # no pad above a host tier
+    assert stats["device"]["scratch_rows"] == sum(padded)
     # the closed store holds the reference's rows: pad rows reached the disk
     with ts.TierStore(tmp_path / "t", _specs(), device_capacity=2, host_capacity=2,
                       device="cpu") as again:

@@ -27,6 +27,7 @@ class TierStats:
     writebacks: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    scratch_rows: int = 0  # rows staged in the scratch pad (refused by the policy; device tier)
 
     @property
     def hit_rate(self) -> float:

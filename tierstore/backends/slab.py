@@ -276,6 +276,7 @@ class SlabTier:
         self.pins.index_copy_(0, slots, rows.pins)
         self.transient[s] = True
         self.stats.insertions += k
+        self.stats.scratch_rows += k
         self.last_slots = slots
         return k
 
