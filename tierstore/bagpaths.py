@@ -32,12 +32,16 @@ class Gathered:
 class BagPaths:
     """How a batch of ids becomes pooled embeddings and how its gradient updates the rows."""
 
+    def _promoting(self) -> bool:
+        """Whether this thread's gathers move missed rows up (not during a warm-only batch)."""
+        return self._deferring != threading.get_ident()
+
     def _gather(self, tab: _Table, ids: torch.Tensor) -> Gathered:
         if ids.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64)
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
         uniq, inv = sort_unique(*dedup(ids))
-        payload = self._access(tab, uniq, None, promote=self._deferring != threading.get_ident())
+        payload = self._access(tab, uniq, None, promote=self._promoting())
         return Gathered(uniq, inv, tab.spec.codec.decode(payload, tab.spec.dim), self._last_dslots,
                         self.device_tier.generation)
 
@@ -75,7 +79,7 @@ class BagPaths:
                 weights = codec.gather(dev.slab, dslots, dim) if need_weights else torch.empty(0, dim)
             return out, Gathered(uniq, inv, weights, dslots, dev.generation)
         uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
-        payload = self._access(tab, uniq, None, promote=self._deferring != threading.get_ident())
+        payload = self._access(tab, uniq, None, promote=self._promoting())
         weights = codec.decode(payload, dim).contiguous() if codec.packed else payload
         out = fused_pool(weights, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
         return out, Gathered(uniq, inv, weights[:, :dim], self._last_dslots, dev.generation)
@@ -117,4 +121,4 @@ class BagPaths:
             self._stamp(tab, dev.slab, g.slots)
             dev.dirty[g.slots] = True
             return
-        self._access(tab, unique, update, promote=self._deferring != threading.get_ident())
+        self._access(tab, unique, update, promote=self._promoting())

@@ -116,40 +116,33 @@ class TierCascade:
         fetched again. The backward's `_access` moves each row up once, after its update, and
         tells the policies of the access then (so it is reported once, not here).
         """
-        dev, host = self.device_tier, self.host_tier
+        dev = self.device_tier
         n = uniq.numel()
-        payload = torch.empty((n, self.width), dtype=torch.float32)
-        if nd:
-            hit_idx = torch.nonzero(dhit).flatten()
-            hit_slots = dslots.index_select(0, hit_idx)
-            payload.index_copy_(0, hit_idx.cpu(), dev.read(hit_slots).cpu())
-            miss = torch.nonzero(~dhit).flatten().cpu()
-        else:
-            miss = torch.arange(n)
-        rows = uniq.index_select(0, miss)
-        hslots = host.lookup(tab.tix, rows, count=False)
-        hhit = hslots >= 0
-        nh = int(hhit.sum())
         if count:
             dev.count_lookups(n, nd)
-            host.count_lookups(miss.numel(), nh)
-        if nh:
-            at = torch.nonzero(hhit).flatten()
-            found = hslots.index_select(0, at)
-            payload.index_copy_(0, miss.index_select(0, at), host.read(found))
-        if nh < miss.numel():
-            cold = torch.nonzero(~hhit).flatten()
-            payload.index_copy_(0, miss.index_select(0, cold), self._load(tab, rows.index_select(0, cold)))
-        self._last_sources = (nd, nh, miss.numel() - nh)
+        if not nd:
+            payload, _, _, hhit = self._fetch_misses(tab, uniq, count, take=False)
+            miss_n = n
+        else:
+            hit_idx = torch.nonzero(dhit).flatten()
+            miss = torch.nonzero(~dhit).flatten().cpu()
+            mpay, _, _, hhit = self._fetch_misses(tab, uniq.index_select(0, miss), count, take=False)
+            payload = torch.empty((n, self.width), dtype=torch.float32)
+            payload.index_copy_(0, hit_idx.cpu(), dev.read(dslots.index_select(0, hit_idx)).cpu())
+            payload.index_copy_(0, miss, mpay)
+            miss_n = miss.numel()
+        nh = int(hhit.sum())
+        self._last_sources = (nd, nh, miss_n - nh)
         self._last_dslots = None
         return payload.to(self.device, non_blocking=True)
 
-    def _fetch_misses(self, tab: _Table, rows: torch.Tensor, count: bool
+    def _fetch_misses(self, tab: _Table, rows: torch.Tensor, count: bool, take: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Take device-missed rows out of the host tier or load them from LMDB.
 
         Returns (payload [m, width], dirty [m], pins [m] or None, host hit mask [m]); host
-        hits leave the host tier (the caches are exclusive).
+        hits leave the host tier (the caches are exclusive), or with `take=False` stay there,
+        read (their dirty bits and pins are then not returned: all False / None).
         """
         host = self.host_tier
         m = rows.numel()
@@ -160,6 +153,14 @@ class TierCascade:
             host.count_lookups(m, nh)
         if nh == 0:
             return self._load(tab, rows), torch.zeros(m, dtype=torch.bool), None, hhit
+        if not take:
+            payload = torch.empty((m, self.width), dtype=torch.float32)
+            hidx = torch.nonzero(hhit).flatten()
+            payload.index_copy_(0, hidx, host.read(hslots.index_select(0, hidx)))
+            if nh < m:
+                cidx = torch.nonzero(~hhit).flatten()
+                payload.index_copy_(0, cidx, self._load(tab, rows.index_select(0, cidx)))
+            return payload, torch.zeros(m, dtype=torch.bool), None, hhit
         if nh == m:
             moved = host.remove(hslots)
             return moved.payload, moved.dirty, moved.pins, hhit

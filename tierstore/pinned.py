@@ -243,9 +243,9 @@ class PinnedSteps:
         before.
         """
         dev = self.device_tier
-        if not cold.numel() or not dev.selective or dev.device.type != "cpu" or self.host_tier.capacity:
+        if not cold.numel() or not dev.selective or self.host_tier.capacity:
             return None
-        if not dev.reserve_scratch(dev.capacity // SCRATCH_SHARE):
+        if not dev.reserve_scratch(dev.capacity // SCRATCH_SHARE):  # none on a CUDA tier
             return None
         admit = dev.admit(tabs.index_select(0, cold), rows.index_select(0, cold))
         if admit is None or bool(admit.all()):

@@ -161,23 +161,40 @@ class SlabTier:
                     self.pins.index_select(0, slots) if pins else None)
 
     def _release(self, slots: torch.Tensor, reuse: bool = False) -> None:
-        """Empty slots; with `reuse` the caller refills them at once (no reset, no free list)."""
+        """Empty slots; with `reuse` the caller refills them at once (no reset, no free list).
+        Scratch-pad slots (never in the policy) go back to the pad."""
         self.generation += 1
+        self.index.remove(slots)
         if reuse:  # the policy's own victims (see _evict)
             self.policy.on_evict(slots)
-        else:
-            self.policy.on_remove(slots)
-        self.index.remove(slots)
-        if reuse:
             return
-        if self.scratch_slots:  # a pad row removed otherwise than at its last unpin: its slot
-            self.transient[slots.cpu().numpy()] = False  # joins the cache (the pad shrinks)
         self.dirty.index_fill_(0, slots, False)
         self.occupied.index_fill_(0, slots, False)
         self.pins.index_fill_(0, slots, 0)
+        if self.scratch_slots:
+            s = slots.cpu().numpy()
+            pad = self.transient[s]
+            if pad.any():
+                self.transient[s[pad]] = False
+                self._scratch = np.concatenate([self._scratch, s[pad][::-1]])
+                slots = slots[torch.from_numpy(~pad).to(slots.device)]
+        self.policy.on_remove(slots)
         m = slots.numel()
         self._free_buf[self._nfree : self._nfree + m] = slots.flip(0)
         self._nfree += m
+
+    def _fill(self, slots: torch.Tensor, rows: Rows) -> None:
+        """Write rows into empty or just-evicted slots: index, payload, dirty bits, pins."""
+        self.index.add(rows.tabs, rows.rows, slots)
+        if self.device.type == "cpu" and _kernels.HAVE_NUMBA:  # prefetching row copies
+            _kernels.scatter_rows(self.slab.numpy(), slots.contiguous().numpy(),
+                                  rows.payload.contiguous().numpy())
+        else:
+            self.slab.index_copy_(0, slots, rows.payload)
+        self.dirty.index_copy_(0, slots, rows.dirty)
+        if rows.pins is not None:
+            self.pins.index_copy_(0, slots, rows.pins)
+        self.stats.insertions += len(rows)
 
     def evictable(self, protect: torch.Tensor | None = None) -> Evictable:
         """Per-slot checks a policy applies to each candidate: unpinned, not in `protect`.
@@ -264,18 +281,10 @@ class SlabTier:
         s = self._scratch[len(self._scratch) - k :][::-1].copy()
         self._scratch = self._scratch[: len(self._scratch) - k]
         slots = torch.from_numpy(s)
-        rows = rows.take(slice(0, k)) if k < len(rows) else rows
         self.generation += 1
-        self.index.add(rows.tabs, rows.rows, slots)
-        if _kernels.HAVE_NUMBA:
-            _kernels.scatter_rows(self.slab.numpy(), s, rows.payload.contiguous().numpy())
-        else:
-            self.slab.index_copy_(0, slots, rows.payload)
-        self.dirty.index_copy_(0, slots, rows.dirty)
+        self._fill(slots, rows.take(slice(0, k)) if k < len(rows) else rows)
         self.occupied.index_fill_(0, slots, True)
-        self.pins.index_copy_(0, slots, rows.pins)
         self.transient[s] = True
-        self.stats.insertions += k
         self.stats.scratch_rows += k
         self.last_slots = slots
         return k
@@ -291,12 +300,7 @@ class SlabTier:
             return None
         slots = torch.from_numpy(s)
         out = self._take(slots, self.dirty.index_select(0, slots), pins=False)
-        self.generation += 1
-        self.index.remove(slots)
-        self.dirty.index_fill_(0, slots, False)
-        self.occupied.index_fill_(0, slots, False)
-        self.transient[s] = False
-        self._scratch = np.concatenate([self._scratch, s[::-1]])
+        self._release(slots)
         return out
 
     def insert(self, rows: Rows, protect: torch.Tensor | None = None,
@@ -330,18 +334,9 @@ class SlabTier:
         if k < n:
             rows = rows.take(slice(0, k))
         rows = rows.to(self.device)
-        self.index.add(rows.tabs, rows.rows, slots)
-        if self.device.type == "cpu" and _kernels.HAVE_NUMBA:  # prefetching row copies
-            _kernels.scatter_rows(self.slab.numpy(), slots.contiguous().numpy(),
-                                  rows.payload.contiguous().numpy())
-        else:
-            self.slab.index_copy_(0, slots, rows.payload)
-        self.dirty.index_copy_(0, slots, rows.dirty)
-        if rows.pins is not None:
-            self.pins.index_copy_(0, slots, rows.pins)
+        self._fill(slots, rows)
         self.policy.on_insert(slots, key_hash(rows.tabs, rows.rows) if self.policy.wants_keys
                               else None)
-        self.stats.insertions += k
         self.last_slots = slots
         return k, evicted
 

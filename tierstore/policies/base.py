@@ -129,9 +129,10 @@ class Policy:
     def admit(self, keys: torch.Tensor) -> torch.Tensor | None:
         """Which rows arriving by a miss (their key hashes) may displace a cached row; None: all.
 
-        Asked only where a step's rows cannot stay cached until its backward (a warm-only
-        step, see `TierCascade._access`): a rejected row goes on to the write-behind ring and
-        its access is recorded as if it had been cached. Default: every row is admitted.
+        Asked by a warm-only step's backward (`TierCascade._access`: a rejected row goes on to
+        the write-behind ring) and by staging with one cache tier (`PinnedSteps._refused`: a
+        rejected row waits in the scratch pad); either way the policy records a rejected row's
+        access itself. Default: every row is admitted.
         """
         return None
 
