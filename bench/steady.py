@@ -7,7 +7,9 @@ several log merges) and reports per step: the wall time, the CPU time of each th
 staging, readers, writer, merger; from /proc/self/task, Linux), the bytes the process sent to
 storage (/proc/self/io `write_bytes`), and the store's I/O counters (`rows_written`: rows the
 writer appended to the log; `rows_merged`: log rows folded into the tables, the rest having been
-superseded by a later append). Run the resident config the same hour for the baseline:
+superseded by a later append). With `--calls`, it also times the miss path's methods per
+thread (`bench.cpu_calls`: inclusive CPU time of each call, exact per thread, unlike a sampling
+profiler on a loaded machine). Run the resident config the same hour for the baseline:
 `--config tierstore_resident`. No batch repeats by default (`--pool`): a cycled pool would let a
 log longer than one cycle of evictions absorb every rewrite.
 """
@@ -15,6 +17,7 @@ log longer than one cycle of evictions absorb every rewrite.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .common import OUT_DIR, save, table
+from .cpu_calls import CallTimer
 from .training import FRACTIONS, TierstoreRunner, Workload, add_cache_options
 
 
@@ -72,6 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "with a repeating pool a log longer than one cycle of evictions absorbs "
                         "every rewrite, and a large --write-log looks far cheaper than it is)")
     add_cache_options(p)
+    p.add_argument("--calls", action="store_true",
+                   help="also report the CPU time of the miss path's methods per thread "
+                        "(bench.cpu_calls; ~1 us a call of overhead)")
     p.add_argument("--workdir", default=None, help="where the store lives (default: under --out)")
     p.add_argument("--out", default=str(OUT_DIR))
     return p.parse_args(argv)
@@ -91,14 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     runner = TierstoreRunner(wl, args.config, work, FRACTIONS[args.config], "populated",
                              write_log=args.write_log, split=args.split, policy=args.policy)
     try:
-        for i in range(args.warmup):
-            runner.step(i)
-        cpu0, wb0, k0 = thread_cpu(), written_bytes(), runner.counters()
-        t0 = time.perf_counter()
-        for i in range(args.warmup, args.warmup + args.steps):
-            runner.step(i)
-        wall = time.perf_counter() - t0
-        cpu1, wb1, k1 = thread_cpu(), written_bytes(), runner.counters()
+        with CallTimer() if args.calls else contextlib.nullcontext() as timer:
+            for i in range(args.warmup):
+                runner.step(i)
+            if timer is not None:
+                timer.reset()
+            cpu0, wb0, k0 = thread_cpu(), written_bytes(), runner.counters()
+            t0 = time.perf_counter()
+            for i in range(args.warmup, args.warmup + args.steps):
+                runner.step(i)
+            wall = time.perf_counter() - t0
+            cpu1, wb1, k1 = thread_cpu(), written_bytes(), runner.counters()
+            calls = timer.totals() if timer is not None else []
         memory = runner.store.memory()
     finally:
         runner.close()
@@ -114,13 +125,20 @@ def main(argv: list[str] | None = None) -> int:
               "cpu_ms_per_step": {k: v for k, v in sorted(threads.items(), key=lambda x: -x[1]) if v > 0},
               "counters_per_step": {k: (k1[k] - k0[k]) * (per if k.endswith("_s") else 1 / args.steps)
                                     for k in k0},
-              "memory": memory}
+              "memory": memory,
+              "calls": [{"thread": c["thread"], "method": c["method"],
+                         "cpu_ms_per_step": c["cpu_s"] * per, "calls_per_step": c["calls"] / args.steps}
+                        for c in calls]}
     print(f"{args.config}: {record['ms_per_step']:.1f} ms/step, "
           f"{record['disk_mb_per_step']:.1f} MB/step to storage, over {args.steps} steps")
     print(table([{"thread": k, "ms": v} for k, v in record["cpu_ms_per_step"].items()],
                 [("thread", "thread", "s"), ("ms", "CPU ms/step", ".1f")]))
     print(table([{"counter": k, "v": v} for k, v in record["counters_per_step"].items()],
                 [("counter", "counter (ms or rows per step)", "s"), ("v", "value", ",.1f")]))
+    if record["calls"]:
+        print(table(record["calls"], [("thread", "thread", "s"), ("method", "method (inclusive)", "s"),
+                                      ("cpu_ms_per_step", "CPU ms/step", ".2f"),
+                                      ("calls_per_step", "calls/step", ".1f")]))
     path = save(f"steady_{args.config}", [record], vars(args), out_dir)
     print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from bench import store as bench_store
 from bench import training as bench_training
 
@@ -113,6 +115,31 @@ def test_bench_steady_smoke(tmp_path):
     assert rec["capacity"] == {"device": 400, "host": 400} and rec["policy"] == "lru"
 
 
+def test_bench_steady_times_the_miss_path_per_method_and_unwraps_after(tmp_path):
+    from bench import steady
+    from tierstore.backends.slab import SlabTier
+    from tierstore.policies.lru import LRU
+
+    originals = (SlabTier.insert, LRU.on_hit)
+    rc = steady.main(["--config", "tierstore_cache10", "--rows", "4000", "--tables", "2",
+                      "--batch", "64", "--steps", "3", "--warmup", "2", "--calls", "--out", str(tmp_path)])
+    assert rc == 0
+    (rec,) = _load(tmp_path / "steady_tierstore_cache10.json")
+    calls = {(c["thread"], c["method"]): c for c in rec["calls"]}
+    # the training thread's misses go through the cascade; staging runs on the prefetch thread
+    assert calls[("MainThread", "TierCascade._access")]["calls_per_step"] > 0
+    assert any(t != "MainThread" and m == "Prefetcher._prepare" for t, m in calls)
+    inserts = {m for _, m in calls if m.startswith("SlabTier.insert[")}
+    assert inserts <= {"SlabTier.insert[device]", "SlabTier.insert[host]"} and inserts
+    for c in rec["calls"]:
+        assert c["cpu_ms_per_step"] >= 0 and c["calls_per_step"] > 0
+    # inclusive: a caller's time holds its callees'
+    place = sum(c["cpu_ms_per_step"] for (t, m), c in calls.items() if m == "TierCascade._place")
+    inner = sum(c["cpu_ms_per_step"] for (t, m), c in calls.items() if m == "SlabTier.insert[device]")
+    assert place >= inner
+    assert (SlabTier.insert, LRU.on_hit) == originals  # the wrappers are gone
+
+
 def test_bench_steady_puts_the_whole_cache_in_the_device_tier_when_told(tmp_path):
     from bench import steady
 
@@ -136,3 +163,26 @@ def test_bench_scale_writes_where_told(tmp_path):
     (result,) = record["results"]
     assert result["rows_per_table"] == 10_000 and result["throughput_vs_first"] == 1.0
     assert (out / "scale.png").stat().st_size > 0 and (out / "scale_10000.json").exists()
+
+
+def test_bench_staging_floor_counts_every_staged_key(tmp_path):
+    from bench import staging_floor
+
+    rc = staging_floor.main(["--tables", "2", "--rows", "5000", "--batch", "64", "--pool", "6",
+                             "--warmup", "4", "--steps", "6", "--out", str(tmp_path)])
+    assert rc == 0
+    recs = _load(tmp_path / "staging_floor.json")
+    assert {(r["tiers"], r["copies"]) for r in recs} == {(2, True), (2, False), (1, True), (1, False)}
+    unique = json.loads((tmp_path / "staging_floor.json").read_text())["meta"]["unique_keys"]
+    for r in recs:  # every key is a device hit, a host hit, from below or refused (6 timed
+        # steps cycle the 6 pooled batches once: the per-step mean is the pool's)
+        total = r["device_hits"] + r["host_hits"] + r["from_below"] + r["pinned_out"]
+        assert total == pytest.approx(unique, rel=1e-9) and total > 0
+        assert r["staging_cpu_ms"] >= 0
+        if r["tiers"] == 1:
+            assert r["host_hits"] == 0
+    by = {(r["tiers"], r["copies"]): r for r in recs}
+    for tiers in (1, 2):  # copies change the cost, never a decision
+        a, b = by[(tiers, True)], by[(tiers, False)]
+        assert [a[k] for k in ("device_hits", "host_hits", "from_below", "ring_rows")] == \
+            [b[k] for k in ("device_hits", "host_hits", "from_below", "ring_rows")]

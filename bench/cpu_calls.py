@@ -1,0 +1,110 @@
+"""CPU time per (thread, method) of the store's miss path, measured with `time.thread_time`.
+
+A sampling profiler (py-spy, cProfile across threads) counts a thread that waits for a core as
+busy, so on a loaded 2-core machine its percentages overstate whichever thread the scheduler
+starves. `CallTimer` wraps a fixed list of methods instead and adds each call's own thread CPU
+time to a (thread, method) total: inclusive times (a caller's total holds its callees'), exact
+per thread, ~1 us of overhead a call. `bench.steady --calls` uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from tierstore.backends.slab import SlabTier
+from tierstore.cascade import TierCascade
+from tierstore.pinned import PinnedSteps
+from tierstore.policies.base import Policy, QueuePolicy
+from tierstore.prefetch.pipeline import Prefetcher
+from tierstore.stored_rows import StoredRows
+
+# (class, method) pairs: the pipeline's two phases, staging, the cascade's miss path, the
+# tiers' operations and the policy calls they make
+TARGETS: tuple[tuple[type, str], ...] = (
+    (Prefetcher, "_prepare"), (Prefetcher, "_finish"),
+    (PinnedSteps, "_stage_many"), (PinnedSteps, "_pool_pinned"), (PinnedSteps, "_apply_pinned"),
+    (PinnedSteps, "_drain_hits"), (PinnedSteps, "_drain_unpins"), (PinnedSteps, "_pin"),
+    (TierCascade, "_access"), (TierCascade, "_read_in_place"), (TierCascade, "_fetch_misses"),
+    (TierCascade, "_place"), (TierCascade, "_uncached"), (TierCascade, "_write_down"),
+    (StoredRows, "_load"), (StoredRows, "_read_stored"),
+    (SlabTier, "lookup"), (SlabTier, "touch"), (SlabTier, "pin"), (SlabTier, "insert"),
+    (SlabTier, "remove"), (SlabTier, "_evict"), (SlabTier, "_fill"), (SlabTier, "_take"),
+    (SlabTier, "_release"), (SlabTier, "admit"),
+    (QueuePolicy, "victims"), (Policy, "on_hit"), (Policy, "on_insert"),
+)
+
+
+class CallTimer:
+    """Wraps TARGETS while active; `totals()` gives CPU seconds and calls per (thread, method)."""
+
+    def __init__(self, targets: tuple[tuple[type, str], ...] = TARGETS) -> None:
+        self.targets = targets
+        self._saved: list[tuple[type, str, Any]] = []
+        self._lock = threading.Lock()
+        self._seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self._calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def __enter__(self) -> CallTimer:
+        for cls, name in self.targets:
+            self._saved.append((cls, name, cls.__dict__[name]))
+            setattr(cls, name, self._wrap(cls, name, cls.__dict__[name]))
+        self._wrap_overrides()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, name, fn in reversed(self._saved):
+            setattr(cls, name, fn)
+        self._saved.clear()
+
+    def _wrap_overrides(self) -> None:
+        """Policy hooks are overridden per policy: wrap every subclass's own on_hit / on_insert."""
+        for base, name in ((Policy, "on_hit"), (Policy, "on_insert")):
+            stack = list(base.__subclasses__())
+            while stack:
+                cls = stack.pop()
+                stack.extend(cls.__subclasses__())
+                if name in cls.__dict__:
+                    self._saved.append((cls, name, cls.__dict__[name]))
+                    setattr(cls, name, self._wrap(cls, name, cls.__dict__[name]))
+
+    def _wrap(self, cls: type, name: str, fn: Callable) -> Callable:
+        label = f"{cls.__name__}.{name}"
+        tier = cls is SlabTier
+
+        @functools.wraps(fn)
+        def timed(obj, *args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(obj, *args, **kwargs)
+            finally:
+                spent = time.thread_time() - t0
+                key = (_thread_name(), f"{label}[{obj.name}]" if tier else label)
+                with self._lock:
+                    self._seconds[key] += spent
+                    self._calls[key] += 1
+
+        return timed
+
+    def reset(self) -> None:
+        """Forget what was counted so far (after a warm-up)."""
+        with self._lock:
+            self._seconds.clear()
+            self._calls.clear()
+
+    def totals(self) -> list[dict]:
+        """One record per (thread, method): CPU seconds and calls, largest first."""
+        with self._lock:
+            rows = [{"thread": t, "method": m, "cpu_s": s, "calls": self._calls[(t, m)]}
+                    for (t, m), s in self._seconds.items()]
+        return sorted(rows, key=lambda r: -r["cpu_s"])
+
+
+def _thread_name() -> str:
+    """The current thread's name, reader-pool numbers dropped (one line for the pool)."""
+    return re.sub(r"[-_ ]?\d+$", "", threading.current_thread().name)
