@@ -30,12 +30,14 @@ TARGETS: tuple[tuple[type, str], ...] = (
     (Prefetcher, "_prepare"), (Prefetcher, "_finish"),
     (PinnedSteps, "_stage_many"), (PinnedSteps, "_pool_pinned"), (PinnedSteps, "_apply_pinned"),
     (PinnedSteps, "_drain_hits"), (PinnedSteps, "_drain_unpins"), (PinnedSteps, "_pin"),
+    (PinnedSteps, "_expire_scratch"),
     (TierCascade, "_access"), (TierCascade, "_read_in_place"), (TierCascade, "_fetch_misses"),
     (TierCascade, "_place"), (TierCascade, "_uncached"), (TierCascade, "_write_down"),
     (StoredRows, "_load"), (StoredRows, "_read_stored"),
     (SlabTier, "lookup"), (SlabTier, "touch"), (SlabTier, "pin"), (SlabTier, "insert"),
     (SlabTier, "remove"), (SlabTier, "_evict"), (SlabTier, "_fill"), (SlabTier, "_take"),
     (SlabTier, "_release"), (SlabTier, "admit"),
+    (SlabTier, "insert_scratch"), (SlabTier, "take_expired"),
     (QueuePolicy, "victims"), (Policy, "on_hit"), (Policy, "on_insert"),
 )
 
