@@ -1,4 +1,4 @@
-"""CPU time per (thread, method) of the store's miss path, measured with `time.thread_time`.
+"""CPU time per (thread, method) of the store's miss path and its background I/O, by `time.thread_time`.
 
 A sampling profiler (py-spy, cProfile across threads) counts a thread that waits for a core as
 busy, so on a loaded 2-core machine its percentages overstate whichever thread the scheduler
@@ -17,15 +17,20 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from tierstore.backends.lmdb_log import LogIO
+from tierstore.backends.lmdb_tables import TableRows
 from tierstore.backends.slab import SlabTier
+from tierstore.backends.wal.writelog import WriteLog
 from tierstore.cascade import TierCascade
+from tierstore.index import HashIndex
 from tierstore.pinned import PinnedSteps
 from tierstore.policies.base import Policy, QueuePolicy
 from tierstore.prefetch.pipeline import Prefetcher
 from tierstore.stored_rows import StoredRows
 
 # (class, method) pairs: the pipeline's two phases, staging, the cascade's miss path, the
-# tiers' operations and the policy calls they make
+# tiers' operations and the policy calls they make; the writer's log appends, the merges (the
+# merger's, and the writer's own when the log is full), LMDB table reads, puts and commits
 TARGETS: tuple[tuple[type, str], ...] = (
     (Prefetcher, "_prepare"), (Prefetcher, "_finish"),
     (PinnedSteps, "_stage_many"), (PinnedSteps, "_pool_pinned"), (PinnedSteps, "_apply_pinned"),
@@ -39,6 +44,9 @@ TARGETS: tuple[tuple[type, str], ...] = (
     (SlabTier, "_release"), (SlabTier, "admit"),
     (SlabTier, "insert_scratch"), (SlabTier, "take_expired"),
     (QueuePolicy, "victims"), (Policy, "on_hit"), (Policy, "on_insert"),
+    (HashIndex, "find"), (HashIndex, "add"), (HashIndex, "remove"),
+    (WriteLog, "append"), (WriteLog, "_merge"), (WriteLog, "read_entries"), (LogIO, "append_log"),
+    (TableRows, "get"), (TableRows, "put"), (TableRows, "_commit"),
 )
 
 

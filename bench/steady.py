@@ -7,11 +7,11 @@ several log merges) and reports per step: the wall time, the CPU time of each th
 staging, readers, writer, merger; from /proc/self/task, Linux), the bytes the process sent to
 storage (/proc/self/io `write_bytes`), and the store's I/O counters (`rows_written`: rows the
 writer appended to the log; `rows_merged`: log rows folded into the tables, the rest having been
-superseded by a later append). With `--calls`, it also times the miss path's methods per
-thread (`bench.cpu_calls`: inclusive CPU time of each call, exact per thread, unlike a sampling
-profiler on a loaded machine). Run the resident config the same hour for the baseline:
-`--config tierstore_resident`. No batch repeats by default (`--pool`): a cycled pool would let a
-log longer than one cycle of evictions absorb every rewrite.
+superseded by a later append). With `--calls`, it also times the methods of the miss path and
+the background I/O per thread (`bench.cpu_calls`: inclusive CPU time of each call, exact per
+thread, unlike a sampling profiler on a loaded machine). Run the resident config the same hour
+for the baseline: `--config tierstore_resident`. No batch repeats by default (`--pool`): a
+cycled pool would let a log longer than one cycle of evictions absorb every rewrite.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "every rewrite, and a large --write-log looks far cheaper than it is)")
     add_cache_options(p)
     p.add_argument("--calls", action="store_true",
-                   help="also report the CPU time of the miss path's methods per thread "
-                        "(bench.cpu_calls; ~1 us a call of overhead)")
+                   help="also report the CPU time of the methods of the miss path and the "
+                        "background I/O, per thread (bench.cpu_calls; ~1 us a call of overhead)")
     p.add_argument("--workdir", default=None, help="where the store lives (default: under --out)")
     p.add_argument("--out", default=str(OUT_DIR))
     return p.parse_args(argv)

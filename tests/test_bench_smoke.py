@@ -137,6 +137,8 @@ def test_bench_steady_times_the_miss_path_per_method_and_unwraps_after(tmp_path)
     place = sum(c["cpu_ms_per_step"] for (t, m), c in calls.items() if m == "TierCascade._place")
     inner = sum(c["cpu_ms_per_step"] for (t, m), c in calls.items() if m == "SlabTier.insert[device]")
     assert place >= inner
+    # the writer thread appends to the log; it is named after the store
+    assert any(t.startswith("tierstore-writer") and m == "WriteLog.append" for t, m in calls)
     assert (SlabTier.insert, LRU.on_hit) == originals  # the wrappers are gone
 
 
