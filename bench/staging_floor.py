@@ -11,7 +11,11 @@ One compiled pass stages a step's unique keys (the `bench.training` workload, cy
 `--pool`): a device hit is pinned; a host hit swaps with the device victim (exclusive tiers); a
 row from below (the read-ahead buffer, modelled by a random source block) displaces the device
 victim into the host tier, whose dirty victim goes to a write-behind ring. The batch used
-`depth + 1` steps earlier is unpinned and marked dirty (its update). Reported per timed step:
+`depth + 1` steps earlier is unpinned and marked dirty (its update). Two bucket policies: LRU
+(a way's rank is its last use) and hlfu's (the rank is the count hlfu's sketch gives the row,
+then its last use; the sketch and the aging are hlfu's own; with one tier, TinyLFU's admission
+test against the way a row would displace, a refused row staged in the scratch pad and written
+down after its use, as the store does). Reported per timed step:
 staging CPU with and without payload copies, and in the same run the bare copy of the same rows'
 payload bytes (the baseline: what moving the bytes alone costs).
 """
@@ -26,11 +30,18 @@ import numba
 import numpy as np
 import torch
 
+from tierstore.policies import hlfu
+
 from .common import OUT_DIR, save, table
 from .training import Workload
 
 EMPTY = np.int64(-1)
 _MUL = np.int64(-7046029254386353131)
+_H1 = np.int64(-7046029254386353131)
+_H2 = np.int64(-4658895280553007687)
+_ROW_MASK = np.int64((1 << 40) - 1)
+MAX_COUNT = hlfu.MAX_COUNT
+STAMP_BITS = 40  # a way's rank: count << STAMP_BITS | last-use stamp (counts are 0 under LRU)
 
 
 @numba.njit(cache=True, inline="always")
@@ -41,56 +52,78 @@ def _bucket(key, nbuckets):  # pragma: no cover - compiled
     return (x & np.int64(0x7FFFFFFFFFFFFFFF)) % nbuckets
 
 
+@numba.njit(cache=True, inline="always")
+def _key_hash(key):  # pragma: no cover - compiled
+    """The store's key hash (`key_hash_np`) of a (table << 40 | row) key, as hlfu's sketch takes it."""
+    h = (key & _ROW_MASK) * _H1 + (key >> 40) * _H2
+    h ^= h >> 31
+    return h | 1
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
-def _victim(keys, stamps, pins, b):  # pragma: no cover - compiled
-    """An empty way of bucket b, else its least recently used unpinned way; -1: all pinned."""
+def _victim(keys, rank, pins, b):  # pragma: no cover - compiled
+    """An empty way of bucket b, else its lowest-ranked unpinned way; -1: all pinned."""
     v = -1
     best = np.int64(1 << 62)
     for j in range(keys.shape[1]):
         if keys[b, j] == EMPTY:
             return j
-        if pins[b, j] == 0 and stamps[b, j] < best:
-            best = stamps[b, j]
+        if pins[b, j] == 0 and rank[b, j] < best:
+            best = rank[b, j]
             v = j
     return v
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _rank(sketch, key, clock, freq, count):  # pragma: no cover - compiled
+    """A used row's rank: its sketch count (counting this use when `count`) above its stamp."""
+    if not freq:
+        return clock
+    h = _key_hash(key)
+    c = hlfu._count(sketch, h) if count else hlfu._estimate(sketch, h)
+    return (np.int64(c) << STAMP_BITS) | clock
+
+
 @numba.njit(cache=True, nogil=True)
-def _host_put(key, stamp, dirty, payload, hk, hs, hp, hd, hpay, ring, rpos, copy, stats):  # pragma: no cover
-    """Put a row coming down from the device tier into the host tier; a dirty victim goes to the ring."""
+def _host_put(key, rank, dirty, payload, hk, hr, hp, hd, hpay, ring, rpos, copy, stats):  # pragma: no cover
+    """Put a row coming down from the device tier into the host tier (a move down is not a use:
+    it keeps its rank); a dirty victim goes to the write-behind ring."""
     ways = hk.shape[1]
     b = _bucket(key, hk.shape[0])
-    v = _victim(hk, hs, hp, b)  # host rows are never pinned: -1 only for a zero-way tier
+    v = _victim(hk, hr, hp, b)  # host rows are never pinned: -1 only for a zero-way tier
     slot = b * ways + v
     if v >= 0 and hk[b, v] != EMPTY and hd[b, v]:
         if copy:
             ring[rpos[0] % ring.shape[0]] = hpay[slot]
         rpos[0] += 1
-        stats[4] += 1
+        stats[5] += 1
     if v < 0:  # no room: write the row down instead
         if dirty:
             if copy:
                 ring[rpos[0] % ring.shape[0]] = payload
             rpos[0] += 1
-            stats[4] += 1
+            stats[5] += 1
         return
     hk[b, v] = key
-    hs[b, v] = stamp
+    hr[b, v] = rank
     hd[b, v] = dirty
     if copy:
         hpay[slot] = payload
 
 
 @numba.njit(cache=True, nogil=True)
-def stage(keys, clock, two, copy, dk, ds, dp, dd, dpay, hk, hs, hp, hd, hpay, src, ring, rpos,
-          out, stats):  # pragma: no cover - compiled
+def stage(keys, clock, two, copy, freq, admit, sketch, dk, dr, dp, dd, dpay, hk, hr, hp, hd, hpay,
+          src, ring, rpos, pad, out, stats):  # pragma: no cover - compiled
     """Stage one step's unique keys into the device tier, pinned; `out` gets each key's slot (-1:
-    every way of its bucket pinned). stats: device hits, host hits, rows from below, pinned-out,
-    ring rows."""
+    not in the tier). `freq`: rank ways by hlfu's sketch count, then last use (else last use);
+    `admit` (one tier): TinyLFU's test against the way a row would displace, a refused row
+    staged in the scratch pad (`pad`, a ring standing for it). stats: device hits, host hits,
+    rows from below, all ways pinned, refused, ring rows; returns the clock after the step."""
     ways = dk.shape[1]
     tmp = np.empty(dpay.shape[1], dtype=dpay.dtype)
     for i in range(keys.shape[0]):
         key = keys[i]
+        clock += 1
         b = _bucket(key, dk.shape[0])
         w = -1
         for j in range(ways):
@@ -98,12 +131,12 @@ def stage(keys, clock, two, copy, dk, ds, dp, dd, dpay, hk, hs, hp, hd, hpay, sr
                 w = j
                 break
         if w >= 0:
-            ds[b, w] = clock
+            dr[b, w] = _rank(sketch, key, clock, freq, True)
             dp[b, w] += 1
             out[i] = b * ways + w
             stats[0] += 1
             continue
-        v = _victim(dk, ds, dp, b)
+        v = _victim(dk, dr, dp, b)
         if v < 0:
             out[i] = -1
             stats[3] += 1
@@ -125,27 +158,40 @@ def stage(keys, clock, two, copy, dk, ds, dp, dd, dpay, hk, hs, hp, hd, hpay, sr
                 dpay[dslot] = hpay[hslot]
             hk[hb, hw] = EMPTY
             if vkey != EMPTY:
-                _host_put(vkey, ds[b, v], dd[b, v], tmp, hk, hs, hp, hd, hpay, ring, rpos, copy, stats)
+                _host_put(vkey, dr[b, v], dd[b, v], tmp, hk, hr, hp, hd, hpay, ring, rpos, copy, stats)
             dd[b, v] = dirty_in
             stats[1] += 1
-        else:  # from below: the device victim moves down (two tiers) or is written down
-            if vkey != EMPTY:
+        else:  # from below
+            after = min((_rank(sketch, key, clock, freq, False) >> STAMP_BITS) + 1, MAX_COUNT)
+            if admit and vkey != EMPTY and after <= (dr[b, v] >> STAMP_BITS):
+                if freq:
+                    hlfu._count(sketch, _key_hash(key))
+                if copy:  # into the pad now, and to the ring after its use (dirty by then)
+                    pad[rpos[0] % pad.shape[0]] = src[key & (src.shape[0] - 1)]
+                    ring[rpos[0] % ring.shape[0]] = pad[rpos[0] % pad.shape[0]]
+                rpos[0] += 1
+                out[i] = -1
+                stats[4] += 1
+                stats[5] += 1
+                continue
+            if vkey != EMPTY:  # the device victim moves down (two tiers) or is written down
                 if two:
-                    _host_put(vkey, ds[b, v], dd[b, v], dpay[dslot], hk, hs, hp, hd, hpay, ring,
+                    _host_put(vkey, dr[b, v], dd[b, v], dpay[dslot], hk, hr, hp, hd, hpay, ring,
                               rpos, copy, stats)
                 elif dd[b, v]:
                     if copy:
                         ring[rpos[0] % ring.shape[0]] = dpay[dslot]
                     rpos[0] += 1
-                    stats[4] += 1
+                    stats[5] += 1
             if copy:
                 dpay[dslot] = src[key & (src.shape[0] - 1)]
             dd[b, v] = False
             stats[2] += 1
         dk[b, v] = key
-        ds[b, v] = clock
+        dr[b, v] = _rank(sketch, key, clock, freq, True)
         dp[b, v] = 1
         out[i] = dslot
+    return clock
 
 
 @numba.njit(cache=True, nogil=True)
@@ -167,20 +213,30 @@ def copy_rows(keys, src, dst):  # pragma: no cover - compiled
         dst[((k * _MUL) & np.int64(0x7FFFFFFFFFFFFFFF)) % dst.shape[0]] = src[k & (src.shape[0] - 1)]
 
 
+@numba.njit(cache=True, nogil=True)
+def halve_ranks(rank):  # pragma: no cover - compiled
+    """hlfu's aging of the cached rows: count c -> max(c // 2, 1), stamps kept."""
+    mask = (np.int64(1) << STAMP_BITS) - 1
+    for b in range(rank.shape[0]):
+        for j in range(rank.shape[1]):
+            c = rank[b, j] >> STAMP_BITS
+            rank[b, j] = (np.int64(max(c >> 1, 1)) << STAMP_BITS) | (rank[b, j] & mask)
+
+
 class Tier:
     """One set-associative tier's arrays."""
 
     def __init__(self, slots: int, ways: int, width: int) -> None:
         nb = max(1, slots // ways)
         self.keys = np.full((nb, ways), EMPTY)
-        self.stamps = np.zeros((nb, ways), np.int64)
+        self.rank = np.zeros((nb, ways), np.int64)
         self.pins = np.zeros((nb, ways), np.int32)
         self.dirty = np.zeros((nb, ways), np.bool_)
         self.payload = np.zeros((nb * ways, width), np.float32)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """keys, stamps, pins, dirty, payload."""
-        return self.keys, self.stamps, self.pins, self.dirty, self.payload
+        """keys, ranks, pins, dirty, payload."""
+        return self.keys, self.rank, self.pins, self.dirty, self.payload
 
 
 def step_keys(wl: Workload) -> list[np.ndarray]:
@@ -193,16 +249,22 @@ def step_keys(wl: Workload) -> list[np.ndarray]:
     return out
 
 
-def run_case(batches: list[np.ndarray], slots: int, two: bool, copy: bool, ways: int, width: int,
-             depth: int, warmup: int, steps: int) -> dict:
+def run_case(batches: list[np.ndarray], slots: int, two: bool, copy: bool, policy: str, ways: int,
+             width: int, depth: int, warmup: int, steps: int) -> dict:
     """Stage warmup + steps batches; per timed step: staging CPU and the counts."""
+    freq = policy == "hlfu"
+    admit = freq and not two  # as in the store: refused rows wait in the pad with one tier only
     per_tier = slots // 2 if two else slots
     dev, host = Tier(per_tier, ways, width), Tier(per_tier if two else ways, ways, width)
+    nbytes = max(4096, per_tier * hlfu.HistoryLFU.sketch_bytes_per_slot)  # hlfu's sizing and aging
+    sketch = np.zeros((1 << (nbytes // 64 - 1).bit_length(), 64), np.uint8)
+    period, since = hlfu.HistoryLFU.aging_period * per_tier, 0
     src = np.random.default_rng(0).standard_normal((1 << 14, width)).astype(np.float32)
     ring, rpos = np.zeros((1 << 16, width), np.float32), np.zeros(1, np.int64)
-    stats = np.zeros(5, np.int64)
+    pad = np.zeros((1 << 14, width), np.float32)
+    stats = np.zeros(6, np.int64)
     window: list[np.ndarray] = []
-    cpu = 0.0
+    cpu, clock = 0.0, 0
     for step in range(warmup + steps):
         if step == warmup:
             stats[:] = 0
@@ -210,13 +272,20 @@ def run_case(batches: list[np.ndarray], slots: int, two: bool, copy: bool, ways:
         keys = batches[step % len(batches)]
         out = np.empty(keys.shape[0], np.int64)
         t0 = time.thread_time()
-        stage(keys, step, two, copy, *dev.arrays(), *host.arrays(), src, ring, rpos, out, stats)
+        clock = stage(keys, clock, two, copy, freq, admit, sketch, *dev.arrays(), *host.arrays(), src,
+                      ring, rpos, pad, out, stats)
         window.append(out)
         if len(window) > depth + 1:
             release(window.pop(0), dev.pins, dev.dirty)
+        since += keys.shape[0]
+        if freq and since >= period:
+            since = 0
+            sketch >>= 1
+            halve_ranks(dev.rank)
+            halve_ranks(host.rank)
         cpu += time.thread_time() - t0
-    names = ("device_hits", "host_hits", "from_below", "pinned_out", "ring_rows")
-    return {"tiers": 2 if two else 1, "copies": copy, "slots": slots, "ways": ways,
+    names = ("device_hits", "host_hits", "from_below", "pinned_out", "refused", "ring_rows")
+    return {"policy": policy, "tiers": 2 if two else 1, "copies": copy, "slots": slots, "ways": ways,
             "staging_cpu_ms": 1e3 * cpu / steps,
             **{n: float(stats[i]) / steps for i, n in enumerate(names)}}
 
@@ -257,20 +326,22 @@ def main(argv: list[str] | None = None) -> int:
     slots = max(2 * args.ways, int(args.tables * args.rows * args.fraction))
     base = baseline(batches, slots, width, min(args.warmup, 20), args.steps)
     records = []
-    for two in (True, False):
-        for copy in (True, False):
-            r = run_case(batches, slots, two, copy, args.ways, width, args.depth, args.warmup, args.steps)
-            r["vs_copy_only"] = r["staging_cpu_ms"] / base if base > 0 else float("nan")
-            records.append(r)
+    for policy in ("lru", "hlfu"):
+        for two in (True, False):
+            for copy in (True, False):
+                r = run_case(batches, slots, two, copy, policy, args.ways, width, args.depth,
+                             args.warmup, args.steps)
+                r["vs_copy_only"] = r["staging_cpu_ms"] / base if base > 0 else float("nan")
+                records.append(r)
     unique = sum(len(b) for b in batches) / len(batches)
     print(f"{unique:,.0f} unique keys a step, {slots:,} cached slots, {args.ways}-way buckets; "
           f"copying the rows alone: {base:.2f} ms/step")
-    print(table(records, [("tiers", "tiers", "d"), ("copies", "copies", ""),
+    print(table(records, [("policy", "policy", "s"), ("tiers", "tiers", "d"), ("copies", "copies", ""),
                           ("staging_cpu_ms", "staging CPU ms/step", ".2f"),
                           ("vs_copy_only", "vs copy only", ".2f"),
                           ("device_hits", "device hits", ",.0f"), ("host_hits", "host hits", ",.0f"),
                           ("from_below", "from below", ",.0f"), ("pinned_out", "all ways pinned", ",.1f"),
-                          ("ring_rows", "to the ring", ",.0f")]))
+                          ("refused", "refused (to the pad)", ",.0f"), ("ring_rows", "to the ring", ",.0f")]))
     path = save("staging_floor", records, {**vars(args), "copy_only_ms": base, "unique_keys": unique},
                 args.out)
     print(f"wrote {path}", file=sys.stderr)

@@ -174,17 +174,21 @@ def test_bench_staging_floor_counts_every_staged_key(tmp_path):
                              "--warmup", "4", "--steps", "6", "--out", str(tmp_path)])
     assert rc == 0
     recs = _load(tmp_path / "staging_floor.json")
-    assert {(r["tiers"], r["copies"]) for r in recs} == {(2, True), (2, False), (1, True), (1, False)}
+    assert {(r["policy"], r["tiers"], r["copies"]) for r in recs} == {
+        (p, t, c) for p in ("lru", "hlfu") for t in (1, 2) for c in (True, False)}
     unique = json.loads((tmp_path / "staging_floor.json").read_text())["meta"]["unique_keys"]
-    for r in recs:  # every key is a device hit, a host hit, from below or refused (6 timed
-        # steps cycle the 6 pooled batches once: the per-step mean is the pool's)
-        total = r["device_hits"] + r["host_hits"] + r["from_below"] + r["pinned_out"]
+    for r in recs:  # every key is a device hit, a host hit, from below, refused or left out (6
+        # timed steps cycle the 6 pooled batches once: the per-step mean is the pool's)
+        total = r["device_hits"] + r["host_hits"] + r["from_below"] + r["pinned_out"] + r["refused"]
         assert total == pytest.approx(unique, rel=1e-9) and total > 0
         assert r["staging_cpu_ms"] >= 0
         if r["tiers"] == 1:
             assert r["host_hits"] == 0
-    by = {(r["tiers"], r["copies"]): r for r in recs}
-    for tiers in (1, 2):  # copies change the cost, never a decision
-        a, b = by[(tiers, True)], by[(tiers, False)]
-        assert [a[k] for k in ("device_hits", "host_hits", "from_below", "ring_rows")] == \
-            [b[k] for k in ("device_hits", "host_hits", "from_below", "ring_rows")]
+        if r["policy"] == "lru" or r["tiers"] == 2:  # admission: hlfu with one tier only
+            assert r["refused"] == 0
+    by = {(r["policy"], r["tiers"], r["copies"]): r for r in recs}
+    keys = ("device_hits", "host_hits", "from_below", "refused", "ring_rows")
+    for p in ("lru", "hlfu"):
+        for tiers in (1, 2):  # copies change the cost, never a decision
+            a, b = by[(p, tiers, True)], by[(p, tiers, False)]
+            assert [a[k] for k in keys] == [b[k] for k in keys]
