@@ -6,6 +6,8 @@ is `slots / ways` buckets of `ways` slots; a bucket keeps its keys, last-use sta
 dirty bits side by side, so finding a row, recording its use and choosing a victim touch one
 bucket's cache lines. Today's tier keeps a hash index, a linked policy queue, a pin array and a
 dirty array, each spread over the whole tier, and a staged row costs ~20 cache misses among them.
+The model covers the tiers' work only: the staging thread's other work (`_prepare`, `_load`
+from the read-ahead buffers, the ring hand-off: ~20-24 ms a step at cache10) is not in it.
 
 One compiled pass stages a step's unique keys (the `bench.training` workload, cycled like its
 `--pool`): a device hit is pinned; a host hit swaps with the device victim (exclusive tiers); a
