@@ -94,7 +94,7 @@ class CallTimer:
                 return fn(obj, *args, **kwargs)
             finally:
                 spent = time.thread_time() - t0
-                key = (_thread_name(), f"{label}[{obj.name}]" if tier else label)
+                key = (pool_name(threading.current_thread().name), f"{label}[{obj.name}]" if tier else label)
                 with self._lock:
                     self._seconds[key] += spent
                     self._calls[key] += 1
@@ -115,6 +115,6 @@ class CallTimer:
         return sorted(rows, key=lambda r: -r["cpu_s"])
 
 
-def _thread_name() -> str:
-    """The current thread's name, reader-pool numbers dropped (one line for the pool)."""
-    return re.sub(r"[-_ ]?\d+$", "", threading.current_thread().name)
+def pool_name(name: str) -> str:
+    """A thread's name with its pool number dropped (the reader pool reports as one thread)."""
+    return re.sub(r"[-_ ]?\d+$", "", name)

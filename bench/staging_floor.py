@@ -33,14 +33,13 @@ import numpy as np
 import torch
 
 from tierstore.policies import hlfu
+from tierstore.policies.base import _H1, _H2
 
 from .common import OUT_DIR, save, table
-from .training import Workload
+from .training import Workload, add_workload_options, workload_from
 
 EMPTY = np.int64(-1)
-_MUL = np.int64(-7046029254386353131)
-_H1 = np.int64(-7046029254386353131)
-_H2 = np.int64(-4658895280553007687)
+_MUL = _H1  # the bucket hash multiplies by the key hash's first constant
 _ROW_MASK = np.int64((1 << 40) - 1)
 MAX_COUNT = hlfu.MAX_COUNT
 STAMP_BITS = 40  # a way's rank: count << STAMP_BITS | last-use stamp (counts are 0 under LRU)
@@ -77,13 +76,11 @@ def _victim(keys, rank, pins, b):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _rank(sketch, key, clock, freq, count):  # pragma: no cover - compiled
-    """A used row's rank: its sketch count (counting this use when `count`) above its stamp."""
+def _rank(sketch, key, clock, freq):  # pragma: no cover - compiled
+    """A used row's rank: its sketch count, this use counted, above its stamp (LRU: the stamp)."""
     if not freq:
         return clock
-    h = _key_hash(key)
-    c = hlfu._count(sketch, h) if count else hlfu._estimate(sketch, h)
-    return (np.int64(c) << STAMP_BITS) | clock
+    return (np.int64(hlfu._count(sketch, _key_hash(key))) << STAMP_BITS) | clock
 
 
 @numba.njit(cache=True, nogil=True)
@@ -92,20 +89,13 @@ def _host_put(key, rank, dirty, payload, hk, hr, hp, hd, hpay, ring, rpos, copy,
     it keeps its rank); a dirty victim goes to the write-behind ring."""
     ways = hk.shape[1]
     b = _bucket(key, hk.shape[0])
-    v = _victim(hk, hr, hp, b)  # host rows are never pinned: -1 only for a zero-way tier
+    v = _victim(hk, hr, hp, b)  # host rows are never pinned: always a way
     slot = b * ways + v
-    if v >= 0 and hk[b, v] != EMPTY and hd[b, v]:
+    if hk[b, v] != EMPTY and hd[b, v]:
         if copy:
             ring[rpos[0] % ring.shape[0]] = hpay[slot]
         rpos[0] += 1
         stats[5] += 1
-    if v < 0:  # no room: write the row down instead
-        if dirty:
-            if copy:
-                ring[rpos[0] % ring.shape[0]] = payload
-            rpos[0] += 1
-            stats[5] += 1
-        return
     hk[b, v] = key
     hr[b, v] = rank
     hd[b, v] = dirty
@@ -133,7 +123,7 @@ def stage(keys, clock, two, copy, freq, admit, sketch, dk, dr, dp, dd, dpay, hk,
                 w = j
                 break
         if w >= 0:
-            dr[b, w] = _rank(sketch, key, clock, freq, True)
+            dr[b, w] = _rank(sketch, key, clock, freq)
             dp[b, w] += 1
             out[i] = b * ways + w
             stats[0] += 1
@@ -164,10 +154,9 @@ def stage(keys, clock, two, copy, freq, admit, sketch, dk, dr, dp, dd, dpay, hk,
             dd[b, v] = dirty_in
             stats[1] += 1
         else:  # from below
-            after = min((_rank(sketch, key, clock, freq, False) >> STAMP_BITS) + 1, MAX_COUNT)
-            if admit and vkey != EMPTY and after <= (dr[b, v] >> STAMP_BITS):
-                if freq:
-                    hlfu._count(sketch, _key_hash(key))
+            h = _key_hash(key) if admit and vkey != EMPTY else np.int64(0)
+            if h and min(hlfu._estimate(sketch, h) + 1, MAX_COUNT) <= (dr[b, v] >> STAMP_BITS):
+                hlfu._count(sketch, h)  # a refused row's use counts all the same
                 if copy:  # into the pad now, and to the ring after its use (dirty by then)
                     pad[rpos[0] % pad.shape[0]] = src[key & (src.shape[0] - 1)]
                     ring[rpos[0] % ring.shape[0]] = pad[rpos[0] % pad.shape[0]]
@@ -190,7 +179,7 @@ def stage(keys, clock, two, copy, freq, admit, sketch, dk, dr, dp, dd, dpay, hk,
             dd[b, v] = False
             stats[2] += 1
         dk[b, v] = key
-        dr[b, v] = _rank(sketch, key, clock, freq, True)
+        dr[b, v] = _rank(sketch, key, clock, freq)
         dp[b, v] = 1
         out[i] = dslot
     return clock
@@ -251,6 +240,11 @@ def step_keys(wl: Workload) -> list[np.ndarray]:
     return out
 
 
+def _source(width: int) -> np.ndarray:
+    """The rows 'from below': a fixed block a key indexes by its low bits."""
+    return np.random.default_rng(0).standard_normal((1 << 14, width)).astype(np.float32)
+
+
 def run_case(batches: list[np.ndarray], slots: int, two: bool, copy: bool, policy: str, ways: int,
              width: int, depth: int, warmup: int, steps: int) -> dict:
     """Stage warmup + steps batches; per timed step: staging CPU and the counts."""
@@ -261,7 +255,7 @@ def run_case(batches: list[np.ndarray], slots: int, two: bool, copy: bool, polic
     nbytes = max(4096, per_tier * hlfu.HistoryLFU.sketch_bytes_per_slot)  # hlfu's sizing and aging
     sketch = np.zeros((1 << (nbytes // 64 - 1).bit_length(), 64), np.uint8)
     period, since = hlfu.HistoryLFU.aging_period * per_tier, 0
-    src = np.random.default_rng(0).standard_normal((1 << 14, width)).astype(np.float32)
+    src = _source(width)
     ring, rpos = np.zeros((1 << 16, width), np.float32), np.zeros(1, np.int64)
     pad = np.zeros((1 << 14, width), np.float32)
     stats = np.zeros(6, np.int64)
@@ -294,7 +288,7 @@ def run_case(batches: list[np.ndarray], slots: int, two: bool, copy: bool, polic
 
 def baseline(batches: list[np.ndarray], slots: int, width: int, warmup: int, steps: int) -> float:
     """CPU ms per step of copying the staged rows' payloads alone (same keys, same row width)."""
-    src = np.random.default_rng(0).standard_normal((1 << 14, width)).astype(np.float32)
+    src = _source(width)
     dst = np.zeros((max(1, slots), width), np.float32)
     cpu = 0.0
     for step in range(warmup + steps):
@@ -309,12 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     """Model the issue's cache10 workload; print and save staging CPU per step."""
     p = argparse.ArgumentParser(prog="python -m bench.staging_floor", description=__doc__.splitlines()[0])
     p.add_argument("--fraction", type=float, default=0.10, help="cached rows / rows (cache10: 0.10)")
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2048)
-    p.add_argument("--max-len", type=int, default=20)
-    p.add_argument("--alpha", type=float, default=1.05)
+    add_workload_options(p)
     p.add_argument("--pool", type=int, default=64, help="distinct batches, cycled")
     p.add_argument("--ways", type=int, default=16, help="slots per bucket")
     p.add_argument("--depth", type=int, default=2, help="prefetch depth: batches staged ahead")
@@ -322,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--out", default=str(OUT_DIR))
     args = p.parse_args(argv)
-    wl = Workload(args.tables, args.rows, args.dim, args.batch, args.max_len, args.alpha, args.pool)
+    wl = workload_from(args, args.pool)
     batches = step_keys(wl)
     width = args.dim + 2  # the store's row with RowWiseAdagrad: [embedding | state | update stamp]
     slots = max(2 * args.ways, int(args.tables * args.rows * args.fraction))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -30,8 +29,8 @@ from pathlib import Path
 import torch
 
 from .common import OUT_DIR, save, table
-from .cpu_calls import CallTimer
-from .training import FRACTIONS, TierstoreRunner, Workload, add_cache_options
+from .cpu_calls import CallTimer, pool_name
+from .training import FRACTIONS, TierstoreRunner, add_cache_options, add_workload_options, workload_from
 
 
 def thread_cpu() -> dict[tuple[int, str], float]:
@@ -45,7 +44,7 @@ def thread_cpu() -> dict[tuple[int, str], float]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # the thread ended meanwhile
             continue
-        name = re.sub(r"[-_ ]?\d+$", "", names.get(int(tid), "other"))  # reader pool: one line
+        name = pool_name(names.get(int(tid), "other"))
         out[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
@@ -65,12 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default="tierstore_cache10", choices=sorted(FRACTIONS))
     p.add_argument("--steps", type=int, default=150, help="timed steps (span several merges)")
     p.add_argument("--warmup", type=int, default=60, help="untimed steps first (fill the caches)")
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2048)
-    p.add_argument("--max-len", type=int, default=20)
-    p.add_argument("--alpha", type=float, default=1.05)
+    add_workload_options(p)
     p.add_argument("--pool", type=int, default=None,
                    help="distinct pre-generated batches (default: warmup + steps, so none repeats: "
                         "with a repeating pool a log longer than one cycle of evictions absorbs "
@@ -94,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_steady_", dir=args.workdir or out_dir))
     args.pool = args.pool or args.warmup + args.steps
-    wl = Workload(args.tables, args.rows, args.dim, args.batch, args.max_len, args.alpha, args.pool)
+    wl = workload_from(args, args.pool)
     runner = TierstoreRunner(wl, args.config, work, FRACTIONS[args.config], "populated",
                              write_log=args.write_log, split=args.split, policy=args.policy)
     try:

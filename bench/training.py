@@ -336,12 +336,7 @@ def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, bloc
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__.splitlines()[0])
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2048)
-    p.add_argument("--max-len", type=int, default=20, help="bag lengths are uniform in 1..max-len")
-    p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
+    add_workload_options(p)
     p.add_argument("--pool", type=int, default=64, help="distinct pre-generated batches, cycled")
     p.add_argument("--threads", default="1,default")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per config and thread count")
@@ -368,6 +363,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 FRACTIONS = {"tierstore_resident": None, "tierstore_cache10": 0.10, "tierstore_cache1": 0.01}
 
 
+def add_workload_options(p: argparse.ArgumentParser) -> None:
+    """The workload options bench.training, bench.steady and bench.staging_floor share."""
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--max-len", type=int, default=20, help="bag lengths are uniform in 1..max-len")
+    p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
+
+
+def workload_from(args: argparse.Namespace, pool: int) -> Workload:
+    """The workload `add_workload_options` describes, with `pool` distinct batches."""
+    return Workload(args.tables, args.rows, args.dim, args.batch, args.max_len, args.alpha, pool)
+
+
 def add_cache_options(p: argparse.ArgumentParser) -> None:
     """The store options bench.training and bench.steady share: tier split, policy, log size."""
     p.add_argument("--split", choices=("even", "device"), default="even",
@@ -390,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_training_", dir=args.workdir or out_dir))
     t0 = time.perf_counter()
-    wl = Workload(args.tables, args.rows, args.dim, args.batch, args.max_len, args.alpha, args.pool)
+    wl = workload_from(args, args.pool)
     print(f"workload: {len(wl.steps)} batches in {time.perf_counter() - t0:.1f} s, "
           f"{statistics.mean(wl.ids_per_step(i) for i in range(len(wl.steps))):,.0f} ids/step",
           file=sys.stderr, flush=True)
