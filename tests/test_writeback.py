@@ -675,6 +675,57 @@ def test_rows_appended_again_while_a_merge_runs_keep_the_log_index_whole(tmp_pat
         assert (data[len(rows):, : SPEC.dim] == 3.0).all()
 
 
+def test_a_writer_that_finds_the_log_full_during_a_merge_waits_for_it_and_merges_nothing_more(
+        tmp_path, monkeypatch):
+    """The writer finds the log full while the background merger folds its older half. It used
+    to decide to merge before it waited for that merge, then merged another half itself: a
+    second, sparse merge while the ring backed up (writeback_wait 58 ms a step at cache1). Now
+    it decides again once the merge it waited for has made room."""
+    import threading
+
+    from tierstore.backends import wal
+
+    with ts.TierStore(tmp_path / "s", SPEC, **SMALL, write_log=10**4) as s:
+        s.flush()
+        s.log.stop_merger()
+        width, cap = s.width, s.log.capacity
+        first = np.arange(0, 9000, dtype=np.int64)
+        more = np.arange(20_000, 22_000, dtype=np.int64)
+        with s.writeback._cv:
+            s.log.append(np.zeros(len(first), np.int64), first, np.full((len(first), width), 1.0, np.float32))
+        assert s.log.size + len(more) > cap  # the writer's append below finds the log full
+        fold, folds = wal.writelog.fold, []
+        started, go = threading.Event(), threading.Event()
+
+        def held_fold(*args):
+            folds.append(threading.current_thread().name)
+            started.set()
+            assert go.wait(10)
+            return fold(*args)
+
+        monkeypatch.setattr(wal.writelog, "fold", held_fold)
+        merger = threading.Thread(target=s.log.merge, args=(cap // 2,), name="merger")
+        merger.start()
+        assert started.wait(10)
+        writer = threading.Thread(target=s.log.append, name="writer",
+                                  args=(np.zeros(len(more), np.int64), more,
+                                        np.full((len(more), width), 2.0, np.float32)))
+        writer.start()
+        time.sleep(0.2)  # the writer is now waiting for the merge
+        assert writer.is_alive()
+        go.set()
+        merger.join(10)
+        writer.join(10)
+        assert not merger.is_alive() and not writer.is_alive()
+        assert folds == ["merger"]  # one merge: the writer's append found room after it
+        assert s.log.size == len(first) + len(more) - s.log.rows_merged <= cap
+        monkeypatch.setattr(wal.writelog, "fold", fold)
+        with s.log.merging, s.writeback._cv:
+            s.log.index.check()
+        got = s.read("t", torch.from_numpy(np.concatenate([first, more])))
+        assert (got[: len(first)] == 1.0).all() and (got[len(first):] == 2.0).all()
+
+
 def test_a_write_log_smaller_than_a_writer_batch_keeps_its_index_whole(tmp_path):
     """A `write_log` smaller than one batch of the writer (the ring drains up to 65,536 rows at a
     time): the batch goes into the log in parts. One append of more rows than the log holds used

@@ -107,8 +107,10 @@ class WriteLog:
             cap = self.capacity
             return sum(self.append(tabs[lo : lo + cap], rows[lo : lo + cap], payload[lo : lo + cap])
                        for lo in range(0, n, cap))
-        if self.size + n > self.capacity:
-            self.merge(self.size + n - self.capacity + self.capacity // 2)
+        if self.size + n > self.capacity:  # full: merge, unless a merge running now frees room
+            with self.merging:
+                if self.size + n > self.capacity:
+                    self._merge(self.size + n - self.capacity + self.capacity // 2)
         order, keys, vals, chunks = [], [], [], []
         seq = self.next
         widths = self.widths[tabs]
