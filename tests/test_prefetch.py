@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
@@ -385,3 +386,86 @@ def test_prefetcher_over_a_store_knows_collection_features(tmp_path):
         with Prefetcher(store, batches, depth=1) as pf:
             outs = [ebc(*b) for b in pf]
         assert len(outs) == 3 and store.stats()["prefetch"]["rows_staged"] > 0
+
+
+@pytest.mark.parametrize("between", ["nothing", "apply", "advance", "expire", "two forwards"])
+def test_a_warm_only_backward_updates_the_rows_its_forward_read_unless_the_table_changed(
+        tmp_path, between):
+    """A warm-only forward reads its missed rows where they are and keeps them; the backward
+    updates that copy instead of loading the rows cached nowhere a second time. Anything that
+    may change the table's rows in between (an update, a second forward's backward, the clock)
+    makes the backward fetch them again. Either way the bits equal a run that always fetches."""
+    from tierstore.bagpaths import BagPaths
+    from tierstore.cascade import TierCascade
+
+    feats = {"f1": "a", "f3": "b"}  # a table each: the backward of one leaves the other's copy
+
+    def run(path, reuse):
+        store = ts.TierStore(path, _specs(), device_capacity=3, host_capacity=4, device="cpu")
+        ebc = ts.TieredEmbeddingBagCollection(store, feats)
+        torch.manual_seed(0)
+        dense = torch.nn.Linear(8, 1)
+        counts = {"reused": 0, "loaded": 0}
+        phase = ["forward"]
+        cold, apply_bags = TierCascade._cold, BagPaths._apply_bags
+
+        def counted_cold(self, tab, rows, idx, known):
+            if phase[0] == "backward" and threading.current_thread() is threading.main_thread():
+                counts["reused" if known is not None else "loaded"] += 1
+            return cold(self, tab, rows, idx, known)
+
+        def fetching(self, tab, g, *a):
+            return apply_bags(self, tab, dataclasses.replace(g, payload=None), *a)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(TierCascade, "_cold", counted_cold)
+            if not reuse:
+                mp.setattr(BagPaths, "_apply_bags", fetching)
+            batches = _two_table_batches(20)
+            with Prefetcher(store, batches, depth=2, features=feats, extract=lambda b: b["sparse"]) as pf:
+                for i, b in enumerate(pf):
+                    phase[0] = "forward"
+                    if between == "expire":
+                        store.advance()
+                    outs = [ebc(*b["sparse"])]
+                    if between == "two forwards":  # gradient accumulation: both update in turn
+                        outs.append(ebc(*b["sparse"]))
+                    elif between == "apply":
+                        ids = b["sparse"][1][:3].clone()
+                        store.apply("a", ids, torch.full((len(ids), 3), 0.1 * (i + 1)))
+                    elif between == "advance":
+                        store.advance()
+                    elif between == "expire":  # table a's rows updated before this step reset
+                        store.expire("a", older_than=0)
+                    phase[0] = "backward"
+                    sum((dense(o) - b["target"]).pow(2).mean() for o in outs).backward()
+            phase[0] = "done"
+            st = store.stats()["prefetch"]
+            result = {"a": store.read("a", torch.arange(40) * 7919), "b": store.read("b", torch.arange(40))}
+        store.check()
+        store.close()
+        return result, counts, st
+
+    got, counts, st = run(tmp_path / "reuse", True)
+    want, fetched, _ = run(tmp_path / "fetch", False)
+    assert st["warm_only"] == 20
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert fetched["reused"] == 0 and fetched["loaded"] > 0
+    if between == "nothing":
+        assert counts["reused"] > 0 and counts["loaded"] == 0, counts
+    elif between in ("advance", "expire"):  # how any row reads may change: every table fetches
+        assert counts["reused"] == 0 and counts["loaded"] > 0, counts
+    else:  # table a changed in between (an apply, the other forward's backward); b did not
+        assert counts["reused"] > 0 and counts["loaded"] > 0, counts
+
+
+def _two_table_batches(n_steps, seed=5, batch=4):
+    """Batches of features f1 (table a, sparse ids) and f3 (table b)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n_steps):
+        lengths = torch.randint(1, 6, (2 * batch,), generator=gen)
+        a = torch.randint(0, 40, (int(lengths[:batch].sum()),), generator=gen) * 7919
+        b = torch.randint(0, 40, (int(lengths[batch:].sum()),), generator=gen)
+        yield {"sparse": (["f1", "f3"], torch.cat([a, b]), lengths),
+               "target": torch.randn(batch, 1, generator=gen)}

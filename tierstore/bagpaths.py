@@ -27,6 +27,10 @@ class Gathered:
     slots: torch.Tensor | None = None  # device-tier slots of `unique` when all were resident
     generation: int = -1  # the device tier's generation (its pin epoch when `pinned`) at the gather
     pinned: bool = False  # `slots` hold rows the prefetch pipeline pinned for this batch
+    # a warm-only forward's rows [u, width] as it read them (it moved none), and the table's
+    # `writes` then: while that holds, the backward updates these instead of fetching again
+    payload: torch.Tensor | None = None
+    writes: int = -1
 
 
 class BagPaths:
@@ -77,12 +81,19 @@ class BagPaths:
             else:  # straight from the slab, no copy
                 out = fused_pool(dev.slab, dslots, inv, offsets, dim, psw, mean)
                 weights = codec.gather(dev.slab, dslots, dim) if need_weights else torch.empty(0, dim)
-            return out, Gathered(uniq, inv, weights, dslots, dev.generation)
+            if self._promoting():
+                return out, Gathered(uniq, inv, weights, dslots, dev.generation)
+            # a warm-only step: later tables' backwards may move these rows before this one's
+            return out, Gathered(uniq, inv, weights, dslots, dev.generation,
+                                 payload=dev.read(dslots), writes=tab.writes)
         uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
-        payload = self._access(tab, uniq, None, promote=self._promoting())
+        promote = self._promoting()
+        payload = self._access(tab, uniq, None, promote=promote)
         weights = codec.decode(payload, dim).contiguous() if codec.packed else payload
         out = fused_pool(weights, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
-        return out, Gathered(uniq, inv, weights[:, :dim], self._last_dslots, dev.generation)
+        kept = None if promote else payload  # a warm-only read: no row moved up
+        return out, Gathered(uniq, inv, weights[:, :dim], self._last_dslots, dev.generation,
+                             payload=kept, writes=tab.writes)
 
     def _apply_bags(self, tab: _Table, g: Gathered, offsets: torch.Tensor, grad_out: torch.Tensor,
                     per_sample_weights: torch.Tensor | None, mode: str) -> None:
@@ -96,8 +107,11 @@ class BagPaths:
         inverse = inverse.to("cpu", torch.int64)
         dev = self.device_tier
         in_place = g.slots is not None and (g.pinned or g.generation == dev.generation)
+        known = g.payload if g.writes == tab.writes else None  # no update of the table since
+        tab.writes += 1
         if not in_place and unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
             unique, inverse = sort_unique(unique, inverse)  # the cascade works in key order
+            known = None
         bag_of, lengths = bag_positions(offsets, n)
         scale = None
         if mode == "mean":
@@ -109,6 +123,7 @@ class BagPaths:
         if mask is not None:  # drop the positions of rows not admitted (updates discarded)
             unique, inverse, (bag_of, scale) = _adm.filter_positions(mask, unique, inverse,
                                                                      bag_of, scale)
+            known = None if known is None else known[torch.from_numpy(mask)]
             if unique.numel() == 0:
                 return
             if in_place:  # (unreachable: counts only grow) the cascade works in key order
@@ -121,4 +136,4 @@ class BagPaths:
             self._stamp(tab, dev.slab, g.slots)
             dev.dirty[g.slots] = True
             return
-        self._access(tab, unique, update, promote=self._promoting())
+        self._access(tab, unique, update, promote=self._promoting(), known=known)

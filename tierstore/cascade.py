@@ -34,7 +34,7 @@ class TierCascade:
 
     def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
                 count: bool = True, dslots: torch.Tensor | None = None,
-                promote: bool = True) -> torch.Tensor | None:
+                promote: bool = True, known: torch.Tensor | None = None) -> torch.Tensor | None:
         """Locate sorted unique rows, optionally update them, and promote them to the device tier.
 
         `dslots` are the rows' device slots when the caller has just looked them up. Returns
@@ -42,10 +42,14 @@ class TierCascade:
         `promote=False` (a warm-only step) a read moves no row (`_read_in_place`), and an update
         brings up from below only the rows the device policy admits (`Policy.admit`), handing
         the others to the write-behind ring. (Prefetch staging, which pins rows instead, is
-        `PinnedSteps._stage_many`.)
+        `PinnedSteps._stage_many`.) `known` are the rows' payloads [u, width] as a read that
+        moved nothing found them, with no update since: an update takes the rows cached nowhere
+        from there instead of loading them again.
         """
         dev = self.device_tier
         n = uniq.numel()
+        if update is not None:
+            tab.writes += 1
         if dslots is None:
             dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
         dhit = dslots >= 0
@@ -77,7 +81,10 @@ class TierCascade:
             hit_slots = dslots[:0]
             miss, miss_rows = None, uniq
         m = n - nd
-        mpay, mdirty, mpins, hhit = self._fetch_misses(tab, miss_rows, count)
+        if known is not None:  # a private copy of the misses' rows: the update writes into it
+            known = known.clone() if miss is None else known.index_select(0, miss.to(known.device))
+            known = known.cpu()
+        mpay, mdirty, mpins, hhit = self._fetch_misses(tab, miss_rows, count, known=known)
         nh = int(hhit.sum())
         self._last_sources = (nd, nh, m - nh)
         if nd:  # assemble the whole batch: device hits and the rows fetched from below
@@ -136,13 +143,15 @@ class TierCascade:
         self._last_dslots = None
         return payload.to(self.device, non_blocking=True)
 
-    def _fetch_misses(self, tab: _Table, rows: torch.Tensor, count: bool, take: bool = True
+    def _fetch_misses(self, tab: _Table, rows: torch.Tensor, count: bool, take: bool = True,
+                      known: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Take device-missed rows out of the host tier or load them from LMDB.
 
         Returns (payload [m, width], dirty [m], pins [m] or None, host hit mask [m]); host
         hits leave the host tier (the caches are exclusive), or with `take=False` stay there,
-        read (their dirty bits and pins are then not returned: all False / None).
+        read (their dirty bits and pins are then not returned: all False / None). `known`
+        (the rows' current payloads, the caller's to overwrite) replaces the loads.
         """
         host = self.host_tier
         m = rows.numel()
@@ -152,7 +161,7 @@ class TierCascade:
         if count:
             host.count_lookups(m, nh)
         if nh == 0:
-            return self._load(tab, rows), torch.zeros(m, dtype=torch.bool), None, hhit
+            return self._cold(tab, rows, None, known), torch.zeros(m, dtype=torch.bool), None, hhit
         if not take:
             payload = torch.empty((m, self.width), dtype=torch.float32)
             hidx = torch.nonzero(hhit).flatten()
@@ -169,10 +178,17 @@ class TierCascade:
         moved = host.remove(hslots.index_select(0, hidx))
         payload = torch.empty((m, self.width), dtype=torch.float32)
         payload.index_copy_(0, hidx, moved.payload)
-        payload.index_copy_(0, cidx, self._load(tab, rows.index_select(0, cidx)))
+        payload.index_copy_(0, cidx, self._cold(tab, rows, cidx, known))
         dirty = torch.zeros(m, dtype=torch.bool).index_copy_(0, hidx, moved.dirty)
         pins = torch.zeros(m, dtype=torch.int32).index_copy_(0, hidx, moved.pins)
         return payload, dirty, pins, hhit
+
+    def _cold(self, tab: _Table, rows: torch.Tensor, idx: torch.Tensor | None,
+              known: torch.Tensor | None) -> torch.Tensor:
+        """Payloads of `rows[idx]` (all when None), cached nowhere: from `known`, else `_load`."""
+        if known is not None:
+            return known if idx is None else known.index_select(0, idx)
+        return self._load(tab, rows if idx is None else rows.index_select(0, idx))
 
     def _uncached(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
         """Mask of rows in no cache tier and not in the write-behind ring (store lock held)."""

@@ -26,6 +26,7 @@ class StoreClock:
             raise ConfigError(f"the store clock cannot pass {CLOCK_MAX} (at {self.clock})")
         self.clock += steps
         self._expiry.on_advance()  # tables with a ttl: expire at fixed clock points
+        self._rows_may_change()
         return self.clock
 
     @_locked
@@ -36,7 +37,13 @@ class StoreClock:
         Returns rows deleted from LMDB per table. `tierstore compact` reclaims the disk.
         """
         self._live()
+        self._rows_may_change()
         return _exp.expire(self, table, older_than)
+
+    def _rows_may_change(self) -> None:
+        """Invalidate every gathered copy of rows (the clock or expiry may change how rows read)."""
+        for tab in self.tables.values():
+            tab.writes += 1
 
     def _clock_value(self) -> torch.Tensor:
         """The clock as a 0-d float32 tensor holding its int32 bits (the stamp column's value)."""
