@@ -81,11 +81,7 @@ class BagPaths:
             else:  # straight from the slab, no copy
                 out = fused_pool(dev.slab, dslots, inv, offsets, dim, psw, mean)
                 weights = codec.gather(dev.slab, dslots, dim) if need_weights else torch.empty(0, dim)
-            if self._promoting():
-                return out, Gathered(uniq, inv, weights, dslots, dev.generation)
-            # a warm-only step: later tables' backwards may move these rows before this one's
-            return out, Gathered(uniq, inv, weights, dslots, dev.generation,
-                                 payload=dev.read(dslots), writes=tab.writes)
+            return out, Gathered(uniq, inv, weights, dslots, dev.generation)
         uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
         promote = self._promoting()
         payload = self._access(tab, uniq, None, promote=promote)
@@ -128,7 +124,7 @@ class BagPaths:
                 return
             if in_place:  # (unreachable: counts only grow) the cascade works in key order
                 unique, inverse = sort_unique(unique, inverse)
-                in_place = False
+                in_place, known = False, None
         update = BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(), inverse, grad_out,
                              bag_of, scale, self.fused, tab.spec.dtype)
         if in_place:
