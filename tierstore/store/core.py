@@ -40,7 +40,7 @@ class _Table:
     tix: torch.Tensor = dataclasses.field(init=False, repr=False)  # `index` as a 0-d int64 tensor (tier key)
     # bumped by every update of the table's rows, and by whatever may change how a row reads
     # (the clock, expiry): a warm-only forward's copy of its rows is current while this holds
-    writes: int = dataclasses.field(default=0, init=False, repr=False)
+    writes: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.tix = torch.tensor(self.index, dtype=torch.int64)
