@@ -252,8 +252,7 @@ def run_case(batches: list[np.ndarray], slots: int, two: bool, copy: bool, polic
     admit = freq and not two  # as in the store: refused rows wait in the pad with one tier only
     per_tier = slots // 2 if two else slots
     dev, host = Tier(per_tier, ways, width), Tier(per_tier if two else ways, ways, width)
-    nbytes = max(4096, per_tier * hlfu.HistoryLFU.sketch_bytes_per_slot)  # hlfu's sizing and aging
-    sketch = np.zeros((1 << (nbytes // 64 - 1).bit_length(), 64), np.uint8)
+    sketch = hlfu.HistoryLFU.new_sketch(per_tier)  # hlfu's sizing and aging
     period, since = hlfu.HistoryLFU.aging_period * per_tier, 0
     src = _source(width)
     ring, rpos = np.zeros((1 << 16, width), np.float32), np.zeros(1, np.int64)

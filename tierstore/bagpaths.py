@@ -104,7 +104,6 @@ class BagPaths:
         dev = self.device_tier
         in_place = g.slots is not None and (g.pinned or g.generation == dev.generation)
         known = g.payload if g.writes == tab.writes else None  # no update of the table since
-        tab.writes += 1
         if not in_place and unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
             unique, inverse = sort_unique(unique, inverse)  # the cascade works in key order
             known = None

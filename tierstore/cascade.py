@@ -48,8 +48,6 @@ class TierCascade:
         """
         dev = self.device_tier
         n = uniq.numel()
-        if update is not None:
-            tab.writes += 1
         if dslots is None:
             dslots = dev.lookup(tab.tix.to(dev.device), uniq.to(dev.device), count=False)
         dhit = dslots >= 0
@@ -81,9 +79,8 @@ class TierCascade:
             hit_slots = dslots[:0]
             miss, miss_rows = None, uniq
         m = n - nd
-        if known is not None:  # a private copy of the misses' rows: the update writes into it
-            known = known.clone() if miss is None else known.index_select(0, miss.to(known.device))
-            known = known.cpu()
+        if known is not None:  # the misses' rows (`_cold` copies what it takes)
+            known = (known if miss is None else known.index_select(0, miss.to(known.device))).cpu()
         mpay, mdirty, mpins, hhit = self._fetch_misses(tab, miss_rows, count, known=known)
         nh = int(hhit.sum())
         self._last_sources = (nd, nh, m - nh)
@@ -97,6 +94,7 @@ class TierCascade:
         if update is not None:
             update.apply(payload, torch.arange(n))
             payload[:, tab.spec.stamp_col] = self._clock_value()
+            tab.writes += 1  # as `_stamp` counts an update in place
             if nd:
                 dev.write(hit_slots, payload.index_select(0, hit_idx))
                 mpay = payload.index_select(0, miss)
@@ -151,7 +149,7 @@ class TierCascade:
         Returns (payload [m, width], dirty [m], pins [m] or None, host hit mask [m]); host
         hits leave the host tier (the caches are exclusive), or with `take=False` stay there,
         read (their dirty bits and pins are then not returned: all False / None). `known`
-        (the rows' current payloads, the caller's to overwrite) replaces the loads.
+        (the rows' current payloads) replaces the loads.
         """
         host = self.host_tier
         m = rows.numel()
@@ -185,9 +183,9 @@ class TierCascade:
 
     def _cold(self, tab: _Table, rows: torch.Tensor, idx: torch.Tensor | None,
               known: torch.Tensor | None) -> torch.Tensor:
-        """Payloads of `rows[idx]` (all when None), cached nowhere: from `known`, else `_load`."""
-        if known is not None:
-            return known if idx is None else known.index_select(0, idx)
+        """Payloads of `rows[idx]` (all when None), cached nowhere: a copy from `known`, else `_load`."""
+        if known is not None:  # a copy: the caller updates what it gets in place
+            return known.clone() if idx is None else known.index_select(0, idx)
         return self._load(tab, rows if idx is None else rows.index_select(0, idx))
 
     def _uncached(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:

@@ -167,12 +167,16 @@ class HistoryLFU(QueuePolicy):
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
         super().__init__(capacity, device)
-        nbytes = max(4096, self.capacity * self.sketch_bytes_per_slot)
-        nlines = 1 << (nbytes // 64 - 1).bit_length()
-        self.sketch = np.zeros((nlines, 64), dtype=np.uint8)
+        self.sketch = self.new_sketch(self.capacity)
         self.period = max(1, self.aging_period * self.capacity)
         self.agings = 0
         self.upper: HistoryLFU | None = None  # the tier above, whose sketch this one reads
+
+    @classmethod
+    def new_sketch(cls, capacity: int) -> np.ndarray:
+        """A zeroed count sketch for a tier of `capacity` slots: a power of two of 64-byte lines."""
+        nbytes = max(4096, capacity * cls.sketch_bytes_per_slot)
+        return np.zeros((1 << (nbytes // 64 - 1).bit_length(), 64), dtype=np.uint8)
 
     def follow(self, upper: Policy) -> None:
         """Below another History LFU tier, rank by its sketch: the rows arriving here are that

@@ -50,7 +50,9 @@ class StoreClock:
         return torch.tensor(self.clock, dtype=torch.int32).view(torch.float32)
 
     def _stamp(self, tab: _Table, target: torch.Tensor, slots: torch.Tensor) -> None:
-        """Record the clock as the last-update stamp of updated rows `target[slots]`."""
+        """Record the clock as the last-update stamp of updated rows `target[slots]` (and count
+        the update in the table's `writes`)."""
+        tab.writes += 1
         target[:, tab.spec.stamp_col].index_fill_(0, slots, self._clock_value().to(target.device))
 
     def _save_clock(self) -> None:

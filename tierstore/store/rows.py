@@ -101,7 +101,6 @@ class RowApi:
             dev.count_lookups(n, n)
             self._last_sources = (n, 0, 0)
             dev.touch(slots)
-            tab.writes += 1
             BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, iota, grads,
                         use_kernel=self.fused, dtype=tab.spec.dtype).apply(dev.slab, slots)
             self._stamp(tab, dev.slab, slots)
