@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _switch
 from .. import admission as _adm
 from .. import expiry as _exp
 from .. import store as _st  # the package: HAVE_NUMBA is read there, where tests patch it
@@ -81,6 +82,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
             if write_buffer is None:
                 log_rows = max(log_rows, min(sum(t.num_rows for t in tables) // 2, LOG_MAX_ROWS))
         limit = None if map_limit is None else parse_size(map_limit)
+        switch = _switch.configured()  # a bad TIERSTORE_SWITCH_INTERVAL fails before any file opens
         self._closed = True
         self._lock = threading.RLock()
         # lock-free updates of pinned rows (see _pinned_slots): a count of those running, and a
@@ -167,6 +169,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
             raise
         self._closed = False
         _OPEN_STORES.add(self)
+        _switch.STORES.acquire(self, switch)  # a shorter GIL switch interval while its threads run
 
     @property
     def map_limit(self) -> int | None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import _switch
 from .core import FLUSH_CHUNK, _locked
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class StoreLifecycle:
             self._expiry.finish()  # rows below durable ttl cutoffs the deleter did not reach
         finally:
             self._closed = True
+            _switch.STORES.release(self)
             self.log.stop_merger()
             self.writeback.close()
             self._readahead.clear()

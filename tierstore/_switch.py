@@ -1,0 +1,98 @@
+"""The interpreter's thread switch interval while stores run their background threads.
+
+An open store runs a writer and a log merger, and a prefetch pipeline adds its staging and
+reader threads. Those threads hold the GIL in bursts of Python between their LMDB and torch
+calls. The training thread gives the GIL up around every torch op, and each time it wants it
+back it may wait a whole switch interval (5 ms by default) for a busy thread to let go. Lowering
+the interval to 1 ms while a store is open made the steps of `bench.steady` faster where the
+training thread or the staging thread is on the critical path (one tier with hlfu: ~1.1x at cache10
+and cache1) and left the others unchanged (BENCHMARKS.md, session 16).
+
+The interval is process-wide, so a store changes it only from the interpreter's default, and puts
+the old value back when the last open store closes, unless someone changed it meanwhile.
+`TIERSTORE_SWITCH_INTERVAL` sets the value (seconds), or `keep` leaves the interval alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+
+from .errors import ConfigError
+
+PYTHON_DEFAULT = 0.005  # sys.getswitchinterval() of a fresh interpreter
+STORE_DEFAULT = 0.001  # while a store is open (the fastest in BENCHMARKS.md, session 16)
+ENV = "TIERSTORE_SWITCH_INTERVAL"
+
+
+def configured() -> float | None:
+    """The interval stores ask for: `TIERSTORE_SWITCH_INTERVAL` or 1 ms; None: keep it."""
+    text = os.environ.get(ENV, "").strip().lower()
+    if not text:
+        return STORE_DEFAULT
+    if text in ("keep", "none", "off"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 1:  # also NaN
+        raise ConfigError(f"{ENV} must be seconds in (0, 1) or 'keep', got {text!r}")
+    return value
+
+
+class SwitchInterval:
+    """The stores that want a shorter switch interval: the first sets it, the last one closed restores it.
+
+    Holders are kept weakly and count while their `_closed` is false, so a store that was
+    dropped or abandoned without `close()` (a simulated kill in the tests) stops counting too;
+    the interval is put back at the next `acquire` or `release` after that.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: weakref.WeakSet = weakref.WeakSet()
+        self._saved: float | None = None  # the interval to put back (None: we changed nothing)
+        self._ours: float | None = None  # the interval we set, as the interpreter reports it
+
+    @property
+    def users(self) -> int:
+        """Holders still open."""
+        with self._lock:
+            return self._prune()
+
+    def _prune(self) -> int:
+        for h in [h for h in self._holders if getattr(h, "_closed", False)]:
+            self._holders.discard(h)
+        return len(self._holders)
+
+    def acquire(self, holder: object, want: float | None) -> None:
+        """Count `holder`; the first sets `want` if the interval is still the interpreter's default."""
+        with self._lock:
+            first = self._prune() == 0
+            if first:
+                self._restore()  # what a holder abandoned since the last call left set
+            self._holders.add(holder)
+            if not first or want is None:
+                return
+            current = sys.getswitchinterval()
+            if current == PYTHON_DEFAULT and want != current:
+                sys.setswitchinterval(want)
+                self._saved, self._ours = current, sys.getswitchinterval()
+
+    def release(self, holder: object) -> None:
+        """Stop counting `holder`; the last puts back the interval it replaced, unless changed since."""
+        with self._lock:
+            self._holders.discard(holder)
+            if self._prune() == 0:
+                self._restore()
+
+    def _restore(self) -> None:
+        if self._saved is not None and sys.getswitchinterval() == self._ours:
+            sys.setswitchinterval(self._saved)
+        self._saved = self._ours = None
+
+
+STORES = SwitchInterval()  # the one every TierStore uses
