@@ -4,9 +4,9 @@ An open store runs a writer and a log merger, and a prefetch pipeline adds its s
 reader threads. Those threads hold the GIL in bursts of Python between their LMDB and torch
 calls. The training thread gives the GIL up around every torch op, and each time it wants it
 back it may wait a whole switch interval (5 ms by default) for a busy thread to let go. Lowering
-the interval to 1 ms while a store is open made the steps of `bench.steady` faster where the
-training thread or the staging thread is on the critical path (one tier with hlfu: ~1.1x at cache10
-and cache1) and left the others unchanged (BENCHMARKS.md, session 16).
+the interval to 1 ms while a store is open made `bench.steady`'s steps with one hlfu tier
+1.05-1.1x faster on 2 cores (means of 6 runs each at cache10, 3-4 at cache1); LRU with two tiers,
+the resident step and `bench.training` did not move beyond noise (BENCHMARKS.md, session 16).
 
 The interval is process-wide, so a store changes it only from the interpreter's default, and puts
 the old value back when the last open store closes, unless someone changed it meanwhile.
