@@ -460,6 +460,29 @@ def test_a_warm_only_backward_updates_the_rows_its_forward_read_unless_the_table
         assert counts["reused"] > 0 and counts["loaded"] > 0, counts
 
 
+@pytest.mark.parametrize("resident", [0, 2])  # no device hit (the copy is the whole batch), some
+def test_a_warm_only_backward_leaves_the_weights_its_forward_returned_unchanged(tmp_path, resident):
+    """The backward updates its own copy of the forward's rows, never the tensor the forward
+    handed out (`Gathered.weights` views it)."""
+    store = ts.TierStore(tmp_path / "s", _specs(), device_capacity=3, host_capacity=0, device="cpu")
+    try:
+        tab = store.tables["b"]
+        if resident:  # some of the rows device-resident before the warm-only step
+            store.read("b", torch.arange(resident))
+        ids, offsets = torch.tensor([0, 1, 2, 3, 4, 5, 6]), torch.tensor([0, 3])
+        store._deferring = threading.get_ident()  # as the pipeline marks a warm-only batch
+        _, g = store._pool_forward(tab, ids, offsets, None, "sum", True)
+        assert g.payload is not None
+        before, kept = g.weights.clone(), g.payload.clone()
+        store._apply_bags(tab, g, offsets, torch.ones(2, 5), None, "sum")
+        store._deferring = 0
+        assert torch.equal(g.weights, before)
+        assert torch.equal(g.payload, kept)
+        assert not torch.equal(store.read("b", torch.arange(7)), before)  # the update did land
+    finally:
+        store.close()
+
+
 def _two_table_batches(n_steps, seed=5, batch=4):
     """Batches of features f1 (table a, sparse ids) and f3 (table b)."""
     gen = torch.Generator().manual_seed(seed)

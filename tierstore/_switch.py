@@ -37,8 +37,8 @@ def configured() -> float | None:
     try:
         value = float(text)
     except ValueError:
-        value = float("nan")
-    if not 0 < value < 1:  # also NaN
+        value = 0.0
+    if not 0 < value < 1:  # NaN fails this too
         raise ConfigError(f"{ENV} must be seconds in (0, 1) or 'keep', got {text!r}")
     return value
 
@@ -54,8 +54,9 @@ class SwitchInterval:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holders: weakref.WeakSet = weakref.WeakSet()
-        self._saved: float | None = None  # the interval to put back (None: we changed nothing)
-        self._ours: float | None = None  # the interval we set, as the interpreter reports it
+        # the interval we set, as the interpreter reports it (None: we changed nothing); we only
+        # ever replace the interpreter's default, so that is what goes back
+        self._ours: float | None = None
 
     @property
     def users(self) -> int:
@@ -77,10 +78,9 @@ class SwitchInterval:
             self._holders.add(holder)
             if not first or want is None:
                 return
-            current = sys.getswitchinterval()
-            if current == PYTHON_DEFAULT and want != current:
+            if sys.getswitchinterval() == PYTHON_DEFAULT and want != PYTHON_DEFAULT:
                 sys.setswitchinterval(want)
-                self._saved, self._ours = current, sys.getswitchinterval()
+                self._ours = sys.getswitchinterval()
 
     def release(self, holder: object) -> None:
         """Stop counting `holder`; the last puts back the interval it replaced, unless changed since."""
@@ -90,9 +90,9 @@ class SwitchInterval:
                 self._restore()
 
     def _restore(self) -> None:
-        if self._saved is not None and sys.getswitchinterval() == self._ours:
-            sys.setswitchinterval(self._saved)
-        self._saved = self._ours = None
+        if self._ours is not None and sys.getswitchinterval() == self._ours:
+            sys.setswitchinterval(PYTHON_DEFAULT)
+        self._ours = None
 
 
 STORES = SwitchInterval()  # the one every TierStore uses

@@ -79,8 +79,9 @@ class TierCascade:
             hit_slots = dslots[:0]
             miss, miss_rows = None, uniq
         m = n - nd
-        if known is not None:  # the misses' rows (`_cold` copies what it takes)
-            known = (known if miss is None else known.index_select(0, miss.to(known.device))).cpu()
+        if known is not None:  # a private CPU copy of the misses' rows: the update changes them
+            part = (known if miss is None else known.index_select(0, miss.to(known.device))).cpu()
+            known = part.clone() if part is known else part  # copied once, not again in `_cold`
         mpay, mdirty, mpins, hhit = self._fetch_misses(tab, miss_rows, count, known=known)
         nh = int(hhit.sum())
         self._last_sources = (nd, nh, m - nh)
@@ -183,9 +184,10 @@ class TierCascade:
 
     def _cold(self, tab: _Table, rows: torch.Tensor, idx: torch.Tensor | None,
               known: torch.Tensor | None) -> torch.Tensor:
-        """Payloads of `rows[idx]` (all when None), cached nowhere: a copy from `known`, else `_load`."""
-        if known is not None:  # a copy: the caller updates what it gets in place
-            return known.clone() if idx is None else known.index_select(0, idx)
+        """Payloads of `rows[idx]` (all when None), cached nowhere: from `known` (the caller's own
+        copy, updated in place), else `_load`."""
+        if known is not None:
+            return known if idx is None else known.index_select(0, idx)
         return self._load(tab, rows if idx is None else rows.index_select(0, idx))
 
     def _uncached(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
