@@ -10,6 +10,7 @@ per thread, ~1 us of overhead a call. `bench.steady --calls` uses it.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 import time
@@ -118,3 +119,22 @@ class CallTimer:
 def pool_name(name: str) -> str:
     """A thread's name with its pool number dropped (the reader pool reports as one thread)."""
     return re.sub(r"[-_ ]?\d+$", "", name)
+
+
+def thread_cpu() -> dict[tuple[int, str], float]:
+    """CPU seconds of each live thread of this process, keyed by (native id, thread name); empty
+    where /proc/self/task is missing (not Linux)."""
+    if not os.path.isdir("/proc/self/task"):
+        return {}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = pool_name(names.get(int(tid), "other"))
+        out[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out

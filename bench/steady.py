@@ -22,31 +22,14 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 from .common import OUT_DIR, save, table
-from .cpu_calls import CallTimer, pool_name
+from .cpu_calls import CallTimer, thread_cpu
 from .training import FRACTIONS, TierstoreRunner, add_cache_options, add_workload_options, workload_from
-
-
-def thread_cpu() -> dict[tuple[int, str], float]:
-    """CPU seconds of each live thread of this process, keyed by (native id, thread name)."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        name = pool_name(names.get(int(tid), "other"))
-        out[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def written_bytes() -> int:

@@ -12,7 +12,9 @@ Configurations:
   Every tierstore config trains through `Prefetcher(depth=--depth)` (the real training path: the
   pipeline's threads read the next batches' rows ahead and stage them, the write-behind writer
   drains evicted rows). Per step they report the training thread's time inside LMDB, the stall
-  waiting for the pipeline, the background threads' time, and the rows read and written.
+  waiting for the pipeline, the background threads' time (wall time of their tasks), the rows
+  read and written, and the CPU time of each thread by role (training, staging, readers,
+  writer, merger, the kernels' pool; Linux) with the cores they kept busy.
 - torch_embeddingbag: nn.EmbeddingBag(sparse=True) per table + row-wise Adagrad in torch ops.
 - fbgemm_cpu: FBGEMM's SplitTableBatchedEmbeddingBagsCodegen (HOST / CPU, EXACT_ROWWISE_ADAGRAD),
   skipped when fbgemm_gpu is not importable.
@@ -29,6 +31,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,12 +39,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
+from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore, _parallel
 from tierstore.prefetch import Prefetcher
 
 from .common import OUT_DIR, bar_plot, num_threads, save, table, thread_settings
+from .cpu_calls import thread_cpu
 
 LR, EPS = 0.01, 1e-8
+# the threads whose CPU time a tierstore config reports, per role (`TierstoreRunner.counters`)
+CPU_ROLES = ("training", "staging", "readers", "writer", "merger", "kernels")
 BASELINE = "fbgemm_cpu"
 
 
@@ -155,12 +161,34 @@ class TierstoreRunner(Runner):
         out = self.ebc(keys, values, lengths)
         out.backward(self.wl.grad_out.to(out.device))
 
+    def _thread_roles(self) -> dict[int, str]:
+        """Native id -> role of every thread that works for this runner's steps."""
+        roles = {threading.main_thread().native_id: "training"}
+        pf = self.pf
+        if pf._thread is not None:
+            roles[pf._thread.native_id] = "staging"
+        for t in getattr(pf._pool, "_threads", ()):
+            roles[t.native_id] = "readers"
+        roles[self.store.writeback._thread.native_id] = "writer"
+        merger = getattr(self.store.log, "_merger", None)
+        if merger is not None:
+            roles[merger.native_id] = "merger"
+        for t in getattr(_parallel._pool, "_threads", ()):  # the kernels' pool (process-wide)
+            roles[t.native_id] = "kernels"
+        return roles
+
     def counters(self) -> dict[str, float]:
         """Cumulative I/O and pipeline counters (differences over the timed steps go in the record)."""
         st = self.store
         pf, wb = st.prefetch_stats, st.writeback
         read_fg = st.ssd_stats.lookups - pf.rows_read_ahead  # read at use: no read-ahead buffer held them
-        return {"lmdb_training_s": st.io_seconds["training"],
+        cpu = dict.fromkeys(CPU_ROLES, 0.0)
+        roles = self._thread_roles()
+        for (tid, _), sec in thread_cpu().items():
+            if tid in roles:
+                cpu[roles[tid]] += sec
+        return {**{f"cpu_{r}_s": v for r, v in cpu.items()},
+                "lmdb_training_s": st.io_seconds["training"],
                 "lmdb_background_s": st.io_seconds["background"],
                 "stall_s": pf.stall_seconds,
                 "background_s": pf.read_seconds + pf.stage_seconds + wb.writer_seconds,
@@ -323,12 +351,13 @@ def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, bloc
         out.append({"config": r.name, "threads": threads, "samples_per_s": statistics.median(srates),
                     "ids_per_s": statistics.median(n / dt for dt, n in times[id(r)]),
                     "ms_per_step": statistics.median(1000 * dt / steps for dt, _ in times[id(r)]),
+                    "ms_per_step_mean": 1000 * sum(dt for dt, _ in times[id(r)]) / (blocks * steps),
                     "samples_per_s_blocks": srates, "blocks": blocks, "steps_per_block": steps})
         if id(r) in counted:  # per-step averages over the timed blocks
             n = blocks * steps
             out[-1]["per_step"] = {k: (v * 1000 / n if k.endswith("_s") else v / n)
                                    for k, v in counted[id(r)].items()}
-            out[-1]["per_step"] = {k.replace("_s", "_ms") if k.endswith("_s") else k: v
+            out[-1]["per_step"] = {k[:-2] + "_ms" if k.endswith("_s") else k: v
                                    for k, v in out[-1]["per_step"].items()}
     return out
 
@@ -465,6 +494,17 @@ def main(argv: list[str] | None = None) -> int:
                               ("readahead_ms", "read ms", ".1f"), ("stage_ms", "stage ms", ".1f"),
                               ("rows_read", "rows read", ",.0f"), ("rows_written", "rows written", ",.0f"),
                               ("anon_mib", "anon MiB", ",.0f"), ("budget_mib", "budget MiB", ",.0f")]))
+    cpu_rows = [{"config": r["config"], "threads": r["threads"],
+                 **{role: r["per_step"][f"cpu_{role}_ms"] for role in CPU_ROLES}}
+                for r in records if "per_step" in r]
+    for row, rec in zip(cpu_rows, [r for r in records if "per_step" in r]):
+        row["sum"] = sum(row[role] for role in CPU_ROLES)
+        row["cores"] = row["sum"] / rec["ms_per_step_mean"]  # CPU and wall over the same steps
+    if any(row["sum"] for row in cpu_rows):
+        print("CPU time per step by thread (ms; /proc/self/task, 10 ms ticks), and cores kept busy")
+        print(table(cpu_rows, [("config", "config", "s"), ("threads", "thr", "d"),
+                               *[(role, role, ".1f") for role in CPU_ROLES],
+                               ("sum", "sum", ".1f"), ("cores", "cores", ".2f")]))
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     meta = {"bench": "training", "argv": sys.argv[1:] if argv is None else argv,

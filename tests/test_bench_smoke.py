@@ -60,6 +60,12 @@ def test_bench_training_smoke(tmp_path):
     cache = next(r for r in recs if r["config"] == "tierstore_cache1")
     assert cache["capacity"]["device"] + cache["capacity"]["host"] <= 2 * 2000 * 0.01 + 2
     assert cache["stats"]["ssd"]["lookups"] > 0
+    # per-thread CPU by role, per step: every role named, none negative (10 ms ticks: may be 0)
+    for r in (res, cache):
+        assert _positive(r["ms_per_step_mean"])
+        cpu = {k: v for k, v in r["per_step"].items() if k.startswith("cpu_")}
+        assert set(cpu) == {f"cpu_{role}_ms" for role in bench_training.CPU_ROLES}
+        assert all(v >= 0 for v in cpu.values())
 
 
 def test_bench_prefetch_smoke(tmp_path):
