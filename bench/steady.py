@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args.pool = args.pool or args.warmup + args.steps
     wl = workload_from(args, args.pool)
     runner = TierstoreRunner(wl, args.config, work, FRACTIONS[args.config], "populated",
-                             write_log=args.write_log, split=args.split, policy=args.policy)
+                             write_log=args.write_log, split=args.split, policy=args.policy,
+                             staging=args.staging)
     try:
         with CallTimer() if args.calls else contextlib.nullcontext() as timer:
             for i in range(args.warmup):

@@ -106,7 +106,7 @@ class TierstoreRunner(Runner):
 
     def __init__(self, wl: Workload, name: str, work: Path, frac: float | None, init: str,
                  depth: int = 2, log=print, write_log: int | str | None = None,
-                 split: str = "even", policy: str = "lru") -> None:
+                 split: str = "even", policy: str = "lru", staging: float = 0.0) -> None:
         self.name, self.wl = name, wl
         self.depth = depth
         total = wl.tables * wl.rows
@@ -118,10 +118,11 @@ class TierstoreRunner(Runner):
             dcap, hcap = max(1, int(total * frac)), 0
         else:
             dcap = hcap = max(1, int(total * frac / 2))
-        self.capacity = {"device": dcap, "host": hcap}
+        scap = int(total * staging) if frac is not None else 0
+        self.capacity = {"device": dcap, "host": hcap, "staging": scap}
         self.path = work / name
         self.store = TierStore(self.path, specs, device_capacity=dcap, host_capacity=hcap,
-                               write_log=write_log, policy=policy)
+                               write_log=write_log, policy=policy, staging_capacity=scap)
         self.init = "lazy (touched rows preloaded into the device tier)" if frac is None else init
         t0 = time.perf_counter()
         if frac is None:
@@ -418,6 +419,10 @@ def add_cache_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-log", default=None, type=lambda v: int(v) if v.isdigit() else v,
                    help="TierStore(write_log=...): rows (or a size) of the write-behind log; "
                         "default: the store's")
+    p.add_argument("--staging", type=float, default=0.0,
+                   help="TierStore(staging_capacity=...) of a cacheN config, as a fraction of all "
+                        "rows (e.g. 0.025): slots beyond the caches for the staged rows the "
+                        "policy refuses (needs --split device --policy hlfu)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
             elif name in FRACTIONS:
                 runners.append(TierstoreRunner(wl, name, work, FRACTIONS[name], args.init,
                                                depth=args.depth, write_log=args.write_log,
-                                               split=args.split, policy=args.policy))
+                                               split=args.split, policy=args.policy,
+                                               staging=args.staging))
             else:
                 raise SystemExit(f"unknown config {name!r}")
         for n in threads:

@@ -118,7 +118,19 @@ def test_bench_steady_smoke(tmp_path):
     assert _positive(rec["cpu_ms_per_step"]["MainThread"])
     assert rec["counters_per_step"]["rows_read"] > 0  # 10% caches: the steps miss
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_steady_")]
-    assert rec["capacity"] == {"device": 400, "host": 400} and rec["policy"] == "lru"
+    assert rec["capacity"] == {"device": 400, "host": 400, "staging": 0} and rec["policy"] == "lru"
+
+
+def test_bench_steady_with_staging_slots(tmp_path):
+    from bench import steady
+
+    rc = steady.main(["--config", "tierstore_cache1", "--rows", "4000", "--tables", "2",
+                      "--batch", "64", "--steps", "4", "--warmup", "3", "--policy", "hlfu",
+                      "--split", "device", "--staging", "0.1", "--out", str(tmp_path)])
+    assert rc == 0
+    (rec,) = _load(tmp_path / "steady_tierstore_cache1.json")
+    assert rec["capacity"] == {"device": 80, "host": 0, "staging": 800}
+    assert rec["counters_per_step"]["rows_read"] > 0
 
 
 def test_bench_steady_times_the_miss_path_per_method_and_unwraps_after(tmp_path):
@@ -156,7 +168,7 @@ def test_bench_steady_puts_the_whole_cache_in_the_device_tier_when_told(tmp_path
                       "--policy", "s3fifo", "--out", str(tmp_path)])
     assert rc == 0
     (rec,) = _load(tmp_path / "steady_tierstore_cache10.json")
-    assert rec["capacity"] == {"device": 800, "host": 0} and rec["policy"] == "s3fifo"
+    assert rec["capacity"] == {"device": 800, "host": 0, "staging": 0} and rec["policy"] == "s3fifo"
     assert rec["counters_per_step"]["rows_read"] > 0
 
 

@@ -236,6 +236,95 @@ def test_a_pipeline_closed_mid_run_empties_the_scratch_pad(tmp_path):
         assert torch.equal(again.read("a", torch.arange(40) * 7919), before)
 
 
+def _record_policy_slots(store, seen):
+    """Wrap the device policy's slot hooks: every slot it is told of goes into `seen`."""
+    pol = store.device_tier.policy
+    for name in ("on_hit", "on_use", "on_insert", "on_remove", "on_evict"):
+        real = getattr(pol, name)
+
+        def hook(slots, *rest, _real=real, **kw):
+            seen.append(torch.as_tensor(slots).reshape(-1).clone())
+            return _real(slots, *rest, **kw)
+
+        setattr(pol, name, hook)
+
+
+@pytest.mark.parametrize("depth,staging,delayed", [(1, 400, True), (2, 400, True), (8, 400, True),
+                                                   (6, 30, True), (6, 30, False), (8, 30, False)])
+def test_staging_slots_keep_a_window_the_cache_cannot_hold_pinned_and_exact(tmp_path, depth,
+                                                                           staging, delayed):
+    # with staging_capacity, rows hlfu refuses wait in slots past the cache's capacity: a window
+    # far larger than the 8-row cache is staged and trained lock-free instead of warm-only, the
+    # bits equal an all-resident run's, and the policy never hears of a staging slot. With only
+    # 30 staging slots, batches alternate between staged and warm-only and some staged rows find
+    # the cache and the slots full (they go to the ring unpinned, and their batch's release
+    # must not unpin a later batch's copy of them: it did, and a row left mid-step)
+    base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5))
+    _, plain = _train(tmp_path / "plain", depth, caps=(8, 0), policy="hlfu")
+    assert plain["prefetch"]["warm_only"] > 0  # the reference point: no staging slots
+    seen = []
+    state = {}
+
+    def side(store, i):
+        if i == 0:
+            _record_policy_slots(store, seen)
+        if i % 5 == 2:
+            store.check()
+        state["held"] = max(state.get("held", 0), int(store.device_tier.transient.sum()))
+
+    got, stats = _train(tmp_path / "t", depth, caps=(8, 0), policy="hlfu", side=side,
+                        delay=_delays(depth) if delayed else None, staging_capacity=staging)
+    for k in base:
+        assert torch.equal(got[k], base[k]), k
+    assert stats["prefetch"]["lock_free_bags"] > 0, stats["prefetch"]
+    assert stats["device"]["staging"] == staging and stats["device"]["capacity"] == 8
+    assert stats["device"]["scratch_rows"] > 0 and state["held"] > 8  # more than the cache holds
+    if staging == 400:  # the window always fits: no warm-only batch
+        assert stats["prefetch"]["warm_only"] == 0, stats["prefetch"]
+    else:
+        assert 0 < stats["prefetch"]["warm_only"] < plain["prefetch"]["warm_only"]
+    told = torch.cat(seen)
+    assert told.numel() and int(told.max()) < 8, int(told.max())  # cache slots only
+    with ts.TierStore(tmp_path / "t", _specs(), device_capacity=2, host_capacity=2,
+                      device="cpu") as again:  # staged rows reached the disk
+        assert torch.equal(again.read("b", torch.arange(40)), base["b"][:, :5])
+        assert torch.equal(again.read("a", torch.arange(40) * 7919), base["a"][:, :3])
+
+
+def test_a_pipeline_closed_mid_run_empties_the_staging_slots(tmp_path):
+    store = ts.TierStore(tmp_path / "s", _specs(), device_capacity=8, host_capacity=0,
+                         policy="hlfu", device="cpu", staging_capacity=400)
+    ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+    dev = store.device_tier
+    pf = Prefetcher(store, _batches(30), depth=2, features=FEATS, extract=lambda b: b["sparse"])
+    held = 0
+    for i, b in enumerate(pf):
+        ebc(*b["sparse"]).sum().backward()
+        held = max(held, int(dev.transient[dev.capacity:].sum()))
+        if i == 12:
+            break
+    assert held > 0  # staging slots held rows while batches were staged
+    pf.close()
+    assert not dev.transient.any() and len(dev._scratch) == dev.scratch_slots == 400
+    assert dev.size <= dev.capacity
+    store.check()
+    before = store.read("a", torch.arange(40) * 7919)
+    store.close()
+    with ts.TierStore(tmp_path / "s", _specs(), device_capacity=2, host_capacity=2,
+                      device="cpu") as again:
+        assert torch.equal(again.read("a", torch.arange(40) * 7919), before)
+
+
+@pytest.mark.parametrize("kw", [dict(policy="lru", host_capacity=0),
+                                dict(policy="hlfu", host_capacity=4),
+                                dict(policy="hlfu", host_capacity=0, staging_capacity=-1)])
+def test_staging_capacity_outside_its_configuration_is_refused_before_any_file(tmp_path, kw):
+    kw = {"staging_capacity": 100, **kw}
+    with pytest.raises(ts.ConfigError, match="staging_capacity|capacity"):
+        ts.TierStore(tmp_path / "s", _specs(), device_capacity=8, device="cpu", **kw)
+    assert not (tmp_path / "s").exists()
+
+
 def test_locked_operations_from_another_thread_wait_for_lock_free_updates(tmp_path):
     """Flushes, reads and stats from a second thread while the training thread updates pinned
     rows without the store lock: no torn row is flushed, nothing deadlocks, results unchanged."""

@@ -208,7 +208,7 @@ class TierCascade:
             return None
         # a mark per device slot: each position writes its number; a repeated slot keeps one
         if self._marks is None:
-            self._marks = np.empty(self.device_tier.capacity, dtype=np.int32)
+            self._marks = np.empty(self.device_tier.slots, dtype=np.int32)
         pos = np.arange(n)
         self._marks[s] = pos
         return torch.from_numpy(pos) if np.array_equal(self._marks[s], pos) else None

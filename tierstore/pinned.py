@@ -94,7 +94,7 @@ class PinnedSteps:
         while hits:
             slots = hits.popleft()
             dev.count_lookups(slots.numel(), slots.numel())
-            dev.policy.on_use(slots)
+            dev.policy.on_use(dev.ranked(slots))
 
     def _pinned_slots(self, tab: _Table, uniq: torch.Tensor) -> torch.Tensor | None:
         """Device slots of `uniq` from the batch the pipeline staged for this thread, or None.
@@ -157,6 +157,18 @@ class PinnedSteps:
         return True
 
     # staging (called by tierstore.prefetch with the store lock held) ---------------------
+    def _window_fits(self, rows: int) -> bool:
+        """Whether a prefetch window of `rows` staged rows (counted per batch) can stay pinned.
+
+        Without staging slots, only when the caches could hold it twice over: pinned rows
+        cannot be evicted, and staging must leave the running step room. With staging slots
+        (`staging_capacity`), rows the device policy refuses wait there instead of displacing
+        cached ones, so the window fits when the caches and the staging slots hold it once.
+        """
+        dev, host = self.device_tier, self.host_tier
+        if dev.staging and dev.selective and not host.capacity:
+            return rows <= dev.capacity + dev.staging
+        return 2 * rows <= dev.capacity + host.capacity
     def _stage_many(self, items: list[tuple[_Table, torch.Tensor]]
                     ) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
         """Bring each table's sorted unique rows up the hierarchy and pin them, all tables at
@@ -219,9 +231,12 @@ class PinnedSteps:
                     rest = torch.ones(m, dtype=torch.bool)
                     rest[pad[:kp]] = False
                     moving, placed = moving.take(rest), miss[rest]
-            k = self._place(moving, protect=hit_slots, overflow_first=True)
-            if k:  # the first k misses, in order, landed on the device
-                staged.index_copy_(0, placed[:k].to(staged.device), dev.last_slots[:k])
+            if dev.staging:  # one cache tier, whose staging slots take what it cannot
+                self._place_staged(moving, placed, staged, hit_slots)
+            else:
+                k = self._place(moving, protect=hit_slots, overflow_first=True)
+                if k:  # the first k misses, in order, landed on the device
+                    staged.index_copy_(0, placed[:k].to(staged.device), dev.last_slots[:k])
         nd_of = torch.bincount(seg[dhit.cpu()], minlength=len(items))
         out, lo = [], 0
         for i, n in enumerate(sizes):
@@ -229,6 +244,29 @@ class PinnedSteps:
             out.append(((nd, nh, n - nd - nh), staged[lo : lo + n]))
             lo += n
         return out
+
+    def _place_staged(self, moving: Rows, placed: torch.Tensor, staged: torch.Tensor,
+                      protect: torch.Tensor) -> None:
+        """Stage misses in a device tier with staging slots and no host tier: into the cache,
+        evicting unpinned victims (dirty ones to the write-behind ring), and the rows it has no
+        room for into staging slots, so a staged row keeps its pin. Only rows neither holds
+        (both full) go to the ring, unpinned: their batch then takes the locked path."""
+        dev = self.device_tier
+        k, evicted = dev.insert(moving, protect=protect, keep_clean=False)
+        if k:  # the first k misses, in order, landed in the cache
+            staged.index_copy_(0, placed[:k], dev.last_slots[:k])
+        if evicted is not None and len(evicted):  # only dirty victims are kept
+            self._write_down(evicted)
+        if k == len(moving):
+            return
+        rest = moving.take(slice(k, None))
+        kp = dev.insert_scratch(rest)
+        if kp:
+            staged.index_copy_(0, placed[k : k + kp], dev.last_slots[:kp])
+        if kp < len(rest):
+            left = rest.take(slice(kp, None))
+            if bool(left.dirty.any()):
+                self._write_down(left.take(left.dirty))
 
     def _refused(self, cold: torch.Tensor, tabs: torch.Tensor, rows: torch.Tensor
                  ) -> torch.Tensor | None:
@@ -268,5 +306,5 @@ class PinnedSteps:
             if not tier.policy.wants_future:
                 continue
             slots = tier.lookup(tabs.to(tier.device), rows.to(tier.device), count=False)
-            found = slots >= 0
+            found = (slots >= 0) & (slots < tier.capacity)  # not the staging slots
             tier.policy.on_future(slots[found], next_use.to(tier.device)[found])

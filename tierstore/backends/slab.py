@@ -64,19 +64,24 @@ class SlabTier:
     """
 
     def __init__(self, name: str, capacity: int, width: int, policy: str,
-                 device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
+                 device: torch.device | str = "cpu", pin_memory: bool = False,
+                 staging: int = 0) -> None:
         self.name = name
         self.capacity = int(capacity)
         self.width = int(width)
         self.device = torch.device(device)
-        self.slab = _memory.full((self.capacity, self.width), 0.0, torch.float32, self.device)
+        # `staging` extra slots past the cache's `capacity` form its scratch pad (CPU only):
+        # the policy never sees them (slots >= capacity), and the cache keeps all its slots
+        self.staging = int(staging) if self.device.type == "cpu" else 0
+        self.slots = self.capacity + self.staging  # every slot: the cache's, then the pad's
+        self.slab = _memory.full((self.slots, self.width), 0.0, torch.float32, self.device)
         if pin_memory and self.device.type == "cpu":
             self.slab = self.slab.pin_memory()
-        self.index = HashIndex(self.capacity, self.device)
+        self.index = HashIndex(self.slots, self.device)
         self.policy = make_policy(policy, self.capacity, self.device)
-        self.dirty = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
-        self.occupied = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
-        self.pins = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)
+        self.dirty = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
+        self.occupied = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
+        self.pins = torch.zeros(self.slots, dtype=torch.int32, device=self.device)
         # free slots as a preallocated stack: _free_buf[:_nfree], top at the end
         self._free_buf = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, device=self.device)
         self._nfree = self.capacity
@@ -93,15 +98,16 @@ class SlabTier:
         self.last_slots = torch.empty(0, dtype=torch.int64, device=self.device)
         # the scratch pad (`reserve_scratch`): slots set aside for staged rows the policy did
         # not admit; such a row is pinned, unknown to the policy, and leaves at its last unpin
-        self.transient = np.zeros(self.capacity, dtype=np.bool_)
-        self._scratch = np.empty(0, dtype=np.int64)  # free pad slots, a stack
-        self.scratch_slots = 0  # slots set aside so far (free or holding a row)
+        self.transient = np.zeros(self.slots, dtype=np.bool_)
+        # free pad slots, a stack: the staging slots from the start, else none until reserved
+        self._scratch = np.arange(self.slots - 1, self.capacity - 1, -1, dtype=np.int64)
+        self.scratch_slots = self.staging  # slots set aside so far (free or holding a row)
         self._expired: list[np.ndarray] = []  # pad slots whose pins reached zero
 
     @property
     def size(self) -> int:
-        """Number of occupied slots."""
-        return self.capacity - self._nfree - len(self._scratch)
+        """Number of occupied slots (scratch-pad rows included)."""
+        return self.slots - self._nfree - len(self._scratch)
 
     def lookup(self, tabs: torch.Tensor, rows: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Slots holding the keys (-1 where absent); counts lookups, hits and misses."""
@@ -120,12 +126,18 @@ class SlabTier:
     def touch(self, slots: torch.Tensor) -> None:
         """Tell the policy these resident slots were used (scratch-pad rows by key: `on_pass`)."""
         if slots.numel():
-            self.policy.on_hit(slots)
+            self.policy.on_hit(self.ranked(slots))
             if self.scratch_slots:
                 s = slots.cpu().numpy()
                 s = s[self.transient[s]]
                 if s.size:
                     self.policy.on_pass(key_hash(*self.index.keys(torch.from_numpy(s))))
+
+    def ranked(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slots among `slots` that the policy ranks: all but the staging slots."""
+        if not self.staging or not slots.numel():
+            return slots
+        return slots[slots < self.capacity]
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """Payloads of resident slots."""
@@ -204,7 +216,7 @@ class SlabTier:
         """
         scratch = self._protect_scratch
         if scratch is None:
-            scratch = self._protect_scratch = np.zeros(self.capacity, dtype=np.bool_)
+            scratch = self._protect_scratch = np.zeros(self.slots, dtype=np.bool_)
         marked = []
         if protect is not None and protect.numel():
             marked.append(protect.detach().to("cpu", torch.int64).numpy())
@@ -263,6 +275,8 @@ class SlabTier:
     def reserve_scratch(self, n: int) -> int:
         """Set aside up to `n` more free slots (never evicting) as the scratch pad; returns how
         many the pad has now. CPU tiers only (the pad's pins are read in place)."""
+        if self.staging:  # a pad of its own: the cache keeps every slot
+            return self.scratch_slots
         k = min(int(n) - self.scratch_slots, self._nfree) if self.device.type == "cpu" else 0
         if k > 0:
             taken = self._free_buf[self._nfree - k : self._nfree].numpy().copy()
@@ -373,7 +387,7 @@ class SlabTier:
         self.index.check()
         assert self.index.live == int(self.occupied.sum())
         free = self._free_buf[: self._nfree]
-        assert self._nfree + len(self._scratch) + self.index.live == self.capacity
+        assert self._nfree + len(self._scratch) + self.index.live == self.slots
         if free.numel():
             assert not bool(self.occupied[free].any())
             assert free.unique().numel() == free.numel()

@@ -277,10 +277,9 @@ class Prefetcher:
             since = store._read_ahead_mark()
             window_rows = sum(u.numel() for w in self._window.values() for u in w.values())
             batch_rows = sum(u.numel() for u in per_table.values())
-            cache_rows = store.device_tier.capacity + store.host_tier.capacity
             # the window cannot stay cached: staging would only evict rows the running step needs,
             # so this batch gets no pins, and every row the caches may lose by then is read ahead
-            warm_only = 2 * (window_rows + batch_rows) > cache_rows
+            warm_only = not store._window_fits(window_rows + batch_rows)
             self._warm_only = warm_only
             ringed = {}
             if warm_only:  # rows in the ring now: copy their newest version, read the rest
@@ -352,6 +351,8 @@ class Prefetcher:
                 slots[t] = (uniq.numpy(), staged.cpu().numpy())
                 if d + h + s == 0 or int(staged.min()) >= 0:  # all on the device: unpin by slot
                     by_slot[t] = staged
+                elif not store.host_tier.capacity:  # one cache tier: a row staged nowhere went
+                    by_slot[t] = staged[staged >= 0]  # to the ring, and its pin went with it
                 stats.rows_used += uniq.numel()
                 stats.rows_resident_at_use += d + h
                 stats.rows_staged += h + s

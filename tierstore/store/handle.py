@@ -54,7 +54,8 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
                  map_limit: int | str | None = None,
                  record: str | os.PathLike | None = None, add_tables: bool = False,
                  write_buffer: int | str | None = None,
-                 write_log: int | str | None = None) -> None:
+                 write_log: int | str | None = None,
+                 staging_capacity: int | str = 0) -> None:
         tables = [tables] if isinstance(tables, TableSpec) else list(tables)
         if not tables or not all(isinstance(t, TableSpec) for t in tables):
             raise ConfigError("tables must be a non-empty sequence of TableSpec")
@@ -69,6 +70,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         width = max(t.row_dim for t in tables)
         dcap = parse_capacity(device_capacity, width * 4)
         hcap = parse_capacity(host_capacity, width * 4)
+        scap = parse_capacity(staging_capacity, width * 4)
         if write_buffer is None:  # 64 MiB with its indexes
             wcap = (64 << 20) // (width * 4 + WB_SLOT_OVERHEAD)
         else:
@@ -110,13 +112,19 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self._prefetchers: weakref.WeakSet = weakref.WeakSet()  # stopped when the store closes
         self.fused = _st.HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
         from ..policies import make_policy
+        from ..policies.base import Policy
 
-        make_policy(policy, 0)  # an unknown policy is refused before the store is touched
+        probe = make_policy(policy, 0)  # an unknown policy is refused before the store is touched
+        if scap and (self.device.type != "cpu" or hcap or type(probe).admit is Policy.admit):
+            raise ConfigError(
+                f"staging_capacity holds the staged rows a selective device policy refuses: it "
+                f"needs a CPU device tier, host_capacity=0 and policy='hlfu' (got device="
+                f"{self.device}, host_capacity={hcap} rows, policy={policy!r})")
         self.backend = LmdbBackend(self.path, map_limit=limit)
         try:
             self._check_config(tables, add_tables)
             self.backend.open_tables(names)
-            self.device_tier = SlabTier("device", dcap, width, policy, self.device)
+            self.device_tier = SlabTier("device", dcap, width, policy, self.device, staging=scap)
             self.host_tier = SlabTier("host", hcap, width, policy, "cpu",
                                       pin_memory=self.device.type == "cuda")
             self.host_tier.policy.follow(self.device_tier.policy)  # device victims move down

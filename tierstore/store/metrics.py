@@ -14,7 +14,8 @@ class StoreMetrics:
         self._live()
         out = {"device": self.device_tier.stats.as_dict(), "host": self.host_tier.stats.as_dict(),
                "ssd": self.ssd_stats.as_dict()}
-        out["device"].update(capacity=self.device_tier.capacity, resident=self.device_tier.size)
+        out["device"].update(capacity=self.device_tier.capacity, resident=self.device_tier.size,
+                             staging=self.device_tier.staging)
         out["host"].update(capacity=self.host_tier.capacity, resident=self.host_tier.size)
         out["prefetch"] = self.prefetch_stats.as_dict()
         log = self.log
@@ -40,7 +41,7 @@ class StoreMetrics:
         for tier in (self.device_tier, self.host_tier):
             if tier.device.type == "cpu":
                 budget += tier.slab.nbytes
-            budget += tier.index.table.nbytes + tier.capacity * 64  # index + bookkeeping bound
+            budget += tier.index.table.nbytes + tier.slots * 64  # index + bookkeeping bound
         wb = self.writeback
         budget += wb.payload.nbytes + wb.index.table.nbytes + wb.capacity * 40
         budget += self.log.index_bytes

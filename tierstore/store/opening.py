@@ -69,7 +69,8 @@ class StoreOpening:
              host_capacity: int | str | None = None, policy: str = "lru",
              device: torch.device | str | None = None, map_limit: int | str | None = None,
              readonly: bool = False, write_buffer: int | str | None = None,
-             write_log: int | str | None = None) -> TierStore | ReadOnlyStore:
+             write_log: int | str | None = None,
+             staging_capacity: int | str = 0) -> TierStore | ReadOnlyStore:
         """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none).
 
         `readonly=True` returns a `tierstore.serving.ReadOnlyStore` (any process, while a writer
@@ -83,7 +84,8 @@ class StoreOpening:
         specs, seed = stored_config(path)
         return cls(path, specs, device_capacity=device_capacity, host_capacity=host_capacity,
                    policy=policy, seed=seed, device=device, map_limit=map_limit,
-                   write_buffer=write_buffer, write_log=write_log)
+                   write_buffer=write_buffer, write_log=write_log,
+                   staging_capacity=staging_capacity)
 
 
 def _mismatch(stored: TableSpec, given: TableSpec) -> list[str]:
