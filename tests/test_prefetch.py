@@ -8,8 +8,11 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tierstore as ts
+from tests.profiles import examples
 from tierstore.prefetch import Prefetcher
 
 FEATS = {"f1": "a", "f2": "a", "f3": "b"}
@@ -289,6 +292,26 @@ def test_staging_slots_keep_a_window_the_cache_cannot_hold_pinned_and_exact(tmp_
                       device="cpu") as again:  # staged rows reached the disk
         assert torch.equal(again.read("b", torch.arange(40)), base["b"][:, :5])
         assert torch.equal(again.read("a", torch.arange(40) * 7919), base["a"][:, :3])
+
+
+_BASE: dict = {}
+
+
+@settings(max_examples=examples(0.12))
+@given(cap=st.integers(1, 40), staging=st.integers(1, 160), depth=st.integers(1, 6),
+       delayed=st.booleans())
+def test_any_cache_and_staging_size_trains_the_reference_bits(tmp_path_factory, cap, staging,
+                                                              depth, delayed):
+    # whatever the cache, the staging slots and the depth (staged, warm-only, or alternating;
+    # slots full or not), training gives an all-resident run's bits and keeps the invariants
+    if "base" not in _BASE:
+        _BASE["base"], _ = _train(tmp_path_factory.mktemp("base") / "s", 0, caps=(10**5, 10**5))
+    base = _BASE["base"]
+    got, _ = _train(tmp_path_factory.mktemp("t") / "s", depth, caps=(cap, 0), policy="hlfu",
+                    delay=_delays(depth) if delayed else None, staging_capacity=staging,
+                    side=lambda store, i: store.check() if i % 9 == 4 else None)
+    for k in base:
+        assert torch.equal(got[k], base[k]), (k, cap, staging, depth)
 
 
 def test_a_pipeline_closed_mid_run_empties_the_staging_slots(tmp_path):
