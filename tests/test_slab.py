@@ -73,3 +73,27 @@ def test_remove_then_insert_keeps_free_list_and_generation_consistent():
     assert sorted(tier.resident()[1].tolist()) == [7, 8, 9]
     assert not bool(tier.dirty.any()) and not bool(tier.pins.any())
     tier.check()
+
+
+@pytest.mark.parametrize("staging", [0, 6])
+def test_a_pad_row_that_expired_twice_before_the_take_leaves_once(staging):
+    # a pad row unpinned to zero, pinned again by a later batch and unpinned again is queued
+    # twice: it must leave (and be written back) once, and its slot return to the pad once
+    tier = SlabTier("device", 8, 3, "hlfu", "cpu", staging=staging)
+    if not staging:
+        tier.reserve_scratch(6)
+    rows = Rows(torch.zeros(4, dtype=torch.int64), torch.arange(4), torch.randn(4, 3),
+                torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.int32))
+    assert tier.insert_scratch(rows) == 4
+    slots = tier.last_slots.clone()
+    if staging:
+        assert bool((slots >= 8).all())  # staging slots lie past the cache's capacity
+    tier.pin(slots[:2], -1)  # rows 0 and 1 expire ...
+    tier.pin(slots[:1], 1)  # ... row 0 is pinned again by a later batch ...
+    tier.pin(slots[:1], -1)  # ... and expires again before the take
+    out = tier.take_expired()
+    assert sorted(out.rows.tolist()) == [0, 1]
+    assert torch.equal(out.payload[torch.argsort(out.rows)], rows.payload[:2])
+    assert sorted(tier._scratch.tolist()) == sorted(set(tier._scratch.tolist()))  # no repeats
+    assert tier.size == 2 and tier.take_expired() is None
+    tier.check()
