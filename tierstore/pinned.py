@@ -169,6 +169,7 @@ class PinnedSteps:
         if dev.staging and dev.selective and not host.capacity:
             return rows <= dev.capacity + dev.staging
         return 2 * rows <= dev.capacity + host.capacity
+
     def _stage_many(self, items: list[tuple[_Table, torch.Tensor]]
                     ) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
         """Bring each table's sorted unique rows up the hierarchy and pin them, all tables at
