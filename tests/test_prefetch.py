@@ -265,6 +265,7 @@ def test_staging_slots_keep_a_window_the_cache_cannot_hold_pinned_and_exact(tmp_
     base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5))
     _, plain = _train(tmp_path / "plain", depth, caps=(8, 0), policy="hlfu")
     assert plain["prefetch"]["warm_only"] > 0  # the reference point: no staging slots
+    assert 2 * plain["prefetch"]["window_rows"] > 8  # its largest window: more than fits
     seen = []
     state = {}
 
@@ -284,6 +285,7 @@ def test_staging_slots_keep_a_window_the_cache_cannot_hold_pinned_and_exact(tmp_
     assert stats["device"]["scratch_rows"] > 0 and state["held"] > 8  # more than the cache holds
     if staging == 400:  # the window always fits: no warm-only batch
         assert stats["prefetch"]["warm_only"] == 0, stats["prefetch"]
+        assert 8 < stats["prefetch"]["window_rows"] <= 8 + 400  # what staging is sized by
     else:
         assert 0 < stats["prefetch"]["warm_only"] < plain["prefetch"]["warm_only"]
     told = torch.cat(seen)

@@ -96,6 +96,10 @@ class PrefetchStats:
     read_seconds: float = 0.0  # pipeline threads reading LMDB (off the training thread)
     stage_seconds: float = 0.0  # staging time spent holding the store lock
     lock_free_bags: int = 0  # bag lookups (and their updates) served from pinned slots, lock-free
+    # the most rows a window held with the batch being read (unique rows, summed per batch): a
+    # window stays pinned while this fits the caches (twice over), or the cache plus its
+    # staging slots (once, with `staging_capacity`); what to size `staging_capacity` by
+    window_rows: int = 0
 
     def as_dict(self) -> dict:
         """The counters plus the prefetch hit rate (rows resident when their batch ran)."""

@@ -280,6 +280,8 @@ class Prefetcher:
             # the window cannot stay cached: staging would only evict rows the running step needs,
             # so this batch gets no pins, and every row the caches may lose by then is read ahead
             warm_only = not store._window_fits(window_rows + batch_rows)
+            stats = store.prefetch_stats
+            stats.window_rows = max(stats.window_rows, window_rows + batch_rows)
             self._warm_only = warm_only
             ringed = {}
             if warm_only:  # rows in the ring now: copy their newest version, read the rest
