@@ -61,6 +61,14 @@ def _train(path, depth, caps=(2, 3), policy="lru", steps=30, delay=None, side=No
     return result, stats
 
 
+def _assert_stored(path, base, caps=(2, 2), **store_kw):
+    """The closed store at `path`, reopened, reads the reference run's rows of both tables."""
+    with ts.TierStore(path, _specs(), device_capacity=caps[0], host_capacity=caps[1],
+                      device="cpu", **store_kw) as again:
+        assert torch.equal(again.read("b", torch.arange(40)), base["b"][:, :5])
+        assert torch.equal(again.read("a", torch.arange(40) * 7919), base["a"][:, :3])
+
+
 def _delays(seed):
     rng = random.Random(seed)
     return lambda: rng.random() * 0.004
@@ -175,10 +183,7 @@ def test_a_warm_only_forward_moves_no_row_and_its_backward_moves_each_once(tmp_p
     if slow:  # the log merged while refused rows kept arriving
         assert stats["writeback"]["log_merged"] > 0, stats["writeback"]
     # and they are on disk: the closed store, reopened, reads the reference's rows
-    with ts.TierStore(tmp_path / "t", _specs(), device_capacity=3, host_capacity=4,
-                      device="cpu", **store_kw) as again:
-        assert torch.equal(again.read("b", torch.arange(40)), base["b"][:, :5])
-        assert torch.equal(again.read("a", torch.arange(40) * 7919), base["a"][:, :3])
+    _assert_stored(tmp_path / "t", base, caps=(3, 4), **store_kw)
 
 
 @pytest.mark.parametrize("caps,depth", [((64, 0), 1), ((64, 0), 2), ((80, 0), 8), ((48, 64), 2)])
@@ -210,27 +215,29 @@ def test_staged_rows_hlfu_refuses_go_to_the_scratch_pad_and_stay_exact(tmp_path,
     assert (sum(padded) > 0) == (caps[1] == 0), padded  # no pad above a host tier
     assert stats["device"]["scratch_rows"] == sum(padded)
     # the closed store holds the reference's rows: pad rows reached the disk
-    with ts.TierStore(tmp_path / "t", _specs(), device_capacity=2, host_capacity=2,
-                      device="cpu") as again:
-        assert torch.equal(again.read("b", torch.arange(40)), base["b"][:, :5])
-        assert torch.equal(again.read("a", torch.arange(40) * 7919), base["a"][:, :3])
+    _assert_stored(tmp_path / "t", base)
 
 
-def test_a_pipeline_closed_mid_run_empties_the_scratch_pad(tmp_path):
-    store = ts.TierStore(tmp_path / "s", _specs(), device_capacity=64, host_capacity=0,
-                         policy="hlfu", device="cpu")
+@pytest.mark.parametrize("staging", [0, 400])
+def test_a_pipeline_closed_mid_run_empties_the_scratch_pad(tmp_path, staging):
+    # the pad carved from a 64-row tier, or 400 staging slots past an 8-row one
+    cap = 8 if staging else 64
+    store = ts.TierStore(tmp_path / "s", _specs(), device_capacity=cap, host_capacity=0,
+                         policy="hlfu", device="cpu", staging_capacity=staging)
     ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
     dev = store.device_tier
     pf = Prefetcher(store, _batches(30), depth=2, features=FEATS, extract=lambda b: b["sparse"])
     held = 0
     for i, b in enumerate(pf):
         ebc(*b["sparse"]).sum().backward()
-        held = max(held, int(dev.transient.sum()))
+        held = max(held, int(dev.transient[dev.capacity if staging else 0:].sum()))
         if i == 12:
             break
-    assert held > 0  # rows were in the pad while batches were staged
+    assert held > 0  # rows were in the pad (the staging slots) while batches were staged
     pf.close()  # unpins the window: every pad row leaves, dirty ones for the ring
     assert not dev.transient.any() and len(dev._scratch) == dev.scratch_slots > 0
+    if staging:
+        assert dev.scratch_slots == staging and dev.size <= dev.capacity
     store.check()
     before = store.read("a", torch.arange(40) * 7919)
     store.close()
@@ -290,10 +297,7 @@ def test_staging_slots_keep_a_window_the_cache_cannot_hold_pinned_and_exact(tmp_
         assert 0 < stats["prefetch"]["warm_only"] < plain["prefetch"]["warm_only"]
     told = torch.cat(seen)
     assert told.numel() and int(told.max()) < 8, int(told.max())  # cache slots only
-    with ts.TierStore(tmp_path / "t", _specs(), device_capacity=2, host_capacity=2,
-                      device="cpu") as again:  # staged rows reached the disk
-        assert torch.equal(again.read("b", torch.arange(40)), base["b"][:, :5])
-        assert torch.equal(again.read("a", torch.arange(40) * 7919), base["a"][:, :3])
+    _assert_stored(tmp_path / "t", base)  # staged rows reached the disk
 
 
 _BASE: dict = {}
@@ -314,30 +318,6 @@ def test_any_cache_and_staging_size_trains_the_reference_bits(tmp_path_factory, 
                     side=lambda store, i: store.check() if i % 9 == 4 else None)
     for k in base:
         assert torch.equal(got[k], base[k]), (k, cap, staging, depth)
-
-
-def test_a_pipeline_closed_mid_run_empties_the_staging_slots(tmp_path):
-    store = ts.TierStore(tmp_path / "s", _specs(), device_capacity=8, host_capacity=0,
-                         policy="hlfu", device="cpu", staging_capacity=400)
-    ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
-    dev = store.device_tier
-    pf = Prefetcher(store, _batches(30), depth=2, features=FEATS, extract=lambda b: b["sparse"])
-    held = 0
-    for i, b in enumerate(pf):
-        ebc(*b["sparse"]).sum().backward()
-        held = max(held, int(dev.transient[dev.capacity:].sum()))
-        if i == 12:
-            break
-    assert held > 0  # staging slots held rows while batches were staged
-    pf.close()
-    assert not dev.transient.any() and len(dev._scratch) == dev.scratch_slots == 400
-    assert dev.size <= dev.capacity
-    store.check()
-    before = store.read("a", torch.arange(40) * 7919)
-    store.close()
-    with ts.TierStore(tmp_path / "s", _specs(), device_capacity=2, host_capacity=2,
-                      device="cpu") as again:
-        assert torch.equal(again.read("a", torch.arange(40) * 7919), before)
 
 
 @pytest.mark.parametrize("kw", [dict(policy="lru", host_capacity=0),

@@ -163,12 +163,13 @@ class PinnedSteps:
         Without staging slots, only when the caches could hold it twice over: pinned rows
         cannot be evicted, and staging must leave the running step room. With staging slots
         (`staging_capacity`), rows the device policy refuses wait there instead of displacing
-        cached ones, so the window fits when the caches and the staging slots hold it once.
+        cached ones, so the window fits when the cache and the staging slots hold it once (the
+        store has them only with a selective policy and no host tier).
         """
-        dev, host = self.device_tier, self.host_tier
-        if dev.staging and dev.selective and not host.capacity:
+        dev = self.device_tier
+        if dev.staging:
             return rows <= dev.capacity + dev.staging
-        return 2 * rows <= dev.capacity + host.capacity
+        return 2 * rows <= dev.capacity + self.host_tier.capacity
 
     def _stage_many(self, items: list[tuple[_Table, torch.Tensor]]
                     ) -> list[tuple[tuple[int, int, int], torch.Tensor]]:

@@ -11,7 +11,7 @@ import torch
 from .. import _kernels, _memory
 from ..index import HashIndex
 from ..policies import Evictable, make_policy
-from ..policies.base import Policy, key_hash
+from ..policies.base import key_hash
 from ..stats import TierStats
 
 
@@ -264,7 +264,7 @@ class SlabTier:
     @property
     def selective(self) -> bool:
         """Whether the policy may refuse rows arriving by a miss (`Policy.admit`)."""
-        return type(self.policy).admit is not Policy.admit
+        return self.policy.selective
 
     def admit(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         """Mask of arriving rows the policy lets displace cached ones (`Policy.admit`); None:

@@ -126,6 +126,11 @@ class Policy:
         so the access is not counted again; a policy holding hints of that use drops them here.
         """
 
+    @property
+    def selective(self) -> bool:
+        """Whether this policy may refuse rows arriving by a miss (it overrides `admit`)."""
+        return type(self).admit is not Policy.admit
+
     def admit(self, keys: torch.Tensor) -> torch.Tensor | None:
         """Which rows arriving by a miss (their key hashes) may displace a cached row; None: all.
 

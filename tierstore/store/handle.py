@@ -112,10 +112,9 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self._prefetchers: weakref.WeakSet = weakref.WeakSet()  # stopped when the store closes
         self.fused = _st.HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
         from ..policies import make_policy
-        from ..policies.base import Policy
 
         probe = make_policy(policy, 0)  # an unknown policy is refused before the store is touched
-        if scap and (self.device.type != "cpu" or hcap or type(probe).admit is Policy.admit):
+        if scap and (self.device.type != "cpu" or hcap or not probe.selective):
             raise ConfigError(
                 f"staging_capacity holds the staged rows a selective device policy refuses: it "
                 f"needs a CPU device tier, host_capacity=0 and policy='hlfu' (got device="
