@@ -1,7 +1,7 @@
 """tierstore: embedding tables far larger than memory over GPU, host and SSD (LMDB) tiers."""
 
 from .admission import Admission, CountAdmission
-from .config import TableSpec
+from .config import StoreConfig, TableSpec
 from .errors import (
     CapacityError,
     ConfigError,
@@ -27,7 +27,7 @@ from .store import Gathered, TierStore
 __version__ = "0.1.0"
 
 __all__ = [
-    "TableSpec", "CountAdmission", "Admission", "TierStore", "Gathered", "TierStats",
+    "TableSpec", "StoreConfig", "CountAdmission", "Admission", "TierStore", "Gathered", "TierStats",
     "Optimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam",
     "UniformInit", "NormalInit", "ConstantInit",
     "TierstoreError", "UnknownTableError", "InvalidIdsError", "ShapeError", "ConfigError",

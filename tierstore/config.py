@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from .admission import Admission, admission_from_config
 from .errors import ConfigError
@@ -139,3 +139,53 @@ def parse_capacity(value: int | str, row_bytes: int) -> int:
     if rows < 0:
         raise ConfigError(f"capacity must be >= 0, got {value!r}")
     return rows
+
+
+KERNELS = ("auto", "numba", "triton")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """How a store runs: cache capacities, policy, device, disk limits, buffers and kernels.
+
+    Capacities are row counts or sizes ("512MiB"). `kernels` picks the step engine's backend:
+    "auto" (numba on a CPU device tier, Triton on CUDA), "numba", or "triton" (on a CPU device
+    tier it runs under Triton's interpreter, `TRITON_INTERPRET=1`). `staging_capacity`: slots past
+    the cache where staged rows wait pinned (docs/prefetch.md). `write_buffer` / `write_log`: the
+    write-behind ring and log (rows or sizes; None picks them from the tables).
+    """
+
+    device_capacity: int | str = "64MiB"
+    host_capacity: int | str = "512MiB"
+    policy: str = "lru"
+    seed: int = 0
+    device: object = None  # torch.device | str | None: CUDA when available, else the CPU
+    map_limit: int | str | None = None
+    record: object = None  # str | os.PathLike | None: record the access trace there
+    add_tables: bool = False
+    write_buffer: int | str | None = None
+    write_log: int | str | None = None
+    staging_capacity: int | str = 0
+    kernels: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be a non-negative int, got {self.seed!r}")
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if not isinstance(self.policy, str):
+            raise ConfigError(f"policy must be a policy name, got {self.policy!r}")
+        if not isinstance(self.add_tables, bool):
+            raise ConfigError(f"add_tables must be a bool, got {self.add_tables!r}")
+
+    @classmethod
+    def build(cls, config: StoreConfig | None = None, **options: object) -> StoreConfig:
+        """`config` (or the defaults) with `options` replacing its fields; unknown names are refused."""
+        if config is not None and not isinstance(config, StoreConfig):
+            raise ConfigError(f"config must be a StoreConfig, got {config!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown store option(s) {unknown}; known: {sorted(known)}")
+        base = config if config is not None else cls()
+        return replace(base, **options) if options else base

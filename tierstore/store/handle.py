@@ -24,7 +24,7 @@ from ..backends.wal import HEADER, WriteLog
 from ..backends.writeback import WriteBehind
 from ..bagpaths import BagPaths
 from ..cascade import TierCascade
-from ..config import TableSpec, parse_capacity, parse_size
+from ..config import StoreConfig, TableSpec, parse_capacity, parse_size
 from ..errors import ConfigError
 from ..initializers import name_key
 from ..pinned import PinnedSteps
@@ -48,25 +48,22 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
     """
 
     def __init__(self, path: str | os.PathLike, tables: Sequence[TableSpec] | TableSpec, *,
-                 device_capacity: int | str = "64MiB", host_capacity: int | str = "512MiB",
-                 policy: str = "lru",
-                 seed: int = 0, device: torch.device | str | None = None,
-                 map_limit: int | str | None = None,
-                 record: str | os.PathLike | None = None, add_tables: bool = False,
-                 write_buffer: int | str | None = None,
-                 write_log: int | str | None = None,
-                 staging_capacity: int | str = 0) -> None:
+                 config: StoreConfig | None = None, **options: Any) -> None:
+        """Create or open the store at `path`; `config` and `options` are `StoreConfig` fields."""
+        cfg = StoreConfig.build(config, **options)
+        device_capacity, host_capacity = cfg.device_capacity, cfg.host_capacity
+        policy, seed, map_limit, record = cfg.policy, cfg.seed, cfg.map_limit, cfg.record
+        write_buffer, write_log, staging_capacity = cfg.write_buffer, cfg.write_log, cfg.staging_capacity
         tables = [tables] if isinstance(tables, TableSpec) else list(tables)
         if not tables or not all(isinstance(t, TableSpec) for t in tables):
             raise ConfigError("tables must be a non-empty sequence of TableSpec")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ConfigError(f"duplicate table names in {names}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError(f"seed must be a non-negative int, got {seed!r}")
         self.path = Path(path)
+        self.config = cfg
         self.seed = seed
-        self.device = _resolve_device(device)
+        self.device = _resolve_device(cfg.device)
         width = max(t.row_dim for t in tables)
         dcap = parse_capacity(device_capacity, width * 4)
         hcap = parse_capacity(host_capacity, width * 4)
@@ -121,7 +118,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
                 f"{self.device}, host_capacity={hcap} rows, policy={policy!r})")
         self.backend = LmdbBackend(self.path, map_limit=limit)
         try:
-            self._check_config(tables, add_tables)
+            self._check_config(tables, cfg.add_tables)
             self.backend.open_tables(names)
             self.device_tier = SlabTier("device", dcap, width, policy, self.device, staging=scap)
             self.host_tier = SlabTier("host", hcap, width, policy, "cpu",

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..backends.lmdb_backend import DATA_NAME, LmdbBackend
-from ..config import TableSpec
+from ..config import StoreConfig, TableSpec
 from ..errors import ConfigMismatchError, StoreCorruptError, StoreNotFoundError, UnknownTableError
 from .core import FORMAT_VERSION, LAST_OPEN, ROW_FORMATS
 
@@ -65,27 +65,26 @@ class StoreOpening:
             self.backend.sync()
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, device_capacity: int | str = "64MiB",
-             host_capacity: int | str | None = None, policy: str = "lru",
-             device: torch.device | str | None = None, map_limit: int | str | None = None,
-             readonly: bool = False, write_buffer: int | str | None = None,
-             write_log: int | str | None = None,
-             staging_capacity: int | str = 0) -> TierStore | ReadOnlyStore:
+    def open(cls, path: str | os.PathLike, *, readonly: bool = False,
+             config: StoreConfig | None = None, **options: Any) -> TierStore | ReadOnlyStore:
         """Open an existing store with its recorded table specs and seed (`StoreNotFoundError` if none).
 
-        `readonly=True` returns a `tierstore.serving.ReadOnlyStore` (any process, while a writer
-        has the store open; only `host_capacity`, `policy` and `device` apply). `host_capacity`
-        defaults to 512MiB for a writer and 64MiB (weights only) for a read-only handle.
+        `config` / `options` are `StoreConfig` fields (the seed is the stored one). `readonly=True`
+        returns a `tierstore.serving.ReadOnlyStore` (any process, while a writer has the store
+        open; only `host_capacity`, `policy` and `device` apply). `host_capacity` defaults to
+        512MiB for a writer and 64MiB (weights only) for a read-only handle.
         """
+        host = options.pop("host_capacity", None)
+        if host is None and config is not None:
+            host = config.host_capacity
         if readonly:  # a serving handle on the writer's last flush: docs/serving.md
-            return _open_readonly(path, "64MiB" if host_capacity is None else host_capacity,
-                                  policy, device)
-        host_capacity = "512MiB" if host_capacity is None else host_capacity
+            cfg = StoreConfig.build(config, **options)
+            return _open_readonly(path, "64MiB" if host is None else host, cfg.policy, cfg.device)
         specs, seed = stored_config(path)
-        return cls(path, specs, device_capacity=device_capacity, host_capacity=host_capacity,
-                   policy=policy, seed=seed, device=device, map_limit=map_limit,
-                   write_buffer=write_buffer, write_log=write_log,
-                   staging_capacity=staging_capacity)
+        options.pop("seed", None)  # the stored seed: a store's lazy rows depend on it
+        cfg = StoreConfig.build(config, **options, host_capacity="512MiB" if host is None else host,
+                                seed=seed)
+        return cls(path, specs, config=cfg)
 
 
 def _mismatch(stored: TableSpec, given: TableSpec) -> list[str]:
