@@ -194,10 +194,12 @@ def test_non_finite_gradient_is_refused_and_changes_nothing(tmp_path):
         assert torch.equal(store.read("t", torch.arange(N)), before)
 
 
-def test_negative_padding_idx_and_empty_input(tmp_path):
+def test_last_row_padding_idx_and_empty_input(tmp_path):
     with ts.TierStore(tmp_path / "s", [ts.TableSpec("a", 20, 2)], device="cpu",
                       device_capacity=8, host_capacity=8) as store:
-        emb = ts.TieredEmbedding(store, "a", padding_idx=-1)
+        with pytest.raises(ts.ConfigError):  # issue 38: a negative index names a real row
+            ts.TieredEmbedding(store, "a", padding_idx=-1)
+        emb = ts.TieredEmbedding(store, "a", padding_idx=19)
         assert emb.padding_idx == 19
         out = emb(torch.tensor([[19, 2]]))
         assert torch.equal(out[0, 0], torch.zeros(2))

@@ -131,6 +131,18 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def parse_map_limit(value: int | str | None) -> int | None:
+    """Parse a map limit: None (no cap) or a positive byte size."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"map_limit must be a byte size or None, got {value!r}")
+    size = parse_size(value)
+    if size <= 0:
+        raise ConfigError(f"map_limit must be a positive byte size or None, got {value!r}")
+    return size
+
+
 def parse_capacity(value: int | str, row_bytes: int) -> int:
     """Turn a capacity (a row count, or a size string like "512MiB") into a row count."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -177,6 +189,7 @@ class StoreConfig:
             raise ConfigError(f"policy must be a policy name, got {self.policy!r}")
         if not isinstance(self.add_tables, bool):
             raise ConfigError(f"add_tables must be a bool, got {self.add_tables!r}")
+        parse_map_limit(self.map_limit)  # None or a positive size
 
     @classmethod
     def build(cls, config: StoreConfig | None = None, **options: object) -> StoreConfig:

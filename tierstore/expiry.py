@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 SCAN_CHUNK = 65536  # rows per read transaction of a scan
 DELETE_CHUNK = 8192  # deletions per write transaction (the store lock is held for one)
 META_KEY = "expiry"  # metadata record: {table: cutoff}
+AGE_MAX = 2**31 - 1  # the clock's range (int32 stamps): no row is older
 
 
 def ttl_interval(ttl: int) -> int:
@@ -48,8 +49,10 @@ def ttl_interval(ttl: int) -> int:
 
 def check_older_than(older_than: Any) -> int:
     """Validate an expiry age in clock steps."""
-    if isinstance(older_than, bool) or not isinstance(older_than, int) or older_than < 0:
-        raise ConfigError(f"older_than must be an int >= 0 (clock steps), got {older_than!r}")
+    if (isinstance(older_than, bool) or not isinstance(older_than, int) or older_than < 0
+            or older_than > AGE_MAX):
+        raise ConfigError(
+            f"older_than must be an int in [0, {AGE_MAX}] (clock steps), got {older_than!r}")
     return older_than
 
 

@@ -217,6 +217,11 @@ def _unpack_jagged(keys: Any, values: torch.Tensor | None, lengths: torch.Tensor
     if values is None:
         raise ShapeError("values are required")
     validate.no_meta(values=values, lengths=lengths, offsets=offsets, weights=weights)
+    for name, t in (("lengths", lengths), ("offsets", offsets)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.is_floating_point()
+                              or t.is_complex() or t.dtype == torch.bool):
+            raise ShapeError(f"{name} must be an integer tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
     if lengths is None:
         if offsets is None:
             raise ShapeError("give lengths or offsets")

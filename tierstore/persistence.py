@@ -312,8 +312,8 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
     snapshot (an LMDB read transaction). Call `wait()` on the result to get the manifest.
     """
     dest = Path(dest)
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise ConfigError(f"step must be an int or None, got {step!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ConfigError(f"step must be an int >= 0 or None, got {step!r}")
     extra = validate.json_extra(extra)  # before the flush and the copy
     store._live()
     if is_staging(dest):

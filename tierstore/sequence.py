@@ -81,7 +81,8 @@ class TieredEmbedding(nn.Module):
     """Like torch.nn.Embedding over one store table; backward updates rows in the store.
 
     Ids of any shape give `[..., dim]`. Positions holding `padding_idx` read as zeros and their
-    row gets no update (a negative `padding_idx` counts from `num_rows`, as in nn.Embedding).
+    row gets no update. Unlike nn.Embedding, a negative `padding_idx` is refused: on a hashed
+    table of 10^11 rows, "-5" would silently freeze row `num_rows - 5`, a real row.
     """
 
     def __init__(self, store: TierStore, table: str, padding_idx: int | None = None) -> None:
@@ -90,11 +91,9 @@ class TieredEmbedding(nn.Module):
         self.num_embeddings = store.table_specs[table].num_rows
         if padding_idx is not None:
             if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) or \
-                    not -self.num_embeddings <= padding_idx < self.num_embeddings:
-                raise ConfigError(f"padding_idx must be an int in [-{self.num_embeddings}, "
-                                  f"{self.num_embeddings}), got {padding_idx!r}")
-            if padding_idx < 0:
-                padding_idx += self.num_embeddings
+                    not 0 <= padding_idx < self.num_embeddings:
+                raise ConfigError(f"padding_idx must be an int in [0, {self.num_embeddings}) "
+                                  f"(a row id), got {padding_idx!r}")
         self.store = store
         self.table = table
         self.padding_idx = padding_idx

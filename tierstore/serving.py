@@ -338,6 +338,19 @@ class ReadOnlyStore:
         """Refused: compaction rewrites the file."""
         self._refuse("compact()")
 
+    def expire(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: expiry deletes rows; expire through the writer."""
+        self._refuse("expire()")
+
+    @property
+    def map_limit(self) -> None:
+        """A read-only handle has no map limit (it never grows the file)."""
+        return None
+
+    @map_limit.setter
+    def map_limit(self, value: Any) -> NoReturn:
+        self._refuse("setting map_limit")
+
     # validation ----------------------------------------------------------------------------------
     def _live(self) -> None:
         if self._closed:

@@ -24,7 +24,7 @@ from ..backends.wal import HEADER, WriteLog
 from ..backends.writeback import WriteBehind
 from ..bagpaths import BagPaths
 from ..cascade import TierCascade
-from ..config import StoreConfig, TableSpec, parse_capacity, parse_size
+from ..config import StoreConfig, TableSpec, parse_capacity, parse_map_limit
 from ..errors import ConfigError
 from ..initializers import name_key
 from ..pinned import PinnedSteps
@@ -80,7 +80,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
             log_rows = LOG_RINGS * wcap
             if write_buffer is None:
                 log_rows = max(log_rows, min(sum(t.num_rows for t in tables) // 2, LOG_MAX_ROWS))
-        limit = None if map_limit is None else parse_size(map_limit)
+        limit = parse_map_limit(map_limit)
         switch = _switch.configured()  # a bad TIERSTORE_SWITCH_INTERVAL fails before any file opens
         self._closed = True
         self._lock = threading.RLock()
@@ -182,7 +182,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
 
     @map_limit.setter
     def map_limit(self, value: int | str | None) -> None:
-        self.backend.map_limit = None if value is None else parse_size(value)
+        self.backend.map_limit = parse_map_limit(value)
 
     @property
     def table_specs(self) -> dict[str, TableSpec]:

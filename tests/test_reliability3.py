@@ -1,0 +1,97 @@
+"""Issue 38: nothing lost, nothing silently wrong, round 3.
+
+Each test names the row of the issue's table it covers; each failed on 3e9f718.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tierstore as ts
+
+
+def _store(path: Path, **kw) -> ts.TierStore:
+    spec = ts.TableSpec("t", 10**6, 8, optimizer=ts.Adagrad(0.1))
+    kw.setdefault("device_capacity", 16)
+    kw.setdefault("host_capacity", 32)
+    return ts.TierStore(path, spec, seed=3, device="cpu", **kw)
+
+
+# row 8: an age beyond the clock's range --------------------------------------------------------
+@pytest.mark.parametrize("age", [10**30, 2**63, 2**31])
+def test_expire_huge_age_is_config_error(tmp_path, age):
+    store = _store(tmp_path / "s")
+    ids = torch.arange(10)
+    store.apply("t", ids, torch.ones(10, 8))
+    store.advance(3)
+    before = store.read("t", ids)
+    with pytest.raises(ts.ConfigError):
+        store.expire(older_than=age)
+    assert torch.equal(store.read("t", ids), before)
+    assert store.expire(older_than=2**31 - 1) == {"t": 0}  # the largest age: nothing that old
+    store.close()
+
+
+# row 9: expire through a read-only handle -----------------------------------------------------
+def test_readonly_expire_and_map_limit_are_readonly_errors(tmp_path):
+    store = _store(tmp_path / "s")
+    store.apply("t", torch.arange(4), torch.ones(4, 8))
+    store.close()
+    with ts.TierStore.open(tmp_path / "s", readonly=True) as ro:
+        with pytest.raises(ts.ReadOnlyError):
+            ro.expire(older_than=1)
+        with pytest.raises(ts.ReadOnlyError):
+            ro.expire()
+        with pytest.raises(ts.ReadOnlyError):
+            ro.map_limit = "1GiB"
+
+
+# row 11: bad values accepted ------------------------------------------------------------------
+@pytest.mark.parametrize("limit", [-5, 0, "0MiB", 1.5, True])
+def test_map_limit_must_be_positive(tmp_path, limit):
+    store = _store(tmp_path / "s")
+    with pytest.raises(ts.ConfigError):
+        store.map_limit = limit
+    assert store.map_limit is None
+    store.close()
+    with pytest.raises(ts.ConfigError):
+        _store(tmp_path / "s2", map_limit=limit)
+
+
+def test_checkpoint_negative_step_refused(tmp_path):
+    store = _store(tmp_path / "s")
+    with pytest.raises(ts.ConfigError):
+        store.checkpoint(tmp_path / "ck", step=-1)
+    assert not (tmp_path / "ck").exists()
+    assert not (tmp_path / "ck").exists()
+    assert store.checkpoint(tmp_path / "ck", step=0, overwrite=True)["step"] == 0
+    store.close()
+
+
+@pytest.mark.parametrize("which", ["lengths", "offsets"])
+@pytest.mark.parametrize("kind", ["bag", "seq"])
+def test_float_lengths_refused(tmp_path, which, kind):
+    store = _store(tmp_path / "s")
+    mod = (ts.TieredEmbeddingBagCollection(store, ["t"]) if kind == "bag"
+           else ts.TieredEmbeddingCollection(store, ["t"]))
+    values = torch.tensor([1, 2, 3])
+    jag = {"lengths": torch.tensor([1.0, 2.0])} if which == "lengths" else \
+        {"offsets": torch.tensor([0.0, 1.0, 3.0])}
+    with pytest.raises(ts.ShapeError):
+        mod(["t"], values, **jag)
+    good = {"lengths": torch.tensor([1, 2])} if which == "lengths" else \
+        {"offsets": torch.tensor([0, 1, 3])}
+    mod(["t"], values, **good)
+    store.close()
+
+
+@pytest.mark.parametrize("idx", [-5, -1, 10**6, 2.0])
+def test_padding_idx_must_be_a_row_id(tmp_path, idx):
+    store = _store(tmp_path / "s")
+    with pytest.raises(ts.ConfigError):
+        ts.TieredEmbedding(store, "t", padding_idx=idx)
+    assert ts.TieredEmbedding(store, "t", padding_idx=0).padding_idx == 0
+    store.close()
