@@ -5,12 +5,15 @@ Each test names the row of the issue's table it covers; each failed on 3e9f718.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import tierstore as ts
+from tierstore.export import export_store, import_store
 
 
 def _store(path: Path, **kw) -> ts.TierStore:
@@ -95,3 +98,51 @@ def test_padding_idx_must_be_a_row_id(tmp_path, idx):
         ts.TieredEmbedding(store, "t", padding_idx=idx)
     assert ts.TieredEmbedding(store, "t", padding_idx=0).padding_idx == 0
     store.close()
+
+
+# rows 1-2: a checkpoint or export over, inside or around the live store --------------------------
+def _dests(root: Path, store: Path) -> list[tuple[Path, bool]]:
+    link = root / "link"
+    link.symlink_to(store)
+    return [(store, True), (store / "inner", False), (store / "a" / "b", False),
+            (root, True), (link, True), (link / "x", False)]
+
+
+def test_checkpoint_over_or_inside_the_store_refused(tmp_path):
+    store = _store(tmp_path / "s")
+    ids = torch.arange(50)
+    store.apply("t", ids, torch.ones(50, 8))
+    store.flush()
+    before = sorted(p.name for p in (tmp_path / "s").iterdir())
+    for dest, overwrite in _dests(tmp_path, tmp_path / "s"):
+        with pytest.raises(ts.ConfigError, match="store"):
+            store.checkpoint(dest, overwrite=overwrite)
+        with pytest.raises(ts.ConfigError):
+            export_store(store, dest, overwrite=overwrite)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == before  # lock file kept
+    probe = "import sys, tierstore as ts\ntry: ts.TierStore.open(sys.argv[1])\n" \
+        "except ts.StoreLockedError: sys.exit(7)"
+    locked = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "s")], timeout=120)
+    assert locked.returncode == 7  # another process still cannot open it for writing
+    store.apply("t", ids, torch.ones(50, 8))
+    store.flush()
+    want = store.read("t", ids)
+    store.close()
+    with ts.TierStore.open(tmp_path / "s") as again:  # the acknowledged flush survived
+        assert torch.equal(again.read("t", ids), want)
+    with pytest.raises(ts.ConfigError):  # the CLI path too: a closed store's directory
+        export_store(tmp_path / "s", tmp_path / "s" / "out")
+
+
+def test_restore_and_import_into_their_source_refused(tmp_path):
+    store = _store(tmp_path / "s")
+    store.apply("t", torch.arange(5), torch.ones(5, 8))
+    store.checkpoint(tmp_path / "ck")
+    export_store(store, tmp_path / "ex")
+    store.close()
+    for path in (tmp_path / "ck", tmp_path / "ck" / "inner"):
+        with pytest.raises(ts.ConfigError):
+            ts.TierStore.restore(tmp_path / "ck", path)
+    with pytest.raises(ts.ConfigError):
+        import_store(tmp_path / "ex", tmp_path / "ex" / "inner")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["MANIFEST.json", "data.mdb"]

@@ -30,6 +30,7 @@ from .persistence import (
     MANIFEST as CHECKPOINT_MANIFEST,
 )
 from .persistence import (
+    check_apart,
     check_new_dir,
     check_seal,
     end_staging,
@@ -125,6 +126,8 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
         raise ConfigError(f"zstd level must be an int in [1, 22], got {level!r}")
     if shard_bytes < 1:
         raise ConfigError(f"shard size must be positive, got {shard_bytes}")
+    check_apart(dest, src.path if hasattr(src, "path") else Path(src), "export destination",
+                "the source")
     check_new_dir(dest, overwrite, "export destination")
     t0 = time.perf_counter()
     with lmdb_errors(src.path if hasattr(src, "path") else src), _source(src) as (backend, txn):
@@ -256,6 +259,7 @@ def import_store(src: str | os.PathLike, path: str | os.PathLike, *,
 
     src, path = Path(src), Path(path)
     manifest = read_export_manifest(src)
+    check_apart(path, src, "import destination", "the export")
     check_new_dir(path, False, "import destination",
                   "an import builds a new store: choose a new path or remove this one")
     shuffle = bool(manifest["codec"].get("shuffle"))

@@ -100,6 +100,17 @@ def check_new_dir(dest: Path, overwrite: bool, what: str, hint: str = "pass over
         raise ConfigError(f"{what} {dest} exists and is not empty ({hint})")
 
 
+def check_apart(dest: Path, store: Path, what: str, whose: str = "the store") -> None:
+    """Refuse a `dest` that is `store`, lies inside it or contains it (resolved real paths)."""
+    try:
+        d, s = Path(os.path.realpath(dest)), Path(os.path.realpath(store))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot resolve {what} {dest}: {exc}") from exc
+    if d == s or s in d.parents or d in s.parents:
+        rel = "is" if d == s else "lies inside" if s in d.parents else "contains"
+        raise ConfigError(f"{what} {dest} {rel} {whose} {store}: choose a path outside it")
+
+
 # staging names: `.NAME.partial-PID-HEX` (being written, or an old copy after an exchange) and
 # `.NAME.old-PID-HEX` (the old copy during a two-rename publish where exchange is unsupported)
 _STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?:(?P<pid>\d+)-)?[0-9A-Za-z_]+$")
@@ -318,6 +329,7 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
     store._live()
     if is_staging(dest):
         raise ConfigError(f"{dest} is a staging directory name; choose another destination")
+    check_apart(dest, store.path, "checkpoint destination")
     check_new_dir(dest, overwrite, "checkpoint destination")
     try:
         staging = staging_dir(dest)
@@ -537,6 +549,7 @@ def restore(dest: str | os.PathLike, path: str | os.PathLike, **open_kwargs: Any
     tables = open_kwargs.pop("tables", manifest["specs"])
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise ConfigError(f"store path {path} exists and is not a directory")
+    check_apart(path, dest, "store path", "the checkpoint")
     src = dest / DATA
     if not src.is_file():
         raise StoreCorruptError(f"checkpoint {dest} is missing {DATA}")

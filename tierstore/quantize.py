@@ -26,7 +26,7 @@ from .backends.lmdb_backend import META_DB, encode_keys, fsync_path
 from .backends.record import CHECK_BYTES, seal
 from .config import TableSpec
 from .errors import ConfigError, ConfigMismatchError
-from .persistence import check_new_dir, os_error, publish_dir, staging_dir, write_json_atomic
+from .persistence import check_apart, check_new_dir, os_error, publish_dir, staging_dir, write_json_atomic
 
 if TYPE_CHECKING:
     from .store import TierStore
@@ -100,6 +100,8 @@ def export_quantized(src: TierStore | str | os.PathLike, dest: str | os.PathLike
 
     _check_dtype(dtype)
     dest = Path(dest)
+    check_apart(dest, src.path if hasattr(src, "path") else Path(src), "export destination",
+                "the source")
     check_new_dir(dest, overwrite, "export destination")
     t0 = time.perf_counter()
     with _source(src) as (backend, txn):

@@ -17,6 +17,7 @@ from ..export import MANIFEST as EXPORT_MANIFEST
 from ..export import _read_shard, export_store, read_export_manifest
 from ..persistence import (
     DIGEST_KEY,
+    check_apart,
     check_new_dir,
     os_error,
     publish_dir,
@@ -47,6 +48,7 @@ def export_sharded(src: str | os.PathLike, dest: str | os.PathLike, *, level: in
     plan = sharded_plan_of(src)
     if plan is None:
         raise ConfigError(f"{src} is not a sharded store or sharded checkpoint")
+    check_apart(dest, src, "export destination", "the source")
     check_new_dir(dest, overwrite, "export destination")
     t0 = time.perf_counter()
     try:
@@ -99,6 +101,7 @@ def import_sharded(src: str | os.PathLike, path: str | os.PathLike, world_size: 
         old = manifest.get("sharding")
         sharding = {t: p["kind"] for t, p in old["tables"].items()} if old else "row"
     plan = make_plan(specs, world_size, sharding)
+    check_apart(path, src, "import destination", "the export")
     check_new_dir(path, False, "import destination")
     shuffle = bool(manifest["codec"].get("shuffle"))
     try:

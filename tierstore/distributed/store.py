@@ -14,6 +14,7 @@ import torch
 
 from ..config import TableSpec
 from ..errors import ConfigError, ConfigMismatchError, StoreCorruptError
+from ..persistence import check_apart
 from ..store import TierStore
 from .comm import Comm, guarded, timeout_seconds
 from .plan import ShardingPlan, make_plan
@@ -150,6 +151,7 @@ class ShardedTierStore:
         dest = Path(dest)
 
         def shard() -> dict:
+            check_apart(dest, self.local.path, "checkpoint destination")
             if (dest / MANIFEST).exists() and not overwrite:
                 raise ConfigError(f"checkpoint {dest} exists; pass overwrite=True to replace it")
             dest.mkdir(parents=True, exist_ok=True)
