@@ -1,0 +1,232 @@
+"""The CPU backend: one numba kernel pools every (feature, bag) pair of a step, one updates every
+unique row of every table.
+
+Each kernel reproduces the float32 operations of the fused per-table kernels
+(`tierstore.fused`) in the same order, so a row's bits do not depend on which path or how many
+tables shared the call; no fast-math flag is set, so LLVM contracts no multiply-add into an FMA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._kernels import HAVE_NUMBA
+from .._parallel import parallel_for
+from .plan import Plan, StepBatch
+
+POOL_CHUNK = 256  # bags per thread, at the least
+
+if HAVE_NUMBA:
+    import numba
+
+    from .._kernels import PREFETCH_AHEAD, prefetch_row
+    from ..fused import csr_by_group
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _row(src, slots, work, work_of, u):  # pragma: no cover - compiled
+        """Unique row u: its decoded copy in `work` (16-bit tables), else its slot of `src`."""
+        w = work_of[u] if work_of.shape[0] else -1
+        return work[w] if w >= 0 else src[slots[u]]
+
+    @numba.njit(cache=True, nogil=True)
+    def forward_kernel(src, slots, work, work_of, inverse, offsets, bag_out, bag_feat, psw,
+                       feat_table, feat_col, feat_mode, tab_dim, out, argmax, lo,
+                       hi):  # pragma: no cover - compiled
+        """Pool bags [lo, hi): sum, mean or max (arg-max positions to `argmax`) of their rows."""
+        n_total = inverse.shape[0]
+        has_w = psw.shape[0] > 0
+        for b in range(lo, hi):
+            f = bag_feat[b]
+            dim = tab_dim[feat_table[f]]
+            col = feat_col[f]
+            mode = feat_mode[f]
+            acc = out[bag_out[b], col : col + dim]
+            p0, p1 = offsets[b], offsets[b + 1]
+            for d in range(dim):
+                acc[d] = np.float32(0.0)
+            if mode == 2:  # max: the first of equal values wins, as torch's
+                for d in range(dim):
+                    argmax[b, d] = -1
+                for p in range(p0, p1):
+                    row = _row(src, slots, work, work_of, inverse[p])
+                    for d in range(dim):
+                        v = row[d]
+                        if p == p0 or v > acc[d]:
+                            acc[d] = v
+                            argmax[b, d] = p
+                continue
+            for p in range(p0, p1):
+                q = p + PREFETCH_AHEAD
+                if q < n_total and work_of.shape[0] == 0:
+                    prefetch_row(src, slots[inverse[q]])
+                row = _row(src, slots, work, work_of, inverse[p])
+                if has_w:
+                    w = psw[p]
+                    for d in range(dim):
+                        acc[d] += row[d] * w
+                else:
+                    for d in range(dim):
+                        acc[d] += row[d]
+            if mode == 1 and p1 > p0:
+                cnt = np.float32(p1 - p0)
+                for d in range(dim):
+                    acc[d] = acc[d] / cnt
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _sum_squares(g, dim, part):  # pragma: no cover - compiled
+        """Sum of g[d]**2 in the fused kernels' fixed order (8 lanes, then a fixed tree)."""
+        for j in range(8):
+            part[j] = np.float32(0.0)
+        full = dim - dim % 8
+        for base in range(0, full, 8):
+            for j in range(8):
+                part[j] += g[base + j] * g[base + j]
+        for d in range(full, dim):
+            part[d - full] += g[d] * g[d]
+        return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]))
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _clipped(x, clip):  # pragma: no cover - compiled
+        if x > clip:
+            return clip
+        if x < -clip:
+            return -clip
+        return x
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _update(row, g, part, dim, kind, params):  # pragma: no cover - compiled
+        """One optimizer step of payload row `row` from summed gradient g (the fused kernels' math)."""
+        if kind == 0:  # sgd
+            lr, wd = np.float32(params[0]), np.float32(params[1])
+            for d in range(dim):
+                row[d] = row[d] - lr * (g[d] + wd * row[d])
+        elif kind == 1:  # adagrad
+            lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
+            for d in range(dim):
+                gd = g[d] + wd * row[d]
+                acc = row[dim + d] + gd * gd
+                row[dim + d] = acc
+                row[d] = row[d] - lr * gd / (np.sqrt(acc) + eps)
+        elif kind == 2:  # rowwise_adagrad
+            lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
+            inv_dim = np.float32(1.0) / np.float32(dim)
+            for d in range(dim):
+                g[d] = g[d] + wd * row[d]
+            sq = _sum_squares(g, dim, part)
+            acc = row[dim] + sq * inv_dim
+            row[dim] = acc
+            mult = lr / (np.sqrt(acc) + eps)
+            for d in range(dim):
+                row[d] = row[d] - mult * g[d]
+        else:  # adam
+            lr, b1, b2 = params[0], params[1], params[2]
+            eps, wd = np.float32(params[3]), np.float32(params[4])
+            one_b1, one_b2 = np.float32(1.0 - b1), np.float32(1.0 - b2)
+            t = row[3 * dim] + np.float32(1.0)
+            row[3 * dim] = t
+            tt = np.float64(t)
+            step = np.float32(lr * np.sqrt(1.0 - b2**tt) / (1.0 - b1**tt))
+            for d in range(dim):
+                gd = g[d] + wd * row[d]
+                m = row[dim + d] + (gd - row[dim + d]) * one_b1
+                v = row[2 * dim + d] + (gd * gd - row[2 * dim + d]) * one_b2
+                row[dim + d] = m
+                row[2 * dim + d] = v
+                row[d] = row[d] - step * (m / (np.sqrt(v) + eps))
+
+    @numba.njit(cache=True, nogil=True)
+    def backward_kernel(table, slots, work, work_of, u_table, perm, starts, bag_of, bag_out,
+                        bag_feat, grad_out, scale, argmax, feat_col, feat_mode, tab_dim, tab_kind,
+                        tab_params, tab_clip, max_dim, lo, hi):  # pragma: no cover - compiled
+        """Sum each unique row's gradient over its positions in input order, then update it."""
+        g = np.empty(max_dim, dtype=np.float32)
+        part = np.empty(8, dtype=np.float32)
+        has_scale = scale.shape[0] > 0
+        zero = np.float32(0.0)
+        for u in range(lo, hi):
+            nxt = u + PREFETCH_AHEAD
+            if nxt < hi and work_of.shape[0] == 0:
+                prefetch_row(table, slots[nxt])
+            t = u_table[u]
+            dim = tab_dim[t]
+            clip = tab_clip[t]
+            for d in range(dim):
+                g[d] = zero
+            for k in range(starts[u], starts[u + 1]):
+                p = perm[k]
+                b = bag_of[p]
+                f = bag_feat[b]
+                gr = grad_out[bag_out[b], feat_col[f] : feat_col[f] + dim]
+                if feat_mode[f] == 2:  # max: only where this position was the arg-max
+                    for d in range(dim):
+                        g[d] += _clipped(gr[d], clip) if argmax[b, d] == p else zero
+                elif has_scale:
+                    s = scale[p]
+                    for d in range(dim):
+                        g[d] += _clipped(gr[d], clip) * s
+                else:
+                    for d in range(dim):
+                        g[d] += _clipped(gr[d], clip)
+            _update(_row(table, slots, work, work_of, u), g, part, dim, tab_kind[t], tab_params[t])
+
+    @numba.njit(cache=True, nogil=True)
+    def bag_of_kernel(offsets, out):  # pragma: no cover - compiled
+        """out[p] = the bag holding position p (`offsets` has one entry past the last bag)."""
+        for b in range(offsets.shape[0] - 1):
+            for p in range(offsets[b], offsets[b + 1]):
+                out[p] = b
+
+
+_I64 = np.empty(0, dtype=np.int64)
+_F32 = np.empty(0, dtype=np.float32)
+
+
+def _np(t: torch.Tensor | None, empty: np.ndarray) -> np.ndarray:
+    return empty if t is None else t.contiguous().numpy()
+
+
+class NumbaBackend:
+    """Table-batched CPU kernels (numba); one forward and one backward call per step."""
+
+    name = "numba"
+    device_type = "cpu"
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._arrays = tuple(a.numpy() for a in (plan.feat_table, plan.feat_col, plan.feat_mode,
+                                                 plan.tab_dim, plan.tab_kind, plan.tab_params,
+                                                 plan.tab_clip))
+
+    def forward(self, batch: StepBatch, src: torch.Tensor, slots: torch.Tensor,
+                work: torch.Tensor | None, work_of: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pooled (or per-id) rows [out_rows, out_width] and the max bags' arg-max positions."""
+        ft, fc, fm, td = self._arrays[:4]
+        out = torch.zeros((batch.out_rows, batch.out_width), dtype=torch.float32)
+        argmax = torch.empty((batch.n_bags, self.plan.max_dim) if self.plan.has_max else (0, 0),
+                             dtype=torch.int64)
+        w = _np(work, np.empty((0, 1), dtype=np.float32))
+        args = (src.numpy(), slots.numpy(), w, _np(work_of, _I64), batch.inverse.numpy(),
+                batch.offsets.numpy(), batch.bag_out.numpy(), batch.bag_feat.numpy(),
+                _np(batch.psw, _F32), ft, fc, fm, td, out.numpy(), argmax.numpy())
+        parallel_for(lambda lo, hi: forward_kernel(*args, lo, hi), batch.n_bags, POOL_CHUNK)
+        return out, (argmax if self.plan.has_max else None)
+
+    def backward(self, batch: StepBatch, table: torch.Tensor, slots: torch.Tensor,
+                 work: torch.Tensor | None, work_of: torch.Tensor | None, grad_out: torch.Tensor,
+                 scale: torch.Tensor | None, argmax: torch.Tensor | None, lo: int, hi: int) -> None:
+        """Update unique rows [lo, hi) in place: `table[slots[u]]` (or `work[work_of[u]]`)."""
+        if hi <= lo:
+            return
+        _, fc, fm, td, tk, tp, tc = self._arrays
+        perm, starts = csr_by_group(batch.inverse.numpy(), batch.n_unique)
+        bag_of = np.empty(batch.inverse.numel(), dtype=np.int64)
+        bag_of_kernel(batch.offsets.numpy(), bag_of)
+        w = _np(work, np.empty((0, 1), dtype=np.float32))
+        args = (table.numpy(), slots.numpy(), w, _np(work_of, _I64), batch.u_table.numpy(), perm,
+                starts, bag_of, batch.bag_out.numpy(), batch.bag_feat.numpy(),
+                grad_out.contiguous().numpy(), _np(scale, _F32),
+                _np(argmax, np.empty((0, 0), dtype=np.int64)), fc, fm, td, tk, tp, tc,
+                self.plan.max_dim)
+        parallel_for(lambda a, b: backward_kernel(*args, lo + a, lo + b), hi - lo)
