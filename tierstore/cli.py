@@ -1,4 +1,8 @@
-"""The `tierstore` console command: inspect stores, run the demo and the policy benchmark."""
+"""The `tierstore` console command: inspect stores, run the demo and the policy benchmark.
+
+Only the commands that need torch import it: `tierstore --help`, `--version` and `info` answer
+without it (see `_TORCH_FREE`).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,9 @@ import argparse
 import json
 import sys
 
-from .backends.lmdb_backend import LmdbBackend
-from .config import TableSpec
+from . import __version__
+from .backends.lmdb_meta import LAST_OPEN, read_meta
 from .errors import TierstoreError
-from .store import LAST_OPEN
 
 # library keyword arguments named in error messages -> this command's flags
 _FLAG_NAMES = {"overwrite=True": "--overwrite", "map_limit": "--map-limit"}
@@ -44,28 +47,24 @@ def _kv(cfg: dict) -> str:
 
 def store_info(path: str) -> dict:
     """What `tierstore info` reports: format, seed, sizes, each table's specs and last-open specs."""
-    backend = LmdbBackend(path, readonly=True)
-    try:
-        store = backend.get_meta("store") or {}
-        last_open = backend.get_meta(LAST_OPEN) or {}
-        tables = [TableSpec.from_config(backend.get_meta(k)) for k in sorted(backend.meta_keys())
-                  if k.startswith("table:")]
-        report = {
-            "path": str(path),
-            "format_version": store.get("format_version"),
-            "seed": store.get("seed"),
-            "disk_bytes": backend.disk_bytes(),
-            "map_used_bytes": backend.used_bytes(),
-            "tables": [],
-        }
-        for t in tables:
-            cfg = t.to_config()
-            last = last_open.get(t.name)
-            report["tables"].append({**cfg, "rows_stored": backend.count(t.name),
-                                     "payload_floats": t.payload_dim,
+    raw = read_meta(path)
+    meta = raw["meta"]
+    store = meta.get("store") or {}
+    last_open = meta.get(LAST_OPEN) or {}
+    report = {
+        "path": str(path),
+        "format_version": store.get("format_version"),
+        "seed": store.get("seed"),
+        "disk_bytes": raw["disk_bytes"],
+        "map_used_bytes": raw["map_used_bytes"],
+        "tables": [],
+    }
+    for key in sorted(meta):
+        if key.startswith("table:"):
+            cfg = meta[key]
+            last = last_open.get(cfg["name"])
+            report["tables"].append({**cfg, "rows_stored": raw["rows"].get(cfg["name"], 0),
                                      "last_open": last if last not in (None, cfg) else None})
-    finally:
-        backend.close()
     return report
 
 
@@ -158,58 +157,85 @@ def _compact(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Shows an option's default once: unless its help already says it, or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or \
+                not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _command(sub: argparse._SubParsersAction, name: str, summary: str, description: str,
+             func) -> argparse.ArgumentParser:
+    """A subcommand with its one-line summary (in `tierstore --help`) and its description."""
+    p = sub.add_parser(name, help=summary, description=f"{summary[0].upper()}{summary[1:]}.\n\n"
+                       f"{description}", formatter_class=_Formatter)
+    p.set_defaults(func=func)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `tierstore` command's parser (forwarding subcommands are listed, parsed by their module)."""
-    fmt = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__, formatter_class=fmt,
+    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__, formatter_class=_Formatter,
                                      epilog="`tierstore COMMAND -h` shows a command's options.")
+    parser.add_argument("--version", action="version", version=f"tierstore {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    p = sub.add_parser("info", help="tables, rows stored, bytes on disk and config of a store",
-                       formatter_class=fmt)
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_info)
+    p = _command(sub, "info", "tables, rows stored, bytes on disk and config of a store",
+                 "Reads the store's metadata only (no rows), so it is safe beside a live store.",
+                 _info)
+    p.add_argument("path", help="the store's directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     for name, (_, text) in _forwarded().items():
         sub.add_parser(name, help=f"{text} (all options: tierstore {name} -h)", add_help=False)
-    p = sub.add_parser("export", help="portable, versioned dump of a store or checkpoint",
-                       formatter_class=fmt)
+    p = _command(sub, "export", "portable, versioned dump of a store or checkpoint",
+                 "Writes zstd-compressed shards and a checksummed manifest; `tierstore import`\n"
+                 "builds a new store from it. The source must not be open for writing elsewhere.",
+                 _export)
     p.add_argument("src", help="store directory (not open elsewhere) or checkpoint directory")
-    p.add_argument("dest")
-    p.add_argument("--level", type=int, default=1, help="zstd level")
+    p.add_argument("dest", help="a new directory for the export")
+    p.add_argument("--level", type=int, default=1, help="zstd level, 1-22")
     p.add_argument("--no-shuffle", action="store_true", help="do not byte-shuffle floats")
     p.add_argument("--shard-size", default="32MiB", help="raw bytes per shard")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dest")
     p.add_argument("--dtype", choices=("float32", "int8", "int4"), default="float32",
                    help="float32: the full portable dump (weights and optimizer state); int8/int4: "
                         "row-wise quantized weights for inference (serve with a read-only store)")
-    p.set_defaults(func=_export)
-    p = sub.add_parser("import", help="build a new store from an export", formatter_class=fmt)
-    p.add_argument("src")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = _command(sub, "import", "build a new store from an export",
+                 "Verifies every shard's checksum; the store appears at PATH only once complete.",
+                 _import)
+    p.add_argument("src", help="an export directory (from `tierstore export`)")
     p.add_argument("path", help="a new (or empty) directory for the store")
-    p.add_argument("--map-limit", default=None, help="cap on the store's size, e.g. 100GiB")
+    p.add_argument("--map-limit", default=None, help="cap on the store's size, e.g. 100GiB "
+                   "(default: no cap)")
     p.add_argument("--world-size", type=int, default=None,
                    help="build a sharded store for N ranks (re-partitioned by the new plan)")
     p.add_argument("--sharding", choices=("row", "table"), default=None,
                    help="with --world-size: the plan (default: the export's, else row)")
-    p.set_defaults(func=_import)
-    p = sub.add_parser("checkpoint-verify", help="check a checkpoint's manifest and checksums",
-                       formatter_class=fmt)
-    p.add_argument("dest")
-    p.set_defaults(func=_checkpoint_verify)
-    p = sub.add_parser("upgrade", help="convert a closed store of on-disk format 1 or 2 to format 3",
-                       formatter_class=fmt)
-    p.add_argument("path")
-    p.set_defaults(func=_upgrade)
-    p = sub.add_parser("expire", help="delete rows not updated for K clock steps, then compact",
-                       formatter_class=fmt)
-    p.add_argument("path")
-    p.add_argument("--older-than", type=int, required=True, metavar="K")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = _command(sub, "checkpoint-verify", "check a checkpoint's manifest and checksums",
+                 "Reads every file of the checkpoint and compares it with its manifest.",
+                 _checkpoint_verify)
+    p.add_argument("dest", help="the checkpoint's directory")
+    p = _command(sub, "upgrade", "convert a closed store of on-disk format 1 or 2 to format 3",
+                 "Rewrites the store in place; the store must not be open elsewhere.", _upgrade)
+    p.add_argument("path", help="the store's directory")
+    p = _command(sub, "expire", "delete rows not updated for K clock steps, then compact",
+                 "K counts steps of the store's clock (`TierStore.advance`), as `TableSpec(ttl=K)`\n"
+                 "does. The store must not be open elsewhere.", _expire)
+    p.add_argument("path", help="the store's directory")
+    p.add_argument("--older-than", type=int, required=True, metavar="K",
+                   help="delete rows last updated more than K clock steps ago")
     p.add_argument("--table", default=None, help="only this table (default: all)")
-    p.set_defaults(func=_expire)
-    p = sub.add_parser("compact", help="rewrite a closed store's file in key order (smaller)",
-                       formatter_class=fmt)
-    p.add_argument("path")
-    p.set_defaults(func=_compact)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = _command(sub, "compact", "rewrite a closed store's file in key order (smaller)",
+                 "Copies the rows into a new file in key order and swaps it in; the store must\n"
+                 "not be open elsewhere.", _compact)
+    p.add_argument("path", help="the store's directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 

@@ -29,14 +29,13 @@ from .lmdb_compact import fsync_path as fsync_path  # re-exported
 from .lmdb_compact import write_compact as write_compact  # re-exported
 from .lmdb_log import LogIO
 from .lmdb_map import MemoryMap, _file_resident
+from .lmdb_meta import DATA_NAME, META_DB  # noqa: F401 (re-exported)
 from .lmdb_snapshots import Snapshots
 from .lmdb_tables import TableRows
 from .pages import PageReader
 from .publish import Publisher
 
-META_DB = b"__tierstore_meta__"
 LOCK_NAME = "tierstore.lock"
-DATA_NAME = "data.mdb"
 COMPACT_PREFIX = ".compact-"
 STORE_MARK = b"tierstore-store"  # written into the lock file once the store's metadata is durable
 _INITIAL_MAP = 1 << 30

@@ -23,8 +23,8 @@ import lmdb
 
 from ..errors import StoreCorruptError
 from . import lmdb_backend as _lb
+from .lmdb_meta import LOG_DIR  # the log's environment, inside the store's directory
 
-LOG_DIR = "wlog"  # the log's environment, inside the store's directory
 LOG_DB = b"__tierstore_log__"  # the log's database (in the tables' environment before format 3)
 OWNER_DB = b"__tierstore_log_owner__"  # the identity of the store whose log this is (key b"store")
 DROP_HINT = ("; removing the directory {} opens the store with its rows as of its last flush (the "

@@ -10,6 +10,7 @@ import lmdb
 import torch
 
 from ..backends.lmdb_backend import lmdb_error
+from ..backends.lmdb_meta import LAST_OPEN  # noqa: F401 (re-exported)
 from ..config import TableSpec
 from ..errors import ConfigError
 
@@ -29,7 +30,6 @@ LOG_RINGS = 8  # the write-behind log holds at least this many rings of rows; it
 # merges more rows into each table leaf page, and more of its rows are superseded before a merge
 # (docs/design.md, "Merge density"). 3 * 2**20 rows fill the same power-of-two hash table as 2**21.
 LOG_MAX_ROWS = 3 << 20
-LAST_OPEN = "last_open"  # metadata record: the table specs of the latest open, per table
 
 
 @dataclass

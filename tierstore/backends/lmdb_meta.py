@@ -1,0 +1,70 @@
+"""A store's metadata read with py-lmdb alone: no torch, no numba (what `tierstore info` needs).
+
+`read_meta` opens the tables' environment read-only, without LMDB's lock file (as a read-only
+`LmdbBackend` does), and returns every metadata record, the rows stored per table and the bytes
+on disk. It writes nothing and takes no writer lock, so it works beside a live store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import lmdb
+
+from ..errors import StoreCorruptError, TierstoreError
+
+META_DB = b"__tierstore_meta__"
+DATA_NAME = "data.mdb"
+LOG_DIR = "wlog"  # the write-behind log's environment, inside the store's directory
+LAST_OPEN = "last_open"  # metadata record: the table specs of the latest open, per table
+
+
+def _allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512 if path.exists() else 0
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """{"meta": {key: record}, "rows": {table: rows stored}, "disk_bytes", "map_used_bytes"}."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise TierstoreError(f"store path {path} exists and is not a directory")
+    if not (path / DATA_NAME).exists():
+        raise StoreCorruptError(f"{path} holds no tierstore data (no data.mdb)")
+    try:
+        env = lmdb.open(str(path), readonly=True, lock=False, subdir=True, max_dbs=4096,
+                        readahead=False)
+    except lmdb.Error as exc:
+        raise StoreCorruptError(f"cannot open LMDB store at {path}: {exc}") from exc
+    try:
+        info, stat = env.info(), env.stat()
+        used = (info["last_pgno"] + 1) * stat["psize"]
+        have = (path / DATA_NAME).stat().st_size
+        if have < used:
+            raise StoreCorruptError(f"store {path}: {DATA_NAME} is truncated ({have} bytes, "
+                                    f"LMDB needs {used})")
+        with env.begin() as txn:
+            try:
+                meta_db = env.open_db(META_DB, txn=txn, create=False)
+            except lmdb.NotFoundError:
+                raise StoreCorruptError(f"store at {path} has no tierstore metadata") from None
+            meta = {k.decode(): json.loads(v) for k, v in txn.cursor(db=meta_db)}
+            rows = {}
+            for key in meta:
+                if key.startswith("table:"):
+                    table = key[len("table:"):]
+                    try:
+                        db = env.open_db(f"t:{table}".encode(), txn=txn, create=False)
+                    except lmdb.NotFoundError:
+                        rows[table] = 0
+                        continue
+                    rows[table] = int(txn.stat(db)["entries"])
+    except lmdb.Error as exc:
+        raise StoreCorruptError(f"cannot read the metadata of store {path}: {exc}") from exc
+    except ValueError as exc:
+        raise StoreCorruptError(f"store {path}: metadata is not valid JSON") from exc
+    finally:
+        env.close()
+    disk = _allocated(path / DATA_NAME) + _allocated(path / LOG_DIR / DATA_NAME)
+    return {"meta": meta, "rows": rows, "disk_bytes": disk, "map_used_bytes": used}
