@@ -136,6 +136,8 @@ class Plan:
         self.out_width = col if pooled else self.max_dim
         self.has_max = any(f.mode == MAX for f in self.features)
         self.packed = any(t.packed for t in self.tables)
+        self.has_mean = any(f.mode == MEAN for f in self.features)
+        self.has_adam = any(t.kind == KINDS["adam"] for t in self.tables)
         # per-feature and per-table arrays the kernels index (CPU; backends move them)
         self.feat_table = torch.tensor([f.table for f in self.features], dtype=torch.int64)
         self.feat_col = torch.tensor([f.col for f in self.features], dtype=torch.int64)
@@ -188,14 +190,15 @@ class Plan:
     def scale(self, batch: StepBatch) -> torch.Tensor | None:
         """Per-position gradient scale: 1/len for mean bags (float32, as the fused path), times
         the per-sample weights; None when every position's scale is 1."""
-        has_mean = bool((self.feat_mode == MEAN).any())
-        if not has_mean:
+        if not self.has_mean:
             return batch.psw
-        n = batch.inverse.numel()
-        lengths = torch.diff(batch.offsets.to("cpu"))
-        bag_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        offsets = batch.offsets
+        dev = offsets.device
+        lengths = offsets[1:] - offsets[:-1]
+        pos = torch.arange(batch.inverse.numel(), dtype=torch.int64, device=dev)
+        bag_of = torch.searchsorted(offsets[1:], pos, right=True)  # no host sync, unlike repeat
         inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)
-        mean_bag = self.feat_mode.index_select(0, batch.bag_feat.to("cpu")) == MEAN
+        mean_bag = self.feat_mode.to(dev).index_select(0, batch.bag_feat) == MEAN
         per_bag = torch.where(mean_bag, inv_len, torch.ones_like(inv_len))
-        scale = per_bag.index_select(0, bag_of) if n else per_bag[:0]
+        scale = per_bag.index_select(0, bag_of)
         return scale if batch.psw is None else scale * batch.psw

@@ -1,0 +1,77 @@
+"""The Triton backend under the interpreter (TRITON_INTERPRET=1, CPU tensors) against numba,
+bit for bit; and its step makes no call that would synchronize a CUDA device."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") in (None, "", "0") and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import: kernels on CPU tensors
+triton = pytest.importorskip("triton")
+
+from hypothesis import given, settings  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from tests.engine_cases import Case, cases, engine_step  # noqa: E402
+from tests.profiles import examples  # noqa: E402
+from tierstore.engine import Engine, Plan, interpreting  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
+
+
+@settings(max_examples=examples(0.4))
+@given(case=cases(modes=("sum", "mean", "max"), dtypes=("float32", "float16", "bfloat16")))
+def test_triton_equals_numba_bit_for_bit(case: Case):
+    out, slab = engine_step(case, "numba")
+    t_out, t_slab = engine_step(case, "triton")
+    assert torch.equal(out, t_out)
+    assert torch.equal(slab.view(torch.int32), t_slab.view(torch.int32))
+
+
+SYNCING = ("_local_scalar_dense", "nonzero", "unique", "item")
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts aten calls that make a CUDA host wait (scalar reads, data-dependent shapes, copies
+    to the host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__ if hasattr(func, "__name__") else str(func)
+        kwargs = kwargs or {}
+        to_host = "_to_copy" in name and str(kwargs.get("device", "")) == "cpu"
+        if any(s in name for s in SYNCING) or to_host:
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+def test_triton_step_makes_no_syncing_call():
+    import tierstore as ts
+
+    specs = [ts.TableSpec("a", 50, 8, optimizer=ts.RowWiseAdagrad(0.1)),
+             ts.TableSpec("b", 40, 4, optimizer=ts.Adam(0.01))]
+    plan = Plan(specs, [("x", "a", "sum"), ("y", "b", "mean"), ("z", "a", "max")])
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 4, (12,), generator=g)
+    ids = [torch.randint(0, 50, (int(lengths[:4].sum()),), generator=g),
+           torch.randint(0, 40, (int(lengths[4:8].sum()),), generator=g),
+           torch.randint(0, 50, (int(lengths[8:].sum()),), generator=g)]
+    ua, ia = torch.unique(torch.cat([ids[0], ids[2]]), return_inverse=True)
+    ub, ib = torch.unique(ids[1], return_inverse=True)
+    k = ids[0].numel()
+    batch = plan.step([ia[:k], ib, ia[k:]], [ua.numel(), ub.numel()], lengths)  # staged earlier
+    slab = torch.randn(100, 20, generator=g).abs()
+    slots = torch.cat([ua, 50 + ub])
+    eng = Engine(plan, "triton")
+    grad = torch.randn(4, 20, generator=g)
+    with SyncCounter() as counter:
+        out, fwd = eng.forward(batch, slab, slots)
+        eng.backward(batch, fwd, grad, slab, slots)
+    assert out.shape == (4, 20)
+    assert counter.calls == []

@@ -1,0 +1,264 @@
+"""The CUDA backend: the engine's forward and backward as Triton kernels.
+
+The same kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), where the
+tests check them against the numba backend bit for bit. Bits match because every float32
+operation is the numba kernels' in the same order: sums run position by position, rounding is
+explicit (`div_rn`, `sqrt_rn`, not the approximate CUDA instructions), row-wise Adagrad's sum
+of squares keeps its 8-lane order, and fp fusion is off at launch (no FMA contraction). Adam's
+step size (a float64 power) is computed once per row with torch ops before the kernel: torch's
+and libm's `pow` differ in the last float64 bit for some steps, which did not change the float32
+step size for any step count up to 2M in our check.
+
+No host synchronization: the gradient's CSR (a stable sort of positions by unique row, counts
+by scatter-add) and each position's bag (`searchsorted`) are computed with device ops whose
+output sizes the host already knows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .plan import Plan, StepBatch
+
+
+@triton.jit
+def _forward_kernel(src, src_stride, slots, work, work_stride, work_of, inverse, offsets, bag_out,
+                    bag_feat, psw, feat_table, feat_col, feat_mode, tab_dim, out, out_stride,
+                    argmax, am_stride, HAS_WORK: tl.constexpr, HAS_PSW: tl.constexpr,
+                    HAS_MAX: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    f = tl.load(bag_feat + b)
+    dim = tl.load(tab_dim + tl.load(feat_table + f))
+    col = tl.load(feat_col + f)
+    mode = tl.load(feat_mode + f)
+    r = tl.load(bag_out + b)
+    p0 = tl.load(offsets + b)
+    p1 = tl.load(offsets + b + 1)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < dim
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    mx = tl.zeros([BLOCK_D], dtype=tl.float32)
+    am = tl.full([BLOCK_D], -1, dtype=tl.int64)
+    for p in range(p0, p1):
+        u = tl.load(inverse + p)
+        s = tl.load(slots + u)
+        if HAS_WORK:
+            w = tl.load(work_of + u)
+            if w >= 0:
+                row = tl.load(work + w * work_stride + d, mask=dm, other=0.0)
+            else:
+                row = tl.load(src + s * src_stride + d, mask=dm, other=0.0)
+        else:
+            row = tl.load(src + s * src_stride + d, mask=dm, other=0.0)
+        if HAS_PSW:
+            acc += row * tl.load(psw + p)
+        else:
+            acc += row
+        if HAS_MAX:
+            take = (p == p0) | (row > mx)
+            mx = tl.where(take, row, mx)
+            am = tl.where(take, p, am)
+    cnt = (p1 - p0).to(tl.float32)
+    res = tl.where((mode == 1) & (p1 > p0), tl.div_rn(acc, tl.maximum(cnt, 1.0)), acc)
+    if HAS_MAX:
+        res = tl.where(mode == 2, mx, res)
+        if mode == 2:
+            tl.store(argmax + b * am_stride + d, am, mask=dm)
+    tl.store(out + r * out_stride + col + d, res, mask=dm)
+
+
+@triton.jit
+def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_table, perm, starts,
+                     bag_of, bag_out, bag_feat, grad_out, grad_stride, scale, argmax, am_stride,
+                     feat_col, feat_mode, tab_dim, tab_kind, tab_params, tab_clip, adam_step, lo,
+                     HAS_WORK: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_MAX: tl.constexpr,
+                     NCH: tl.constexpr):
+    u = lo + tl.program_id(0)
+    t = tl.load(u_table + u)
+    dim = tl.load(tab_dim + t)
+    clip = tl.load(tab_clip + t)
+    rr = tl.arange(0, NCH)[:, None]
+    cc = tl.arange(0, 8)[None, :]
+    d = rr * 8 + cc  # [NCH, 8]: lane d % 8, the order of row-wise Adagrad's sum of squares
+    dm = d < dim
+    g = tl.zeros([NCH, 8], dtype=tl.float32)
+    for k in range(tl.load(starts + u), tl.load(starts + u + 1)):
+        p = tl.load(perm + k)
+        b = tl.load(bag_of + p)
+        f = tl.load(bag_feat + b)
+        col = tl.load(feat_col + f)
+        gr = tl.load(grad_out + tl.load(bag_out + b) * grad_stride + col + d, mask=dm, other=0.0)
+        gr = tl.minimum(tl.maximum(gr, -clip), clip)
+        if HAS_SCALE:
+            gr = gr * tl.load(scale + p)
+        if HAS_MAX:
+            sel = tl.load(argmax + b * am_stride + d, mask=dm, other=-1) == p
+            gr = tl.where((tl.load(feat_mode + f) != 2) | sel, gr, 0.0)
+        g += gr
+    s = tl.load(slots + u)
+    base = table + s * tab_stride
+    if HAS_WORK:
+        w_at = tl.load(work_of + u)
+        if w_at >= 0:
+            base = work + w_at * work_stride
+    kind = tl.load(tab_kind + t)
+    w = tl.load(base + d, mask=dm, other=0.0)
+    if kind == 0:  # sgd
+        lr = tl.load(tab_params + t * 5).to(tl.float32)
+        wd = tl.load(tab_params + t * 5 + 1).to(tl.float32)
+        tl.store(base + d, w - lr * (g + wd * w), mask=dm)
+    elif kind == 1:  # adagrad
+        lr = tl.load(tab_params + t * 5).to(tl.float32)
+        eps = tl.load(tab_params + t * 5 + 1).to(tl.float32)
+        wd = tl.load(tab_params + t * 5 + 2).to(tl.float32)
+        gd = g + wd * w
+        acc = tl.load(base + dim + d, mask=dm, other=0.0) + gd * gd
+        tl.store(base + dim + d, acc, mask=dm)
+        tl.store(base + d, w - tl.div_rn(lr * gd, tl.sqrt_rn(acc) + eps), mask=dm)
+    elif kind == 2:  # rowwise_adagrad
+        lr = tl.load(tab_params + t * 5).to(tl.float32)
+        eps = tl.load(tab_params + t * 5 + 1).to(tl.float32)
+        wd = tl.load(tab_params + t * 5 + 2).to(tl.float32)
+        gd = g + wd * w
+        sq = tl.where(dm, gd * gd, 0.0)
+        part = tl.zeros([8], dtype=tl.float32)
+        for i in tl.static_range(NCH):  # lane sums in order of d (picking a row is exact)
+            part += tl.sum(tl.where(rr == i, sq, 0.0), axis=0)
+        lane = tl.arange(0, 8)
+        p_0 = tl.sum(tl.where(lane == 0, part, 0.0))
+        p_1 = tl.sum(tl.where(lane == 1, part, 0.0))
+        p_2 = tl.sum(tl.where(lane == 2, part, 0.0))
+        p_3 = tl.sum(tl.where(lane == 3, part, 0.0))
+        p_4 = tl.sum(tl.where(lane == 4, part, 0.0))
+        p_5 = tl.sum(tl.where(lane == 5, part, 0.0))
+        p_6 = tl.sum(tl.where(lane == 6, part, 0.0))
+        p_7 = tl.sum(tl.where(lane == 7, part, 0.0))
+        total = ((p_0 + p_1) + (p_2 + p_3)) + ((p_4 + p_5) + (p_6 + p_7))
+        inv_dim = tl.div_rn(tl.full([], 1.0, tl.float32), dim.to(tl.float32))
+        acc = tl.load(base + dim) + total * inv_dim
+        tl.store(base + dim, acc)
+        mult = tl.div_rn(lr, tl.sqrt_rn(acc) + eps)
+        tl.store(base + d, w - mult * gd, mask=dm)
+    else:  # adam
+        b1 = tl.load(tab_params + t * 5 + 1)
+        b2 = tl.load(tab_params + t * 5 + 2)
+        eps = tl.load(tab_params + t * 5 + 3).to(tl.float32)
+        wd = tl.load(tab_params + t * 5 + 4).to(tl.float32)
+        one_b1 = (1.0 - b1).to(tl.float32)
+        one_b2 = (1.0 - b2).to(tl.float32)
+        tl.store(base + 3 * dim, tl.load(base + 3 * dim) + 1.0)
+        step = tl.load(adam_step + u - lo)
+        gd = g + wd * w
+        m0 = tl.load(base + dim + d, mask=dm, other=0.0)
+        v0 = tl.load(base + 2 * dim + d, mask=dm, other=0.0)
+        m = m0 + (gd - m0) * one_b1
+        v = v0 + (gd * gd - v0) * one_b2
+        tl.store(base + dim + d, m, mask=dm)
+        tl.store(base + 2 * dim + d, v, mask=dm)
+        tl.store(base + d, w - step * tl.div_rn(m, tl.sqrt_rn(v) + eps), mask=dm)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+class TritonBackend:
+    """Table-batched Triton kernels (CUDA, or the interpreter on CPU tensors)."""
+
+    name = "triton"
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def _arrays(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The plan's per-feature and per-table arrays on `device` (copied once per device)."""
+        got = self._on.get(device)
+        if got is None:
+            p = self.plan
+            got = tuple(a.to(device) for a in (p.feat_table, p.feat_col, p.feat_mode, p.tab_dim,
+                                               p.tab_kind, p.tab_params, p.tab_clip))
+            self._on[device] = got
+        return got
+
+    def forward(self, batch: StepBatch, src: torch.Tensor, slots: torch.Tensor,
+                work: torch.Tensor | None, work_of: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pooled (or per-id) rows [out_rows, out_width] and the max bags' arg-max positions."""
+        dev = src.device
+        ft, fc, fm, td = self._arrays(dev)[:4]
+        out = torch.zeros((batch.out_rows, batch.out_width), dtype=torch.float32, device=dev)
+        has_max = self.plan.has_max
+        argmax = torch.empty((batch.n_bags, self.plan.max_dim) if has_max else (1, 1),
+                             dtype=torch.int64, device=dev)
+        dummy_f = torch.zeros(1, dtype=torch.float32, device=dev)
+        dummy_i = torch.zeros(1, dtype=torch.int64, device=dev)
+        wk = work if work is not None else dummy_f.view(1, 1)
+        if batch.n_bags:
+            _forward_kernel[(batch.n_bags,)](
+                src, src.stride(0), slots, wk, wk.stride(0),
+                work_of if work_of is not None else dummy_i, batch.inverse, batch.offsets,
+                batch.bag_out, batch.bag_feat, batch.psw if batch.psw is not None else dummy_f,
+                ft, fc, fm, td, out, out.stride(0), argmax, argmax.stride(0),
+                HAS_WORK=work is not None, HAS_PSW=batch.psw is not None, HAS_MAX=has_max,
+                BLOCK_D=_pow2(self.plan.max_dim), enable_fp_fusion=False)
+        return out, (argmax if has_max else None)
+
+    def csr(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions sorted stably by unique row, each row's start there, each position's bag),
+        with no host synchronization."""
+        inv = batch.inverse
+        dev = inv.device
+        perm = torch.sort(inv, stable=True).indices
+        counts = torch.zeros(batch.n_unique + 1, dtype=torch.int64, device=dev)
+        counts.scatter_add_(0, inv + 1, torch.ones_like(inv))
+        starts = torch.cumsum(counts, 0)
+        pos = torch.arange(inv.numel(), dtype=torch.int64, device=dev)
+        bag_of = torch.searchsorted(batch.offsets[1:], pos, right=True)
+        return perm, starts, bag_of
+
+    def adam_steps(self, batch: StepBatch, table: torch.Tensor, slots: torch.Tensor,
+                   work: torch.Tensor | None, work_of: torch.Tensor | None, lo: int, hi: int
+                   ) -> torch.Tensor:
+        """Adam's float32 step size of unique rows [lo, hi) at their next step count (0 for
+        other optimizers), in float64 as the numba kernel computes it."""
+        dev = table.device
+        _, _, _, td, tk, tp, _ = self._arrays(dev)
+        ut = batch.u_table[lo:hi]
+        if not self.plan.has_adam:
+            return torch.zeros(1, dtype=torch.float32, device=dev)
+        col = 3 * td.index_select(0, ut)
+        t = table[slots[lo:hi], col.clamp(max=table.shape[1] - 1)]  # other tables: unused
+        if work is not None and work.shape[0]:
+            at = work_of[lo:hi]
+            t = torch.where(at >= 0, work[at.clamp(min=0), col.clamp(max=work.shape[1] - 1)], t)
+        tt = t.double() + 1.0
+        prm = tp.index_select(0, ut)
+        step = prm[:, 0] * torch.sqrt(1.0 - torch.pow(prm[:, 2], tt)) / (1.0 - torch.pow(prm[:, 1], tt))
+        return torch.where(tk.index_select(0, ut) == 3, step, 0.0).to(torch.float32)
+
+    def backward(self, batch: StepBatch, table: torch.Tensor, slots: torch.Tensor,
+                 work: torch.Tensor | None, work_of: torch.Tensor | None, grad_out: torch.Tensor,
+                 scale: torch.Tensor | None, argmax: torch.Tensor | None, lo: int, hi: int) -> None:
+        """Update unique rows [lo, hi) in place: `table[slots[u]]` (or `work[work_of[u]]`)."""
+        if hi <= lo:
+            return
+        dev = table.device
+        _, fc, fm, td, tk, tp, tc = self._arrays(dev)
+        perm, starts, bag_of = self.csr(batch)
+        dummy_f = torch.zeros(1, dtype=torch.float32, device=dev)
+        dummy_i = torch.zeros(1, dtype=torch.int64, device=dev)
+        wk = work if work is not None else dummy_f.view(1, 1)
+        am = argmax if argmax is not None else dummy_i.view(1, 1)
+        grad_out = grad_out.contiguous()
+        step = self.adam_steps(batch, table, slots, work, work_of, lo, hi)
+        _backward_kernel[(hi - lo,)](
+            table, table.stride(0), slots, wk, wk.stride(0),
+            work_of if work_of is not None else dummy_i, batch.u_table, perm, starts, bag_of,
+            batch.bag_out, batch.bag_feat, grad_out, grad_out.stride(0),
+            scale if scale is not None else dummy_f, am, am.stride(0), fc, fm, td, tk, tp, tc,
+            step, lo, HAS_WORK=work is not None, HAS_SCALE=scale is not None,
+            HAS_MAX=argmax is not None, NCH=max(1, _pow2(self.plan.max_dim) // 8),
+            enable_fp_fusion=False)
