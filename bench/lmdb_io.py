@@ -63,12 +63,12 @@ class Run:
         self.peak_file = 0
 
     def _with_layout(self, fn, *a):
-        old = lmdb_backend.TXN_ROWS
-        lmdb_backend.TXN_ROWS = self.cfg["txn_rows"]
+        old = self.backend.txn_rows
+        self.backend.txn_rows = self.cfg["txn_rows"]
         try:
             return fn(*a)
         finally:
-            lmdb_backend.TXN_ROWS = old
+            self.backend.txn_rows = old
 
     def grow(self, rows_per_table: int) -> None:
         """Fill each table with random rows in puts of `batch` rows (as evictions would)."""

@@ -403,7 +403,7 @@ def test_kill9_with_admission_keeps_rows_and_sketch_at_a_flush_point(tmp_path, a
                       if (p / persistence.MANIFEST).exists())
         assert done
         step = persistence.read_manifest(done[-1])["step"]
-        back = persistence.restore(done[-1], tmp_path / "r", device_capacity=32, host_capacity=32,
+        back = ts.TierStore.restore(done[-1], tmp_path / "r", device_capacity=32, host_capacity=32,
                                    device="cpu")
         for s in range(step + 1, acked + 6):
             w.train_step(back, s)

@@ -16,7 +16,7 @@ import pytest
 
 from tests import crash_worker as w
 from tests.reference import DictStore
-from tierstore import persistence
+from tierstore import TierStore, persistence
 
 REPO = Path(__file__).resolve().parents[1]
 FLUSH_EVERY, CKPT_EVERY = 2, 5
@@ -174,7 +174,7 @@ def run_trial(tmp: Path, ref: Reference, model: PayloadModel, rng: random.Random
             persistence.verify_checkpoint(p)
         last = done[-1]
         step = persistence.read_manifest(last)["step"]
-        back = persistence.restore(last, tmp / "restored", device_capacity=32, host_capacity=32,
+        back = TierStore.restore(last, tmp / "restored", device_capacity=32, host_capacity=32,
                                    device="cpu")
         got = w.dump_backend(back.backend)
         back.close()

@@ -921,7 +921,7 @@ two[:, :4] = (rows % 997 + 2).astype(np.float32)[:, None]
 with s.writeback._cv:  # version 2 of every row: committed to the log, not merged
     s.log.append(np.zeros(len(rows), dtype=np.int64), rows, two)
 wal.merge.MERGE_ROWS = 500  # a merge of 20 pieces, each its own transaction
-lmdb_backend.TXN_ROWS = 500
+s.backend.txn_rows = 500
 commit = lmdb_backend.LmdbBackend._commit
 
 def slow_commit(self, parts, total):

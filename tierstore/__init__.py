@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__ as __version__
 from .errors import (
     CapacityError,
     ConfigError,
@@ -26,8 +27,6 @@ from .errors import (
     TierstoreError,
     UnknownTableError,
 )
-
-__version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _LAZY = {

@@ -20,9 +20,13 @@ import torch
 
 from ._kernels import HAVE_NUMBA
 from .errors import ConfigError, StoreCorruptError
+from .fused import pool as fused_pool
+from .gathered import Gathered
+from .index import dedup, sort_unique
+from .sizes import parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .store import Gathered, TierStore, _Table
+    from .store import TierStore, _Table
 
 LINE = 64  # bytes (= 8-bit counters) per sketch line: one cache line per id
 PAGE_SHIFT = 16  # sketch pages of 64 KiB are the unit of persistence
@@ -58,8 +62,6 @@ class CountAdmission(Admission):
     depth: int = 4
 
     def __post_init__(self) -> None:
-        from .config import parse_size
-
         k = self.min_count
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_MIN_COUNT:
             raise ConfigError(f"min_count must be an int in [1, {MAX_MIN_COUNT}], got {k!r}")
@@ -410,9 +412,6 @@ def read_masked(store: TierStore, tab: _Table, ids: torch.Tensor, mask: np.ndarr
 
 def gather_masked(store: TierStore, tab: _Table, ids: torch.Tensor, mask: np.ndarray) -> Gathered:
     """`gather` with only the `mask`ed ids admitted: the others get initial, uncached rows."""
-    from .index import dedup, sort_unique
-    from .store import Gathered
-
     uniq, inv = sort_unique(*dedup(ids))
     ukeep = torch.zeros(uniq.numel(), dtype=torch.bool)
     ukeep[inv] = torch.from_numpy(mask)
@@ -428,8 +427,6 @@ def pool_masked(store: TierStore, tab: _Table, ids: torch.Tensor, mask: np.ndarr
                 offsets: torch.Tensor, psw: torch.Tensor | None, mode: str
                 ) -> tuple[torch.Tensor, Gathered]:
     """The module's pooled forward when some ids are not admitted (they pool their init rows)."""
-    from .fused import pool as fused_pool
-
     g = gather_masked(store, tab, ids, mask)
     dim = tab.spec.dim
     if store.fused and store.device_tier.device.type == "cpu":

@@ -77,8 +77,8 @@ def _forwarded() -> dict[str, tuple[str, str]]:
 
 
 def _upgrade(args: argparse.Namespace) -> int:
+    from .backends.format import FORMAT_VERSION
     from .backends.upgrade import upgrade_store
-    from .store import FORMAT_VERSION
 
     report = upgrade_store(args.path)
     state = f"converted {report['rows']} rows" if report["upgraded"] else \
@@ -139,7 +139,7 @@ def _checkpoint_verify(args: argparse.Namespace) -> int:
 
 
 def _expire(args: argparse.Namespace) -> int:
-    from .expiry import expire_path
+    from .offline import expire_path
 
     r = expire_path(args.path, args.older_than, args.table)
     print(f"expired {sum(r['deleted'].values())} rows last updated more than {r['older_than']} "

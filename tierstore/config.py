@@ -5,18 +5,20 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields, replace
 
+import torch
+
 from .admission import Admission, admission_from_config
 from .errors import ConfigError
 from .initializers import INITIALIZERS, Initializer, UniformInit, initializer_from_config
 from .optimizers import SGD, Optimizer, optimizer_from_config
 from .precision import CODECS, Codec
+from .sizes import parse_capacity as parse_capacity  # re-exported
+from .sizes import parse_map_limit as parse_map_limit  # re-exported
+from .sizes import parse_size as parse_size  # re-exported
 
 MAX_ROWS = 2**63 - 1
 DTYPES = tuple(CODECS)  # float32, float16, bfloat16 (see tierstore/precision.py)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
 @dataclass(frozen=True)
@@ -121,38 +123,6 @@ class TableSpec:
                    ttl=cfg.get("ttl"))
 
 
-def parse_size(value: int | str) -> int:
-    """Parse a byte size like "512MiB", "4GiB", "1.5GB" or a plain int of bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    m = _SIZE_RE.match(str(value))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ConfigError(f"cannot parse size {value!r}; use e.g. 4096, '512MiB', '4GiB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def parse_map_limit(value: int | str | None) -> int | None:
-    """Parse a map limit: None (no cap) or a positive byte size."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"map_limit must be a byte size or None, got {value!r}")
-    size = parse_size(value)
-    if size <= 0:
-        raise ConfigError(f"map_limit must be a positive byte size or None, got {value!r}")
-    return size
-
-
-def parse_capacity(value: int | str, row_bytes: int) -> int:
-    """Turn a capacity (a row count, or a size string like "512MiB") into a row count."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"capacity must be a row count or a size string, got {value!r}")
-    rows = value if isinstance(value, int) else parse_size(value) // max(row_bytes, 1)
-    if rows < 0:
-        raise ConfigError(f"capacity must be >= 0, got {value!r}")
-    return rows
-
-
 KERNELS = ("auto", "numba", "triton")
 
 
@@ -202,3 +172,16 @@ class StoreConfig:
             raise ConfigError(f"unknown store option(s) {unknown}; known: {sorted(known)}")
         base = config if config is not None else cls()
         return replace(base, **options) if options else base
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """The torch device a store runs on: `device`, or CUDA when available, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"invalid device {device!r}: {exc}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} requested but CUDA is not available")
+    return dev

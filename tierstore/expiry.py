@@ -183,28 +183,6 @@ def expire(store: TierStore, table: str | None, older_than: int) -> dict[str, in
     return out
 
 
-def expire_path(path: str, older_than: int, table: str | None = None) -> dict:
-    """`tierstore expire`: open a closed store, expire its old rows, close it (compacting)."""
-    from .backends.lmdb_backend import LmdbBackend
-    from .persistence import compact
-    from .store import TierStore, open_tables
-
-    older_than = check_older_than(older_than)
-    specs = list(open_tables(path))
-    meta = LmdbBackend(path, readonly=True)
-    try:
-        seed = int((meta.get_meta("store") or {}).get("seed", 0))
-    finally:
-        meta.close()
-    with TierStore(path, specs, seed=seed, device="cpu", device_capacity=0,
-                   host_capacity=0) as store:
-        before = store.backend.disk_bytes()
-        deleted = store.expire(table, older_than)
-        clock = store.clock
-    sizes = compact(path)
-    return {"path": str(path), "clock": clock, "older_than": older_than, "deleted": deleted,
-            "bytes_before": before, "bytes_after": sizes["bytes_after"]}
-
 
 class Expiry:
     """A store's expiry state: cutoffs per table, the ttl's expiry points and its deleter thread."""

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zstandard
 
+from ._version import __version__
+from .backends.format import FORMAT_VERSION, ROW_FORMATS
 from .backends.lmdb_backend import LmdbBackend, lmdb_errors
 from .backends.wal import replay_stored
 from .config import TableSpec, parse_size
@@ -117,8 +119,6 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
                  shuffle: bool = True, shard_bytes: int | str = DEFAULT_SHARD_BYTES,
                  overwrite: bool = False) -> dict:
     """Dump every table of a store (or checkpoint) to `dest` as compressed shards; the manifest."""
-    from . import __version__
-    from .store import FORMAT_VERSION, ROW_FORMATS
 
     dest = Path(dest)
     shard_bytes = parse_size(shard_bytes)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _kernels, _memory
+import tierstore._kernels as _kernels
+import tierstore._memory as _memory
+
 from ._parallel import parallel_for
 from .errors import ConfigError, ShapeError, StoreCorruptError
 

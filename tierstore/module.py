@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import validate
+import tierstore.validate as validate
+
 from .admission import pool_masked
 from .errors import ConfigError, ShapeError
 from .store import TierStore

@@ -27,7 +27,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import validate
+import tierstore.validate as validate
+
+from ._version import __version__
+from .backends.format import FORMAT_VERSION, ROW_FORMATS
 from .backends.lmdb_backend import LOCK_NAME, LmdbBackend, lmdb_errors
 from .backends.lmdb_log import unlink_log_dir
 from .backends.wal import replay_stored
@@ -354,8 +357,6 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
         txn.abort()
         end_staging(staging)
         raise
-    from . import __version__
-    from .store import FORMAT_VERSION
 
     head = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
             "store_format_version": FORMAT_VERSION, "tierstore_version": __version__,
@@ -436,7 +437,6 @@ def read_manifest(dest: str | os.PathLike) -> dict:
     recover_dest(dest)
     manifest = load_manifest(dest, MANIFEST, "checkpoint", CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
                              " (use `tierstore export` to move across versions)")
-    from .store import FORMAT_VERSION, ROW_FORMATS
 
     if manifest.get("store_format_version") not in ROW_FORMATS:  # 2 is converted when opened
         raise ConfigMismatchError(
@@ -532,21 +532,20 @@ def _copy_verified(src: Path, dst: Path, size: int, sha256: str) -> None:
             f"checkpoint file {src} is corrupt or truncated ({n} bytes, manifest says {size})")
 
 
-def restore(dest: str | os.PathLike, path: str | os.PathLike, **open_kwargs: Any) -> TierStore:
-    """Replace the store at `path` with the checkpoint at `dest` and open it.
+def restore_files(dest: str | os.PathLike, path: str | os.PathLike, *, seed: int | None = None,
+                  tables: list[TableSpec] | None = None) -> tuple[list[TableSpec], int]:
+    """Replace the store files at `path` with the checkpoint at `dest`; returns (tables, seed) to open.
 
-    `open_kwargs` are TierStore's keyword arguments (device_capacity, host_capacity, policy,
-    device, map_limit; `tables`/`seed` default to the checkpoint's). The checkpoint is verified
-    while it is copied; on any error the store at `path` is left as it was.
+    `tables`/`seed` default to the checkpoint's (a given seed must match it). The checkpoint
+    is verified while it is copied; on any error the store at `path` is left as it was.
+    `TierStore.restore` opens the result.
     """
-    from .store import TierStore
-
     dest, path = Path(dest), Path(path)
     manifest = read_manifest(dest)
-    seed = open_kwargs.pop("seed", manifest["seed"])
+    seed = manifest["seed"] if seed is None else seed
     if seed != manifest["seed"]:
         raise ConfigMismatchError(f"checkpoint {dest} has seed {manifest['seed']}, given {seed}")
-    tables = open_kwargs.pop("tables", manifest["specs"])
+    tables = manifest["specs"] if tables is None else tables
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise ConfigError(f"store path {path} exists and is not a directory")
     check_apart(path, dest, "store path", "the checkpoint")
@@ -578,7 +577,7 @@ def restore(dest: str | os.PathLike, path: str | os.PathLike, **open_kwargs: Any
             raise os_error(exc, f"cannot restore into {path}") from exc
         finally:
             tmp.unlink(missing_ok=True)
-    return TierStore(path, tables, seed=seed, **open_kwargs)
+    return tables, seed
 
 
 # compaction ------------------------------------------------------------------------------------

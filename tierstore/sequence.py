@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import admission as _adm
-from . import validate
+import tierstore.admission as _adm
+import tierstore.validate as validate
+
 from .errors import ConfigError, InvalidIdsError, ReadOnlyError, ShapeError
 from .module import _unpack_jagged
 from .store import TierStore

@@ -20,12 +20,13 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from . import validate
+import tierstore.validate as validate
+
 from .backends.lmdb_backend import DATA_NAME, LOCK_NAME
 from .backends.publish import READERS_LOCK
 from .backends.slab import Rows, SlabTier
 from .backends.snapshot import Snapshot, SnapshotLostError, SnapshotReader
-from .config import TableSpec, parse_capacity
+from .config import TableSpec, parse_capacity, resolve_device
 from .errors import (
     ReadOnlyError,
     SnapshotUnavailableError,
@@ -35,6 +36,7 @@ from .errors import (
 )
 from .index import dedup
 from .initializers import name_key
+from .qcodec import dequantize
 
 _POLL_S = 0.002
 _LOST_RETRIES = 5
@@ -77,8 +79,6 @@ class _Table:
         """Float32 weights [n, dim] from stored rows."""
         spec = self.spec
         if self.quant is not None:
-            from .quantize import dequantize
-
             return torch.from_numpy(dequantize(payload, spec.dim, self.quant["dtype"]))
         cols = torch.from_numpy(np.ascontiguousarray(payload[:, : spec.weight_cols]))
         return spec.codec.decode(cols, spec.dim).contiguous()
@@ -106,10 +106,8 @@ class ReadOnlyStore:
     def __init__(self, path: str | os.PathLike, *, host_capacity: int | str = "64MiB",
                  device: torch.device | str | None = None, policy: str = "lru",
                  timeout: float = 60.0) -> None:
-        from .store import _resolve_device
-
         self.path = Path(path)
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.timeout = float(timeout)
         self._closed = True
         self._lock = threading.RLock()

@@ -20,29 +20,28 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import lmdb
-import numpy as np
 
 from .._kernels import HAVE_NUMBA
 from ..errors import OutOfSpaceError, StoreCorruptError, StoreLockedError, TierstoreError
+from .lmdb_common import COMPACT_PREFIX, DATA_NAME, GET_CHUNK, META_DB  # noqa: F401 (re-exported)
+from .lmdb_common import decode_keys as decode_keys  # re-exported
+from .lmdb_common import encode_keys as encode_keys  # re-exported
 from .lmdb_compact import Compaction
 from .lmdb_compact import fsync_path as fsync_path  # re-exported
 from .lmdb_compact import write_compact as write_compact  # re-exported
 from .lmdb_log import LogIO
 from .lmdb_map import MemoryMap, _file_resident
-from .lmdb_meta import DATA_NAME, META_DB  # noqa: F401 (re-exported)
 from .lmdb_snapshots import Snapshots
 from .lmdb_tables import TableRows
 from .pages import PageReader
 from .publish import Publisher
+from .writers import register as register_writer
+from .writers import unregister as unregister_writer
 
 LOCK_NAME = "tierstore.lock"
-COMPACT_PREFIX = ".compact-"
 STORE_MARK = b"tierstore-store"  # written into the lock file once the store's metadata is durable
 _INITIAL_MAP = 1 << 30
 TXN_ROWS = 8192  # rows per write transaction: bounds the pages one commit frees (see docs/persistence.md)
-# keys per C-level read or write loop between checks of the mapped pages: a page fault maps up
-# to 16 neighbouring pages (fault-around), so 1,024 random keys can map up to 64 MiB
-GET_CHUNK = 1024
 
 
 def _map_resident_default() -> int | None:
@@ -89,8 +88,6 @@ PAGE_READS = os.environ.get("TIERSTORE_PAGE_READS", "1").strip().lower() not in 
 _coc = os.environ.get("TIERSTORE_COMPACT_ON_CLOSE", "").strip().lower()
 COMPACT_ON_CLOSE: float | None = None if _coc in ("none", "off") else float(_coc or 1.25)
 _COMPACT_MIN_BYTES = 1 << 20
-_KEY_DTYPE = np.dtype(">u8")  # big-endian: byte order == row id order
-_KEY_VOID = np.dtype("V8")  # raw 8-byte records: `.tolist()` gives `bytes` (no NUL stripping)
 
 
 def lmdb_error(exc: Exception, path: Path) -> TierstoreError:
@@ -117,20 +114,6 @@ def _stored_mark(text: bytes) -> bool:
     return STORE_MARK in text
 
 
-def encode_keys(rows: np.ndarray) -> list[bytes]:
-    """Encode row ids as 8-byte big-endian keys that sort like the ids."""
-    # one C pass: a void view's tolist() yields one 8-byte `bytes` per id ("S8" would strip NULs)
-    return np.ascontiguousarray(rows, dtype=_KEY_DTYPE).ravel().view(_KEY_VOID).tolist()
-
-
-def decode_keys(keys: list[bytes], where: str = "a store") -> np.ndarray:
-    """Inverse of `encode_keys`; `where` names the store in the error for a damaged key."""
-    blob = b"".join(keys)
-    if len(blob) != 8 * len(keys):
-        raise StoreCorruptError(f"{where}: a stored row key is not 8 bytes long (damaged store)")
-    return np.frombuffer(blob, dtype=_KEY_DTYPE).astype(np.int64)
-
-
 class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
     """Rows on disk in LMDB: batched reads, batched writes in one transaction, durable sync.
 
@@ -143,6 +126,8 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
         self.path = Path(path)
         self.readonly = readonly
         self.map_limit = map_limit
+        self.initial_map = _INITIAL_MAP  # the first map size (tests shrink it to make the map grow)
+        self.txn_rows = TXN_ROWS  # rows per write transaction
         self._lock_fd: int | None = None
         self._io = threading.Condition()  # background readers vs. map resizing
         self._readers = 0
@@ -173,6 +158,8 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
         self.env = None
         self.publisher: Publisher | None = None  # keeps flushed states readable (serving)
         self._open_env()
+        if not readonly:  # a snapshot reader in this process shares this environment
+            register_writer(self)
 
     def _open_env(self) -> None:
         """Open the LMDB environment and its metadata database (releases the lock on failure)."""
@@ -196,7 +183,7 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
                     self._check_file(check)
                 finally:
                     check.close()
-            start = _INITIAL_MAP if self.map_limit is None else min(_INITIAL_MAP, self.map_limit)
+            start = self.initial_map if self.map_limit is None else min(self.initial_map, self.map_limit)
             self.env = lmdb.open(str(self.path), map_size=start, max_dbs=4096, subdir=True,
                                  readonly=self.readonly, lock=not self.readonly, sync=False,
                                  metasync=False, readahead=False, meminit=False,
@@ -346,6 +333,7 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
         A handle that wrote rows first compacts the file when it is more than `compact_on_close`
         times its estimated compacted size (best effort: on any failure the file stays as it is).
         """
+        unregister_writer(self)
         env = getattr(self, "env", None)
         if env is not None:
             self.wait_for_copies()

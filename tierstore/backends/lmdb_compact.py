@@ -20,7 +20,7 @@ from pathlib import Path
 import lmdb
 
 from ..errors import OutOfSpaceError, TierstoreError
-from . import lmdb_backend as _lb
+from .lmdb_common import COMPACT_PREFIX, DATA_NAME, META_DB
 
 COPY_CHUNK = 16384  # rows per transaction when rewriting a database in key order
 
@@ -34,7 +34,7 @@ class Compaction:
             names = [k for k, _ in txn.cursor()]
         out: dict[bytes, object] = {}
         for name in names:
-            if name == _lb.META_DB:
+            if name == META_DB:
                 out[name] = self._meta
             elif name.startswith(b"t:"):
                 table = name[2:].decode()
@@ -80,7 +80,7 @@ class Compaction:
             before = self.data_bytes()
             tables = list(self._dbs)
             dbs = self._named_dbs()
-            tmp = self.path / f"{_lb.COMPACT_PREFIX}{uuid.uuid4().hex[:8]}"
+            tmp = self.path / f"{COMPACT_PREFIX}{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
             try:
                 txn = self.env.begin()
@@ -95,7 +95,7 @@ class Compaction:
                 # the old file's reader table goes first: a reader opening meanwhile pairs the old
                 # file (no longer written) or the new one with a fresh table (docs/serving.md)
                 (self.path / "lock.mdb").unlink(missing_ok=True)
-                os.replace(tmp / _lb.DATA_NAME, self.path / _lb.DATA_NAME)
+                os.replace(tmp / DATA_NAME, self.path / DATA_NAME)
                 fsync_path(self.path)
             except lmdb.Error as exc:
                 self._raise_io(exc)
@@ -154,4 +154,4 @@ def write_compact(txn: lmdb.Transaction, dbs: dict[bytes, object], dest: Path,
         env.sync(True)
     finally:
         env.close()
-    fsync_path(dest / _lb.DATA_NAME)
+    fsync_path(dest / DATA_NAME)

@@ -22,7 +22,8 @@ from pathlib import Path
 import lmdb
 
 from ..errors import StoreCorruptError
-from . import lmdb_backend as _lb
+from .lmdb_common import DATA_NAME
+from .lmdb_compact import fsync_path
 from .lmdb_meta import LOG_DIR  # the log's environment, inside the store's directory
 
 LOG_DB = b"__tierstore_log__"  # the log's database (in the tables' environment before format 3)
@@ -46,10 +47,10 @@ class LogIO:
         """The log's environment (opened on demand; None when it does not exist and not `create`)."""
         if self._wlog is None:
             path = self.log_path
-            data = path / _lb.DATA_NAME
+            data = path / DATA_NAME
             if not data.exists() and (not create or self.readonly):
                 return None
-            start = _lb._INITIAL_MAP if self.map_limit is None else min(_lb._INITIAL_MAP, self.map_limit)
+            start = self.initial_map if self.map_limit is None else min(self.initial_map, self.map_limit)
             try:
                 path.mkdir(exist_ok=True)
                 env = lmdb.open(str(path), map_size=start, max_dbs=4, subdir=True, sync=False,
@@ -142,7 +143,7 @@ class LogIO:
 
     def log_bytes(self) -> int:
         """Allocated bytes of the log's file on disk (0 when there is none)."""
-        p = self.log_path / _lb.DATA_NAME
+        p = self.log_path / DATA_NAME
         return p.stat().st_blocks * 512 if p.exists() else 0
 
     def close_log_env(self) -> None:
@@ -179,4 +180,4 @@ def unlink_log_dir(path: Path) -> None:
     log = Path(path) / LOG_DIR
     if log.exists():
         shutil.rmtree(log)
-        _lb.fsync_path(Path(path))
+        fsync_path(Path(path))

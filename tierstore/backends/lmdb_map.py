@@ -18,7 +18,7 @@ import lmdb
 
 from .._memory import libc_madvise
 from ..errors import OutOfSpaceError
-from . import lmdb_backend as _lb
+from .lmdb_common import DATA_NAME
 
 _MADV_DONTNEED = 4
 
@@ -120,11 +120,11 @@ class MemoryMap:
 
     def _find_span(self) -> list[tuple[int, int]]:
         """Address ranges of this environment's data file mapping, from /proc/self/maps."""
-        target = os.path.realpath(self.path / _lb.DATA_NAME)
+        target = os.path.realpath(self.path / DATA_NAME)
         size = self.env.info()["map_size"]  # our mapping is exactly the map size
         try:
             with open("/proc/self/maps") as f:
-                spans = [line.split(None, 5) for line in f if line.rstrip().endswith(_lb.DATA_NAME)]
+                spans = [line.split(None, 5) for line in f if line.rstrip().endswith(DATA_NAME)]
         except OSError:
             return []
         out = []

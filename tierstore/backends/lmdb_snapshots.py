@@ -19,7 +19,7 @@ import lmdb
 import numpy as np
 
 from ..errors import StoreCorruptError
-from . import lmdb_backend as _lb
+from .lmdb_common import DATA_NAME, decode_keys
 from .lmdb_compact import write_compact
 from .record import open_records
 
@@ -34,7 +34,7 @@ class Snapshots:
     def _check_file(self, env: lmdb.Environment, data: Path | None = None) -> None:
         """Raise StoreCorruptError when `data` (the tables' data.mdb by default), the file of
         `env`, is shorter than the pages LMDB says it holds."""
-        data = data or self.path / _lb.DATA_NAME
+        data = data or self.path / DATA_NAME
         need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
         have = data.stat().st_size if data.exists() else 0
         if have < need:
@@ -106,6 +106,6 @@ class Snapshots:
             vals = list(islice(vit, len(keys)))
             if not keys:
                 return
-            ids = _lb.decode_keys(keys, f"store {self.path}, table {table!r}")
+            ids = decode_keys(keys, f"store {self.path}, table {table!r}")
             yield ids, open_records(table, ids, np.frombuffer(b"".join(vals), dtype=np.uint8), width,
                                    f"store {self.path}, ")

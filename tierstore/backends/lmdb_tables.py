@@ -17,7 +17,7 @@ import lmdb
 import numpy as np
 
 from ..errors import OutOfSpaceError
-from . import lmdb_backend as _lb
+from .lmdb_common import GET_CHUNK, encode_keys
 from .record import CHECK_BYTES, open_records, open_values, seal
 
 
@@ -84,12 +84,12 @@ class TableRows:
                 except lmdb.Error as exc:
                     self._raise_io(exc)
             if got is None:
-                keys = _lb.encode_keys(rows[order])
+                keys = encode_keys(rows[order])
                 vals: list = []
                 try:
                     with self.env.begin(db=db) as txn:
-                        for i in range(0, n, _lb.GET_CHUNK):  # bounded pieces: trim the map in between
-                            vals += map(txn.get, keys[i:i + _lb.GET_CHUNK])  # a C loop; None if missing
+                        for i in range(0, n, GET_CHUNK):  # bounded pieces: trim the map in between
+                            vals += map(txn.get, keys[i:i + GET_CHUNK])  # a C loop; None if missing
                             self._note_touch()
                 except lmdb.Error as exc:
                     self._raise_io(exc)
@@ -135,24 +135,24 @@ class TableRows:
                 order = np.argsort(rows, kind="stable")
                 srt, ordered = rows[order], payload[order]
                 unique = bool((srt[1:] > srt[:-1]).all())
-            keys = _lb.encode_keys(srt)
+            keys = encode_keys(srt)
             blob = np.ascontiguousarray(ordered).view(np.uint8) if sealed else \
                 seal(srt, np.ascontiguousarray(ordered, dtype=np.float32))
             # one `bytes` per row from a void view (a C loop, no per-row Python)
             vals = blob.view(f"V{blob.shape[1]}").ravel().tolist()
             segs.append((self._db(table), keys, vals, unique))
         part: list = []
-        room = _lb.TXN_ROWS
+        room = self.txn_rows
         for db, keys, vals, unique in segs:
-            for i in range(0, len(keys), _lb.TXN_ROWS):  # whole chunks, then split at the txn edge
-                k, v = keys[i:i + _lb.TXN_ROWS], vals[i:i + _lb.TXN_ROWS]
+            for i in range(0, len(keys), self.txn_rows):  # whole chunks, then split at the txn edge
+                k, v = keys[i:i + self.txn_rows], vals[i:i + self.txn_rows]
                 while k:
                     take = min(room, len(k))
                     part.append((db, k[:take], v[:take], unique))
                     k, v, room = k[take:], v[take:], room - take
                     if room == 0:
                         self._commit(part, total)
-                        part, room = [], _lb.TXN_ROWS
+                        part, room = [], self.txn_rows
         if part:
             self._commit(part, total)
         return total
@@ -170,8 +170,8 @@ class TableRows:
                         cur = txn.cursor(db=db)
                         # zip feeds putmulti lazily: no list of (key, value) tuples is built
                         append = unique and (not cur.last() or cur.key() < keys[0])
-                        for i in range(0, len(keys), _lb.GET_CHUNK):  # check the mapped pages between
-                            cur.putmulti(zip(keys[i:i + _lb.GET_CHUNK], vals[i:i + _lb.GET_CHUNK]),
+                        for i in range(0, len(keys), GET_CHUNK):  # check the mapped pages between
+                            cur.putmulti(zip(keys[i:i + GET_CHUNK], vals[i:i + GET_CHUNK]),
                                          append=append)
                             self._note_touch()
                 return

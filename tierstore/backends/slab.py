@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import _kernels, _memory
+import tierstore._kernels as _kernels
+import tierstore._memory as _memory
+
 from ..index import HashIndex
 from ..policies import Evictable, make_policy
 from ..policies.base import key_hash

@@ -37,6 +37,7 @@ from ..errors import StoreCorruptError, TierstoreError
 from .lmdb_backend import DATA_NAME, META_DB, encode_keys
 from .publish import PUBLISH_DB, PUBLISHED, UNDO_PREFIX, parse_marker
 from .record import open_values
+from .writers import live_writer
 
 LOCK_FILE = "lock.mdb"
 _RETRIES = 50
@@ -134,22 +135,6 @@ def release_readers(path: Path) -> None:
             share.close()
 
 
-def _live_writer(path: Path):
-    """The LmdbBackend of a store open for writing in this process on `path`, else None."""
-    from .. import store as store_mod
-
-    for st in list(store_mod._OPEN_STORES):
-        backend = getattr(st, "backend", None)
-        if backend is None or getattr(backend, "env", None) is None or getattr(st, "_closed", True):
-            continue
-        try:
-            if os.path.samefile(backend.path, path):
-                return backend
-        except OSError:
-            continue
-    return None
-
-
 class SnapshotReader:
     """Reads rows of a store from one MVCC snapshot, never taking the writer lock."""
 
@@ -174,7 +159,7 @@ class SnapshotReader:
 
     def _attach(self) -> None:
         """Borrow the in-process writer's environment, or join (opening) the shared one."""
-        self._backend = _live_writer(self.path)
+        self._backend = live_writer(self.path)
         if self._backend is not None:
             self.env = self._backend.env
             return
@@ -220,7 +205,7 @@ class SnapshotReader:
             return self._backend.env is not self.env
         share = self._share
         return share is None or share.gen != self._gen or share.stale() or \
-            _live_writer(self.path) is not None
+            live_writer(self.path) is not None
 
     def _abort(self) -> None:
         if self._txn is not None:

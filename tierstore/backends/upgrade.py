@@ -13,6 +13,7 @@ import numpy as np
 
 from ..config import TableSpec
 from ..errors import ConfigMismatchError, TierstoreError
+from .format import FORMAT_VERSION
 from .lmdb_backend import DATA_NAME, META_DB, LmdbBackend, decode_keys, fsync_path
 from .record import seal
 from .wal import replay_stored
@@ -29,8 +30,6 @@ def upgrade_store(path: str | os.PathLike) -> dict:
     tables' file): its log is merged into the tables and dropped, then the version is bumped
     (a writable `TierStore` open does the same). A store already at format 3 is left as it is.
     """
-    from ..store.core import FORMAT_VERSION
-
     path = Path(path)
     backend = LmdbBackend(path)  # the writer lock: nobody else has the store open
     try:
@@ -90,8 +89,6 @@ def replay_and_convert(backend: LmdbBackend) -> int:
     """Fold a write-behind log left by a crash into the tables (`wal.replay_stored`); a store of
     format 2 (its log inside the tables' file, now merged and dropped) is then recorded as the
     current format. Returns the rows the replay wrote."""
-    from ..store.core import FORMAT_VERSION
-
     rows = replay_stored(backend)
     store = backend.get_meta("store")
     if store is not None and store.get("format_version") == 2:
@@ -101,8 +98,6 @@ def replay_and_convert(backend: LmdbBackend) -> int:
 
 
 def _upgraded_meta(key: bytes, value: bytes) -> bytes:
-    from ..store.core import FORMAT_VERSION
-
     if key != b"store":
         return value
     rec = json.loads(value)

@@ -49,7 +49,7 @@ def make_policy(name: str, capacity: int, device: torch.device | str = "cpu") ->
             raise ConfigError(f"policy {base!r} takes no argument, got {name!r}")
         if arg.partition(":")[0] not in POLICIES or arg.partition(":")[0] in (base, "belady"):
             raise ConfigError(f"unknown fallback policy {arg!r} in {name!r}")
-        return cls(capacity, device, fallback=arg)
+        return cls(capacity, device, fallback=make_policy(arg, capacity, device))
     return cls(capacity, device)
 
 

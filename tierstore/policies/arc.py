@@ -6,8 +6,9 @@ import numba
 import numpy as np
 import torch
 
-from . import _ghost
-from . import _queues as q
+import tierstore.policies._ghost as _ghost
+import tierstore.policies._queues as q
+
 from .base import Evictable, QueuePolicy, as_numpy
 
 _T1, _T2 = 0, 1

@@ -8,7 +8,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from . import _queues as q
+import tierstore.policies._queues as q
 
 INT64_MAX = torch.iinfo(torch.int64).max
 

@@ -14,4 +14,3 @@ class Belady(Lookahead):
     """
 
     name = "belady"
-    default_fallback = "lru"

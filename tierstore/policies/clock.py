@@ -6,7 +6,8 @@ import numba
 import numpy as np
 import torch
 
-from . import _queues as q
+import tierstore.policies._queues as q
+
 from .base import Evictable, QueuePolicy, as_numpy
 
 _REF = q.FIRST_FREE

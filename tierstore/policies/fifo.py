@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _queues as q
+import tierstore.policies._queues as q
+
 from .base import QueuePolicy, as_numpy
 
 

@@ -23,8 +23,9 @@ import numba
 import numpy as np
 import torch
 
+import tierstore.policies._queues as q
+
 from .._kernels import prefetch
-from . import _queues as q
 from .base import Policy, QueuePolicy, as_numpy
 
 MAX_COUNT = 7  # counts saturate here (measured: 7 loses ~2% of the hits 15 keeps); queue c - 1 holds count c

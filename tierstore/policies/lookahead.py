@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from .base import INT64_MAX, Evictable, Policy, as_evictable, as_numpy
+from .lru import LRU
 
 UNKNOWN = INT64_MAX
 
@@ -25,15 +26,13 @@ class Lookahead(Policy):
 
     name = "lookahead"
     wants_future = True
-    default_fallback = "lru"
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu",
-                 fallback: str | None = None) -> None:
+                 fallback: Policy | None = None) -> None:
         super().__init__(capacity, device)
-        from . import make_policy  # the registry imports this module
-
-        self.fallback_name = fallback or self.default_fallback
-        self.fallback = make_policy(self.fallback_name, capacity, device)
+        # the registry builds a named fallback (`lookahead:NAME`); by default, LRU ranks the rest
+        self.fallback = fallback if fallback is not None else LRU(capacity, device)
+        self.fallback_name = self.fallback.name
         self.wants_keys = self.fallback.wants_keys
         self.next_use = np.full(self.capacity, UNKNOWN, dtype=np.int64)
         self.hinted = np.zeros(self.capacity, dtype=np.bool_)

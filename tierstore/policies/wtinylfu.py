@@ -6,8 +6,9 @@ import numba
 import numpy as np
 import torch
 
-from . import _queues as q
-from . import _sketch
+import tierstore.policies._queues as q
+import tierstore.policies._sketch as _sketch
+
 from .base import Evictable, QueuePolicy, as_numpy
 
 _WINDOW, _PROBATION, _PROTECTED = 0, 1, 2

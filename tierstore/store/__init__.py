@@ -17,7 +17,6 @@ from .core import (
     ROW_FORMATS,
     WB_SLOT_OVERHEAD,
     _locked,
-    _resolve_device,
     _Table,
 )
 from .handle import TierStore
@@ -28,6 +27,6 @@ from .opening import _mismatch, _open_readonly, old_format_message, open_tables,
 __all__ = [
     "TierStore", "Gathered", "HAVE_NUMBA", "FORMAT_VERSION", "ROW_FORMATS", "CLOCK_MAX", "WB_SLOT_OVERHEAD",
     "FLUSH_CHUNK", "LOG_RINGS", "LOG_MAX_ROWS", "LAST_OPEN", "_OPEN_STORES", "_Table", "_locked",
-    "_resolve_device", "_mismatch", "_open_readonly", "_weak_context", "_proc_status",
+    "_mismatch", "_open_readonly", "_weak_context", "_proc_status",
     "_close_open_stores", "old_format_message", "stored_config", "open_tables",
 ]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import expiry as _exp
+import tierstore.expiry as _exp
+
 from ..errors import ConfigError
 from .core import CLOCK_MAX, _locked, _Table
 

@@ -9,17 +9,12 @@ from dataclasses import dataclass
 import lmdb
 import torch
 
+from ..backends.format import FORMAT_VERSION as FORMAT_VERSION  # re-exported
+from ..backends.format import ROW_FORMATS as ROW_FORMATS  # re-exported
 from ..backends.lmdb_backend import lmdb_error
 from ..backends.lmdb_meta import LAST_OPEN  # noqa: F401 (re-exported)
 from ..config import TableSpec
-from ..errors import ConfigError
 
-# 2: rows carry a last-update stamp column and a checksum word; 3: the write-behind log lives in
-# its own LMDB environment (`wlog/`), and the tables record the sequence number merged through
-FORMAT_VERSION = 3
-# on-disk versions whose tables hold rows this tierstore reads as they are (format 2 differs only
-# in where the write-behind log lives; a writable open converts it in place, docs/persistence.md)
-ROW_FORMATS = (2, 3)
 CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column
 # bytes per write-behind ring row besides its payload: the ring's index and bookkeeping, and the
 # log index (LOG_RINGS = 8 log entries per ring row, ~30 B each)
@@ -58,15 +53,3 @@ def _locked(fn):
                 raise lmdb_error(exc, self.path) from exc
 
     return wrapper
-
-
-def _resolve_device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"invalid device {device!r}: {exc}") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} requested but CUDA is not available")
-    return dev

@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _switch
-from .. import admission as _adm
-from .. import expiry as _exp
-from .. import store as _st  # the package: HAVE_NUMBA is read there, where tests patch it
+import tierstore._switch as _switch
+import tierstore.admission as _adm
+import tierstore.expiry as _exp
+import tierstore.store as _st  # the package: HAVE_NUMBA is read there, where tests patch it
+
 from ..backends.lmdb_backend import LmdbBackend
 from ..backends.slab import SlabTier
 from ..backends.upgrade import replay_and_convert
@@ -24,14 +25,14 @@ from ..backends.wal import HEADER, WriteLog
 from ..backends.writeback import WriteBehind
 from ..bagpaths import BagPaths
 from ..cascade import TierCascade
-from ..config import StoreConfig, TableSpec, parse_capacity, parse_map_limit
+from ..config import StoreConfig, TableSpec, parse_capacity, parse_map_limit, resolve_device
 from ..errors import ConfigError
 from ..initializers import name_key
 from ..pinned import PinnedSteps
 from ..stats import PrefetchStats, SsdStats
 from ..stored_rows import StoredRows
 from .clock import StoreClock
-from .core import LOG_MAX_ROWS, LOG_RINGS, WB_SLOT_OVERHEAD, _resolve_device, _Table
+from .core import LOG_MAX_ROWS, LOG_RINGS, WB_SLOT_OVERHEAD, _Table
 from .lifecycle import _OPEN_STORES, StoreLifecycle, _weak_context
 from .metrics import StoreMetrics
 from .opening import StoreOpening
@@ -63,7 +64,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self.path = Path(path)
         self.config = cfg
         self.seed = seed
-        self.device = _resolve_device(cfg.device)
+        self.device = resolve_device(cfg.device)
         width = max(t.row_dim for t in tables)
         dcap = parse_capacity(device_capacity, width * 4)
         hcap = parse_capacity(host_capacity, width * 4)

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import _switch
+import tierstore._switch as _switch
+import tierstore.persistence as persistence
+
 from .core import FLUSH_CHUNK, _locked
 
 if TYPE_CHECKING:
@@ -91,17 +93,19 @@ class StoreLifecycle:
     def checkpoint(self, dest: str | os.PathLike, *, step: int | None = None,
                    extra: dict | None = None, overwrite: bool = False) -> dict:
         """Flush, then write a consistent snapshot of every table to `dest`; returns the manifest."""
-        from ..persistence import checkpoint
-
-        return checkpoint(self, dest, step=step, extra=extra, overwrite=overwrite)
+        return persistence.checkpoint(self, dest, step=step, extra=extra, overwrite=overwrite)
 
     @classmethod
     def restore(cls, dest: str | os.PathLike, path: str | os.PathLike,
                 **open_kwargs: Any) -> TierStore:
-        """Replace the store at `path` with the checkpoint `dest` and open it (kwargs as __init__)."""
-        from ..persistence import restore
+        """Replace the store at `path` with the checkpoint `dest` and open it (kwargs as __init__).
 
-        return restore(dest, path, **open_kwargs)
+        `tables` and `seed` default to the checkpoint's; the checkpoint is verified while it is
+        copied, and on any error the store at `path` is left as it was.
+        """
+        tables, seed = persistence.restore_files(dest, path, seed=open_kwargs.pop("seed", None),
+                                                 tables=open_kwargs.pop("tables", None))
+        return cls(path, tables, seed=seed, **open_kwargs)
 
 
 def _weak_context(method):

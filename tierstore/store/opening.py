@@ -12,10 +12,10 @@ import torch
 from ..backends.lmdb_backend import DATA_NAME, LmdbBackend
 from ..config import StoreConfig, TableSpec
 from ..errors import ConfigMismatchError, StoreCorruptError, StoreNotFoundError, UnknownTableError
+from ..serving import ReadOnlyStore
 from .core import FORMAT_VERSION, LAST_OPEN, ROW_FORMATS
 
 if TYPE_CHECKING:
-    from ..serving import ReadOnlyStore
     from .handle import TierStore
 
 
@@ -105,8 +105,6 @@ def _mismatch(stored: TableSpec, given: TableSpec) -> list[str]:
 def _open_readonly(path: str | os.PathLike, host_capacity: int | str, policy: str,
                    device: torch.device | str | None) -> ReadOnlyStore:
     """`TierStore.open(path, readonly=True)`: a ReadOnlyStore on the store or quantized export."""
-    from ..serving import ReadOnlyStore
-
     if not (Path(path) / DATA_NAME).is_file():
         raise StoreNotFoundError(f"no tierstore store at {path} (no {DATA_NAME})")
     return ReadOnlyStore(path, host_capacity=host_capacity, policy=policy, device=device)

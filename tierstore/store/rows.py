@@ -7,8 +7,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import admission as _adm
-from .. import validate
+import tierstore.admission as _adm
+import tierstore.validate as validate
+
 from ..bagpaths import Gathered
 from ..errors import InvalidIdsError, ShapeError, StoreClosedError, UnknownTableError
 from ..fused import BatchUpdate
