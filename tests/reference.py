@@ -8,6 +8,8 @@
 - `splitmix64` / `lazy_init`: the lazy initializer in plain Python integers, from the splitmix64
   finalizer (Steele, Lea & Flood 2014; constants from Vigna's reference code) and the scheme the
   initializer module documents (blake2b table key, golden-ratio row and column mixing).
+- `sr_bfloat16`: stochastic rounding of a float32 to bfloat16 with the documented bits (a
+  Weyl sequence in the table's update count from a hash of row id and column), in Python ints.
 - `py_lru` / `py_lfu` / `py_fifo` / `py_belady`: the textbook cache policies over a list.
 - `DictStore`: what the store must behave like - a dict of rows - whose updates are the library's
   (so placement is checked bit for bit) and are cross-checked at every step against
@@ -132,6 +134,35 @@ def lazy_row(spec: TableSpec, seed: int, row: int) -> np.ndarray:
 
 
 # cache policies ----------------------------------------------------------------------------
+# stochastic rounding --------------------------------------------------------------------------
+SR_M1 = GOLDEN  # the mix: x * M1, x ^= x >> 31, x * M2, x ^= x >> 29 (64-bit, logical shifts)
+SR_M2 = 0x94D049BB133111EB
+SR_ROW = 0xBF58476D1CE4E5B9  # a row's start: mix(id * SR_ROW + SR_M2)
+
+
+def sr_mix(x: int) -> int:
+    """The 64-bit hash precision.py documents for rounding bits."""
+    x = (x * SR_M1) & MASK64
+    x ^= x >> 31
+    x = (x * SR_M2) & MASK64
+    return x ^ (x >> 29)
+
+
+def sr_bfloat16(x: float, row: int, col: int, update: int) -> int:
+    """The bfloat16 bit pattern (0..65535) that the rule rounds float32 `x` to."""
+    bits = int(np.array([x], np.float32).view(np.uint32)[0])
+    sign, mag = bits & 0x80000000, bits & 0x7FFFFFFF
+    if mag & 0xFFFF == 0 or mag >= 0x7F800000:  # representable, or not finite: round to nearest
+        return int(torch.tensor([x], dtype=torch.float32).to(torch.bfloat16).view(torch.int16)) & 0xFFFF
+    lo = mag >> 16  # truncation toward zero: the neighbour below |x|
+    lo_v = float(np.array([lo << 16], np.uint32).view(np.float32)[0])
+    hi_v = float(np.array([(lo + 1) << 16], np.uint32).view(np.float32)[0])
+    frac = (abs(x) - lo_v) / (hi_v - lo_v)  # exact in float64
+    h = sr_mix((sr_mix(row * SR_ROW + SR_M2) + col) & MASK64)
+    r = ((h + update * GOLDEN) & MASK64) >> 48
+    return (sign >> 16) | (lo + 1 if r < frac * 65536.0 else lo)
+
+
 def py_lru(keys: list, cap: int) -> int:
     """Misses of LRU: a hit moves the key to the front; a miss evicts the least recent."""
     od: OrderedDict = OrderedDict()

@@ -185,7 +185,11 @@ def test_numba_and_torch_stochastic_rounding_agree_bit_for_bit(dtype, monkeypatc
     x = torch.cat([torch.randn(500, 9, generator=gen) * s for s in (1e-7, 1e-3, 1.0, 1e3, 1e5)])
     x[0, :5] = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0, float("nan")])
     old = codec.encode(torch.randn(x.shape, generator=gen))
-    fast = codec.encode_stochastic(x, old).view(torch.int32)
+    keys = torch.randint(0, 2**62, (x.shape[0],), generator=gen)
+    fast = [codec.encode_stochastic(x, old).view(torch.int32),
+            codec.encode_stochastic(x, old, keys, 2**40 + 3).view(torch.int32)]
     monkeypatch.setattr(precision, "HAVE_NUMBA", False)
-    slow = codec.encode_stochastic(x, old).view(torch.int32)
-    assert torch.equal(fast, slow)
+    slow = [codec.encode_stochastic(x, old).view(torch.int32),
+            codec.encode_stochastic(x, old, keys, 2**40 + 3).view(torch.int32)]
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+    assert not torch.equal(fast[0], fast[1])  # the row ids and the update count change the bits

@@ -335,12 +335,11 @@ def test_half_sgd_training_is_unbiased_where_round_to_nearest_stalls(tmp_path, d
         w = s.read("t", ids).double()
     err = w - (1.0 - total)
     assert float(total.mean()) > 9 * spacing  # the drift round-to-nearest would lose
-    assert abs(float(err.mean())) < 0.1 * spacing
-    assert float(err.abs().max()) < 5 * 0.5 * math.sqrt(steps) * spacing  # 5 sigma of the walk
+    walk = 0.5 * math.sqrt(steps) * spacing  # the bound on one value's walk's sigma
+    assert abs(float(err.mean())) < 4.5 * walk / math.sqrt(err.numel())  # ~0.6 spacing: no drift
+    assert float(err.abs().max()) < 5 * walk  # 5 sigma of the walk
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: SR bits hash only (new, old, column), so a "
-                   "repeated identical update always rounds the same way and stalls (docs/testing.md)")
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_half_sgd_constant_gradient_is_not_lost(tmp_path, dtype):
     """A constant sub-spacing gradient must still move the weights on average."""
@@ -352,6 +351,35 @@ def test_half_sgd_constant_gradient_is_not_lost(tmp_path, dtype):
             s.apply("t", torch.arange(rows), torch.full((rows, 2), delta))
         w = s.read("t", torch.arange(rows)).double()
     assert float((w - (1.0 - steps * delta)).abs().mean()) < 2.0**-8
+
+
+def test_bfloat16_rows_follow_the_documented_rounding_bits_bit_for_bit(tmp_path):
+    """SGD(lr=1) on a bfloat16 table, through LMDB and a reopen: every stored bit pattern is the
+    independent model's (float32 step, then `ref.sr_bfloat16` at the table's update count)."""
+    dim, steps = 3, 24
+    spec = ts.TableSpec("t", 10**7, dim, optimizer=ts.SGD(1.0), init=ts.ConstantInit(1.0),
+                        dtype="bfloat16")
+    ids = torch.tensor([5, 17, 10**6 + 3, 9_999_999])
+    model = np.ones((len(ids), dim), np.float32)
+    gen = torch.Generator().manual_seed(21)
+    s = _open(tmp_path / "s", [spec], dev=1, host=1)
+    try:
+        for k in range(1, steps + 1):
+            if k == steps // 2:  # the update count survives a close and reopen
+                s.close()
+                s = _open(tmp_path / "s", [spec], dev=1, host=1)
+            g = (torch.rand(len(ids), dim, generator=gen) * 2.0**-9).float()
+            s.apply("t", ids, g)
+            x = model - g.numpy()  # one float32 rounding, as the kernel's w - lr * g with lr = 1
+            for i, row in enumerate(ids.tolist()):
+                for c in range(dim):
+                    b = ref.sr_bfloat16(float(x[i, c]), row, c, k)
+                    model[i, c] = np.array([b << 16], np.uint32).view(np.float32)[0]
+        got = s.read("t", ids).numpy()
+    finally:
+        s.close()
+    assert np.array_equal(got.view(np.uint32), model.view(np.uint32))
+    assert float(model.mean()) < 1.0 - 2.0**-8  # the weights moved (a stalled rounding would not)
 
 
 # cache simulators -------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ class BagPaths:
                 unique, inverse = sort_unique(unique, inverse)
                 in_place, known = False, None
         update = BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(), inverse, grad_out,
-                             bag_of, scale, self.fused, tab.spec.dtype)
+                             bag_of, scale, self.fused, tab.spec.dtype, self._count_update(tab), unique)
         if in_place:
             update.apply(dev.slab, g.slots)  # rows still where gather found them: update in place
             self._stamp(tab, dev.slab, g.slots)

@@ -254,6 +254,8 @@ class BatchUpdate:
     scale: torch.Tensor | None = None
     use_kernel: bool = True
     dtype: str = "float32"  # the table's weight storage (tierstore.precision)
+    update_count: int = 0  # 16-bit tables: the table's update count (stochastic rounding)
+    keys: torch.Tensor | None = None  # 16-bit tables: the ids of the n_unique rows
 
     def __post_init__(self) -> None:
         self._csr = None
@@ -303,7 +305,8 @@ class BatchUpdate:
             self._apply_torch(work, torch.arange(slots.numel(), device=work.device))
         else:
             self._run_kernel(kernel, work, torch.arange(slots.numel()))
-        rows[:, :wc] = self.codec.encode_stochastic(work[:, :dim], rows[:, :wc])
+        rows[:, :wc] = self.codec.encode_stochastic(work[:, :dim], rows[:, :wc], self.keys,
+                                                    self.update_count)
         rows[:, wc:] = work[:, dim:]
         table[slots, : wc + state] = rows
 

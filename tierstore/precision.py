@@ -8,9 +8,15 @@ optimizer state in float32, as FBGEMM and Meta's Neo keep weights in 16 bits and
 The math is float32: an update decodes the weights, runs the optimizer exactly as for a float32
 table, and encodes the new weights with *stochastic rounding*, which picks one of the two
 neighbouring 16-bit values with probability proportional to closeness, so rounding is unbiased
-and small updates are not lost. The random bits are a hash of (new value, old value, column),
-so the result is a pure function of the row's data: the same on every tier and device, and
-bit-identical for any placement. Lazily initialized rows round to nearest.
+and small updates are not lost. Each value's 16 random bits are the top bits of
+`hash(row id, column) + k * 2**64/phi` (wrapping), where `k` is the table's update count (one per
+apply call on the table, saved with the store clock): a Weyl sequence in `k` from a hashed
+start. So a repeated identical update draws fresh bits every time (it cannot stall), and, as the
+sequence is equidistributed with low discrepancy, the rounding errors of a row's successive
+updates cancel instead of adding up like a random walk; rows round independently of each other.
+The bits are a pure function of the row's id and the call sequence: the same on every tier and
+device, and bit-identical for any placement. Without row ids (the codec used on its own), the
+start hashes (new value, old value, column) instead. Lazily initialized rows round to nearest.
 """
 
 from __future__ import annotations
@@ -25,6 +31,13 @@ from ._kernels import HAVE_NUMBA
 _M1 = -7046029254386353131  # splitmix64 constants as int64
 _M2 = -4658895280553007687
 _M3 = -7723592293110705685
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / phi: spreads consecutive salts over 64 bits
+
+
+def _wrap(v: int) -> int:
+    """A Python int as the int64 it wraps to."""
+    v &= 0xFFFFFFFFFFFFFFFF
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +70,8 @@ class Codec:
         """Weights [n, dim] float32 of rows `table[slots]` (copies only the weight columns)."""
         return self.decode(table[:, : self.cols(dim)].index_select(0, slots), dim)
 
-    def encode_stochastic(self, w: torch.Tensor, old_cols: torch.Tensor) -> torch.Tensor:
+    def encode_stochastic(self, w: torch.Tensor, old_cols: torch.Tensor,
+                          keys: torch.Tensor | None = None, update: int = 0) -> torch.Tensor:
         """Payload columns for updated weights (float32: exact)."""
         return w
 
@@ -95,8 +109,14 @@ class HalfCodec(Codec):
         """The 16-bit patterns [n, dim] (as int64 in [0, 65535]) held by packed columns."""
         return cols[:, : self.cols(dim)].contiguous().view(torch.int16)[:, :dim].to(torch.int64) & 0xFFFF
 
-    def encode_stochastic(self, w: torch.Tensor, old_cols: torch.Tensor) -> torch.Tensor:
-        """Packed columns for updated weights, each rounded up or down at random, unbiased."""
+    def encode_stochastic(self, w: torch.Tensor, old_cols: torch.Tensor,
+                          keys: torch.Tensor | None = None, update: int = 0) -> torch.Tensor:
+        """Packed columns for updated weights, each rounded up or down at random, unbiased.
+
+        `keys`: the rows' ids int64 [n] (None: hash the values instead); `update`: the table's
+        update count, the step of each value's Weyl sequence of random bits."""
+        step = _wrap(int(update) * _GOLDEN)
+        rowh = None if keys is None else _mix(keys.to("cpu", torch.int64) * _M2 + _M3)
         n, dim = w.shape
         w = w.contiguous()
         near = w.to(self.torch_dtype)
@@ -104,7 +124,8 @@ class HalfCodec(Codec):
             out = torch.zeros((n, 2 * self.cols(dim)), dtype=torch.int16)
             old = old_cols[:, : self.cols(dim)].contiguous().view(torch.int16)
             _sr_kernel(w.numpy(), w.view(torch.int32).numpy(), near.view(torch.int16).numpy(),
-                       old.numpy(), out.numpy(), self.dtype == "bfloat16")
+                       old.numpy(), out.numpy(), self.dtype == "bfloat16",
+                       np.empty(0, np.int64) if rowh is None else rowh.numpy(), step)
             return out.view(torch.float32)
         back = near.float()
         bits = near.view(torch.int16).to(torch.int64) & 0xFFFF
@@ -116,11 +137,15 @@ class HalfCodec(Codec):
         hi = self._from_bits(hi_mag).float()
         gap = hi - lo
         frac = torch.where(torch.isfinite(gap) & (gap > 0), (w.abs() - lo) / gap, torch.zeros_like(w))
-        # 16 random bits per value from (new float32 bits, old 16-bit bits, column)
-        old = self._bits(old_cols, dim)
-        new = w.view(torch.int32).to(torch.int64)
+        # 16 random bits per value: a hashed start (row id and column, or the values) plus k steps
         col = torch.arange(dim, device=w.device, dtype=torch.int64)
-        r = (_mix(new * _M2 + old * _M3 + col) >> 40) & 0xFFFF
+        if rowh is None:
+            old = self._bits(old_cols, dim)
+            new = w.view(torch.int32).to(torch.int64)
+            start = new * _M2 + old * _M3 + col
+        else:
+            start = rowh.to(w.device)[:, None] + col
+        r = ((_mix(start) + step) >> 48) & 0xFFFF
         up = r.to(torch.float32) < frac * 65536.0
         out_bits = torch.where(up, sign | hi_mag, sign | lo_mag)
         exact = (back == w) | ~torch.isfinite(w)
@@ -154,7 +179,7 @@ if HAVE_NUMBA:
         return -v if h & 0x8000 else v
 
     @numba.njit(cache=True, nogil=True)
-    def _sr_kernel(x, xbits, near, old, out, bf16):  # pragma: no cover - compiled
+    def _sr_kernel(x, xbits, near, old, out, bf16, rowh, step):  # pragma: no cover - compiled
         """Stochastic rounding of x [n, dim] to 16 bits; the numba twin of the torch code above."""
         buf = np.empty(1, dtype=np.int32)
         fbuf = buf.view(np.float32)
@@ -177,12 +202,15 @@ if HAVE_NUMBA:
                 hi = _half_value(hi_m, bf16, buf, fbuf)
                 gap = hi - lo
                 frac = (abs(w) - lo) / gap if (np.isfinite(gap) and gap > 0) else np.float32(0.0)
-                h = np.int64(xbits[i, d]) * _M2 + (np.int64(old[i, d]) & 0xFFFF) * _M3 + d
+                if rowh.shape[0]:
+                    h = rowh[i] + d
+                else:
+                    h = np.int64(xbits[i, d]) * _M2 + (np.int64(old[i, d]) & 0xFFFF) * _M3 + d
                 h = h * _M1
                 h = h ^ ((h >> 31) & 0x1FFFFFFFF)
                 h = h * _M3
                 h = h ^ ((h >> 29) & 0x7FFFFFFFF)
-                r = (h >> 40) & 0xFFFF
+                r = ((h + step) >> 48) & 0xFFFF
                 res = sign | (hi_m if np.float32(r) < frac * scale else lo_m)
                 out[i, d] = np.int16(res)
 

@@ -56,8 +56,29 @@ class StoreClock:
         tab.writes += 1
         target[:, tab.spec.stamp_col].index_fill_(0, slots, self._clock_value().to(target.device))
 
+    def _count_update(self, tab: _Table) -> int:
+        """Count an update call on `tab`; a 16-bit table's count salts its stochastic rounding."""
+        if not tab.spec.codec.packed:
+            return 0
+        tab.updates += 1
+        return tab.updates
+
+    def _clock_record(self) -> dict:
+        """The saved clock: its value and the 16-bit tables' update counts."""
+        updates = {t.spec.name: t.updates for t in self.tables.values() if t.updates}
+        return {"value": self.clock, "updates": updates} if updates else {"value": self.clock}
+
+    def _load_clock(self, record: dict) -> None:
+        """Set the clock and the tables' update counts from a saved record."""
+        self.clock = int(record.get("value", 0))
+        for name, n in (record.get("updates") or {}).items():
+            if name in self.tables:
+                self.tables[name].updates = int(n)
+        self._clock_saved = self._clock_record()
+
     def _save_clock(self) -> None:
         """Persist the logical clock (with the next sync) when it moved since the last save."""
-        if self.clock != self._clock_saved:
-            self.backend.put_meta({"clock": {"value": self.clock}})
-            self._clock_saved = self.clock
+        record = self._clock_record()
+        if record != self._clock_saved:
+            self.backend.put_meta({"clock": record})
+            self._clock_saved = record

@@ -36,6 +36,8 @@ class _Table:
     # bumped by every update of the table's rows (`_stamp`, `_access`), and by whatever may change
     # how a row reads (the clock, expiry): a warm-only forward's copy is current while it holds
     writes: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+    # 16-bit tables: update calls so far, the stochastic-rounding salt (saved with the clock)
+    updates: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.tix = torch.tensor(self.index, dtype=torch.int64)

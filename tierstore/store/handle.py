@@ -155,9 +155,8 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
                                 self.writeback._cv)
             self.backend.quiesce = _weak_context(self._quiesce_writer)  # the merger holds the backend
             self.log.start_merger(self._add_written)
-            clock = self.backend.get_meta("clock") or {}
-            self.clock = int(clock.get("value", 0))  # logical clock (store.advance), stamped on updates
-            self._clock_saved = self.clock
+            # the logical clock (store.advance, stamped on updates) and the tables' update counts
+            self._load_clock(self.backend.get_meta("clock") or {})
             self._recorder = None
             if record is not None:
                 from ..traces import TraceRecorder

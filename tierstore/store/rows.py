@@ -102,8 +102,9 @@ class RowApi:
             dev.count_lookups(n, n)
             self._last_sources = (n, 0, 0)
             dev.touch(slots)
-            BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, iota, grads,
-                        use_kernel=self.fused, dtype=tab.spec.dtype).apply(dev.slab, slots)
+            BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, iota, grads, use_kernel=self.fused,
+                        dtype=tab.spec.dtype, update_count=self._count_update(tab),
+                        keys=ids).apply(dev.slab, slots)
             self._stamp(tab, dev.slab, slots)
             dev.mark_dirty(slots)
             return
@@ -111,7 +112,8 @@ class RowApi:
         # the device slots of the unique rows, from the lookup above (repeats carry equal slots)
         uslots = torch.empty_like(slots[: uniq.numel()]).index_copy_(0, inv.to(slots.device), slots)
         self._access(tab, uniq, BatchUpdate(tab.spec.optimizer, tab.spec.dim, uniq.numel(), inv,
-                                            grads, use_kernel=self.fused, dtype=tab.spec.dtype),
+                                            grads, use_kernel=self.fused, dtype=tab.spec.dtype,
+                                            update_count=self._count_update(tab), keys=uniq),
                      dslots=uslots)
 
     @_locked
@@ -130,7 +132,8 @@ class RowApi:
             n = unique.numel()
             self._access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, torch.arange(n),
                                                   grads.cpu(), use_kernel=self.fused,
-                                                  dtype=tab.spec.dtype))
+                                                  dtype=tab.spec.dtype, update_count=self._count_update(tab),
+                                                  keys=unique))
 
     @_locked
     def apply_bags(self, table: str, unique: torch.Tensor, inverse: torch.Tensor,
