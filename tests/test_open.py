@@ -141,3 +141,18 @@ def test_bad_policy_on_a_new_store_records_nothing(tmp_path):
     assert not (tmp_path / "s").exists()
     with pytest.raises(ts.StoreNotFoundError):
         ts.TierStore.open(tmp_path / "s")
+
+
+def test_open_while_open_in_this_process_raises_store_locked(tmp_path):
+    """Issue 39 row 2: TierStore.open raises what TierStore(path, specs) raises there."""
+    s = ts.TierStore(tmp_path / "s", _specs(), **SMALL)
+    try:
+        with pytest.raises(ts.StoreLockedError):
+            ts.TierStore(tmp_path / "s", _specs(), **SMALL)
+        with pytest.raises(ts.StoreLockedError, match="already open for writing"):
+            ts.TierStore.open(tmp_path / "s", **SMALL)
+        s.apply("items", torch.tensor([3]), torch.ones(1, 4))  # the first handle still works
+    finally:
+        s.close()
+    with ts.TierStore.open(tmp_path / "s", **SMALL) as again:  # closed: opens
+        assert again.table_specs["items"].dim == 4

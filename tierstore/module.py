@@ -7,11 +7,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import tierstore.validate as validate
 
 from .admission import pool_masked
-from .errors import ConfigError, ShapeError
+from .errors import ConfigError, ReadOnlyError, ShapeError
 from .store import TierStore
 
 MODES = ("sum", "mean")
@@ -120,8 +121,32 @@ class TieredEmbeddingBag(nn.Module):
         return _pool(self.store, self.table, ids, offsets, psw, self.mode)
 
 
+class _ReadOnlyRows(torch.autograd.Function):
+    """Rows of flat ids from a read-only handle (inference); backward raises ReadOnlyError."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, store: Any, table: str,
+                ids: torch.Tensor) -> torch.Tensor:
+        ctx.path = store.path
+        return store.read(table, ids)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        raise ReadOnlyError(f"store {ctx.path} is open read-only: training through it is not allowed")
+
+
+def read_only_rows(store: Any, table: str, ids: torch.Tensor) -> torch.Tensor:
+    """[n, dim] rows of a `ReadOnlyStore`; a backward through them raises ReadOnlyError."""
+    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+    return _ReadOnlyRows.apply(anchor, store, table, ids)
+
+
 def _pool(store: TierStore, table: str, ids: torch.Tensor, offsets: torch.Tensor,
           psw: torch.Tensor | None, mode: str) -> torch.Tensor:
+    if getattr(store, "readonly", False):  # a ReadOnlyStore: pool its published rows
+        rows = read_only_rows(store, table, ids)
+        return F.embedding_bag(torch.arange(ids.numel(), device=rows.device), rows,
+                               offsets.to(rows.device), mode=mode, per_sample_weights=psw)
     # a leaf that requires grad, so autograd runs our backward (which updates the store)
     anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
     return _TieredBags.apply(anchor, psw, store, table, ids, offsets.to("cpu", torch.int64), mode)

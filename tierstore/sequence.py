@@ -16,8 +16,8 @@ from torch import nn
 import tierstore.admission as _adm
 import tierstore.validate as validate
 
-from .errors import ConfigError, InvalidIdsError, ReadOnlyError, ShapeError
-from .module import _unpack_jagged
+from .errors import ConfigError, InvalidIdsError, ShapeError
+from .module import _unpack_jagged, read_only_rows
 from .store import TierStore
 
 
@@ -51,25 +51,11 @@ class _TieredLookup(torch.autograd.Function):
         return None, None, None, None
 
 
-class _ReadOnlyLookup(torch.autograd.Function):
-    """Rows of flat ids from a read-only handle (inference); backward raises ReadOnlyError."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, store: Any, table: str,
-                ids: torch.Tensor) -> torch.Tensor:
-        ctx.path = store.path
-        return store.read(table, ids)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        raise ReadOnlyError(f"store {ctx.path} is open read-only: training through it is not allowed")
-
-
 def _lookup(store: TierStore, table: str, ids: torch.Tensor) -> torch.Tensor:
     """[n, dim] rows of 1-D ids through the autograd function (a leaf anchor triggers backward)."""
     anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
     if getattr(store, "readonly", False):  # a ReadOnlyStore: serve the published rows
-        return _ReadOnlyLookup.apply(anchor, store, table, ids)
+        return read_only_rows(store, table, ids)
     return _TieredLookup.apply(anchor, store, table, ids)
 
 

@@ -204,7 +204,7 @@ class ReadOnlyStore:
         """Embedding rows [n, dim] (float32, on `device`) as of the current snapshot."""
         with self._lock:
             tab = self._table(table)
-            ids = self._ids(tab.spec, ids)
+            ids = self._ids(tab, ids)
             dim = tab.spec.dim
             if ids.numel() == 0:
                 return torch.empty(0, dim, device=self.device)
@@ -363,5 +363,6 @@ class ReadOnlyStore:
                 f"unknown table {table!r}; this store has {sorted(self._tables)}") from None
 
     @staticmethod
-    def _ids(spec: TableSpec, ids: Any) -> torch.Tensor:
-        return validate.row_ids(spec, ids)
+    def _ids(tab: _Table, ids: Any) -> torch.Tensor:
+        """Validated row ids of a table (the signature `TierStore._ids` has)."""
+        return validate.row_ids(tab.spec, ids)

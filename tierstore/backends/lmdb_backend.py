@@ -109,6 +109,25 @@ def lmdb_errors(path: str | os.PathLike):
         raise lmdb_error(exc, Path(path)) from exc
 
 
+def _locked_error(path: Path) -> StoreLockedError:
+    return StoreLockedError(f"store {path} is already open for writing (by another process or handle)")
+
+
+def check_unlocked(path: str | os.PathLike) -> None:
+    """Raise StoreLockedError when a writer (of any process, this one included) holds the store."""
+    lock = Path(path) / LOCK_NAME
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: no writer has ever held it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        raise _locked_error(Path(path)) from exc
+    finally:
+        os.close(fd)  # closing the descriptor drops a lock it took
+
+
 def _stored_mark(text: bytes) -> bool:
     """Whether a lock file's text says a store was created in its directory."""
     return STORE_MARK in text
@@ -240,9 +259,7 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
-            raise StoreLockedError(
-                f"store {self.path} is already open for writing (by another process or handle)"
-            ) from exc
+            raise _locked_error(self.path) from exc
         self._marked = _stored_mark(os.pread(fd, 256, 0))
         self._lock_fd = fd
         self._write_lock_text()

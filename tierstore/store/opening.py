@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..backends.lmdb_backend import DATA_NAME, LmdbBackend
+from ..backends.lmdb_backend import DATA_NAME, LmdbBackend, check_unlocked
 from ..config import StoreConfig, TableSpec
 from ..errors import ConfigMismatchError, StoreCorruptError, StoreNotFoundError, UnknownTableError
 from ..serving import ReadOnlyStore
@@ -126,6 +126,7 @@ def stored_config(path: str | os.PathLike) -> tuple[list[TableSpec], int]:
     if not (p / DATA_NAME).is_file():
         raise StoreNotFoundError(f"no tierstore store at {p} (no {DATA_NAME}); "
                                  "create one with TierStore(path, tables)")
+    check_unlocked(p)  # open in this process too: StoreLockedError, as TierStore(path, specs) gives
     backend = LmdbBackend(p, readonly=True)
     try:
         store = backend.get_meta("store")
