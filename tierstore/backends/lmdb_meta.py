@@ -25,6 +25,18 @@ def _allocated(path: Path) -> int:
     return path.stat().st_blocks * 512 if path.exists() else 0
 
 
+def check_file_size(env: lmdb.Environment, data: Path, store: Path) -> int:
+    """Raise StoreCorruptError when `data`, the file of `env`, is shorter than the pages its
+    newest meta page says it holds (reading past the file's end through the map is SIGBUS);
+    returns the bytes those pages take."""
+    used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    have = data.stat().st_size if data.exists() else 0
+    if have < used:
+        name = data.name if data.parent == store else data.relative_to(store)
+        raise StoreCorruptError(f"store {store}: {name} is truncated ({have} bytes, LMDB needs {used})")
+    return used
+
+
 def read_meta(path: str | os.PathLike) -> dict:
     """{"meta": {key: record}, "rows": {table: rows stored}, "disk_bytes", "map_used_bytes"}."""
     path = Path(path)
@@ -38,12 +50,7 @@ def read_meta(path: str | os.PathLike) -> dict:
     except lmdb.Error as exc:
         raise StoreCorruptError(f"cannot open LMDB store at {path}: {exc}") from exc
     try:
-        info, stat = env.info(), env.stat()
-        used = (info["last_pgno"] + 1) * stat["psize"]
-        have = (path / DATA_NAME).stat().st_size
-        if have < used:
-            raise StoreCorruptError(f"store {path}: {DATA_NAME} is truncated ({have} bytes, "
-                                    f"LMDB needs {used})")
+        used = check_file_size(env, path / DATA_NAME, path)
         with env.begin() as txn:
             try:
                 meta_db = env.open_db(META_DB, txn=txn, create=False)

@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import StoreCorruptError
 from .lmdb_common import DATA_NAME, decode_keys
 from .lmdb_compact import write_compact
+from .lmdb_meta import check_file_size
 from .record import open_records
 
 
@@ -34,13 +35,7 @@ class Snapshots:
     def _check_file(self, env: lmdb.Environment, data: Path | None = None) -> None:
         """Raise StoreCorruptError when `data` (the tables' data.mdb by default), the file of
         `env`, is shorter than the pages LMDB says it holds."""
-        data = data or self.path / DATA_NAME
-        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        have = data.stat().st_size if data.exists() else 0
-        if have < need:
-            name = data.name if data.parent == self.path else data.relative_to(self.path)
-            raise StoreCorruptError(
-                f"store {self.path}: {name} is truncated ({have} bytes, LMDB needs {need})")
+        check_file_size(env, data or self.path / DATA_NAME, self.path)
 
     def snapshot(self) -> lmdb.Transaction:
         """A read transaction: an MVCC snapshot that later commits do not change."""

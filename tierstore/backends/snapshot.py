@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import StoreCorruptError, TierstoreError
 from .lmdb_backend import DATA_NAME, META_DB, encode_keys
+from .lmdb_meta import check_file_size
 from .publish import PUBLISH_DB, PUBLISHED, UNDO_PREFIX, parse_marker
 from .record import open_values
 from .writers import live_writer
@@ -98,6 +99,11 @@ class _SharedEnv:
                                 max_dbs=4096, readahead=False)
             except lmdb.Error as exc:
                 raise StoreCorruptError(f"cannot open LMDB store at {self.path}: {exc}") from exc
+            try:  # LMDB maps the map size: a page past the file's end would be SIGBUS, not an error
+                check_file_size(env, self.path / DATA_NAME, self.path)
+            except BaseException:
+                env.close()
+                raise
             if _inos(self.path) == before:  # not swapped by a compaction while opening
                 self.env, self.inos = env, before
                 self.gen += 1
