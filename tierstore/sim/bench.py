@@ -14,7 +14,7 @@ import torch
 
 from ..errors import ConfigError, TierstoreError
 from ..policies import POLICIES, make_policy
-from ..traces import TRACE_FORMATS, load_trace
+from ..traces import TRACE_FORMATS, Trace, load_trace
 from .admission import admit_trace
 from .exact import EXACT, simulate
 from .tier import simulate_tier
@@ -64,6 +64,18 @@ def tier_warning(n_requests: int, batch_size: int, jobs: int) -> str | None:
             f"or raise --batch-size (now {batch_size}).")
 
 
+def object_keys(trace: Trace, ids: np.ndarray, n_keys: int) -> np.ndarray:
+    """Per dense id, the key a cache simulator like libCacheSim sees as the object id.
+
+    A one-table trace's keys are its row ids; with several tables, (table, row) pairs have no
+    single integer id, so the dense id stands for the object.
+    """
+    out = np.arange(n_keys, dtype=np.int64)
+    if len(trace.table_names) <= 1 or not trace.tables.any():
+        out[ids] = trace.rows
+    return out
+
+
 def parse_capacities(text: str, n_keys: int) -> list[int]:
     """Capacities from `1000,1%,0.5%`: rows, or percentages of the distinct keys (at least 1)."""
     out = []
@@ -81,7 +93,7 @@ def parse_capacities(text: str, n_keys: int) -> list[int]:
 
 
 def size_for_hit_rate(policy: str, ids: np.ndarray, n_keys: int, target: float,
-                      rel: float = 0.01) -> int | None:
+                      rel: float = 0.01, keys: np.ndarray | None = None) -> int | None:
     """Smallest capacity (within `rel`) whose exact hit rate reaches `target`; None if none does."""
     n = ids.size
     if n == 0 or 1 - n_keys / n < target:  # compulsory misses alone exceed the budget
@@ -90,7 +102,7 @@ def size_for_hit_rate(policy: str, ids: np.ndarray, n_keys: int, target: float,
     lo, hi = 0, n_keys
     while hi - lo > max(1, int(lo * rel)):
         mid = (lo + hi) // 2
-        if simulate(policy, ids, n_keys, mid) <= allowed:
+        if simulate(policy, ids, n_keys, mid, keys) <= allowed:
             hi = mid
         else:
             lo = mid
@@ -212,11 +224,13 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     trace = load_trace(args.trace, args.trace_dtype, args.limit)
     ids, n_keys = trace.dense()
+    obj = object_keys(trace, ids, n_keys)
     adm = admit_trace(args.admission, ids, args.batch_size)
     if adm is not None:  # the caches see only admitted requests; the rest need no row
         ids = adm.ids
         print(f"admission {adm.spec}: {ids.size} of {adm.requests} requests admitted, rows "
               f"stored {adm.rows_stored} instead of {adm.distinct}")
+    keys = obj[ids]  # each request's object id, for the simulators that hash it
     n = ids.size
     print(f"trace {trace.name}: {n} requests, {n_keys} distinct keys, "
           f"{len(trace.table_names)} table(s); loaded in {time.perf_counter() - t0:.1f}s")
@@ -234,7 +248,7 @@ def _run(args: argparse.Namespace) -> int:
         bar.set_description(f"{mode} {pol} {cap}")
         start = time.perf_counter()
         if mode == "exact":
-            misses = simulate(pol, ids, n_keys, cap)
+            misses = simulate(pol, ids, n_keys, cap, keys)
             bar.update(n)
         else:
             misses = simulate_tier(ids, n_keys, pol, cap, args.batch_size, args.window,
@@ -264,7 +278,7 @@ def _run(args: argparse.Namespace) -> int:
         target = args.target_hit_rate
         print(f"\ncapacity needed for a {target:.0%} hit rate (exact mode, within 1%):")
         for pol in [p for p in policies if p in EXACT]:
-            need = size_for_hit_rate(pol, ids, n_keys, target)
+            need = size_for_hit_rate(pol, ids, n_keys, target, keys=keys)
             if need is None:
                 print(f"  {pol:<10} unreachable: compulsory misses alone are "
                       f"{n_keys / max(n, 1):.1%} of requests")

@@ -2,8 +2,10 @@
 
 Every kernel takes dense keys (0..n_keys-1, see `dense_keys`), the number of distinct keys and
 a capacity in objects (every object has size 1), and returns the number of misses. The
-semantics follow the textbook policies as libCacheSim implements them, so LRU, FIFO, LFU and
-Belady miss counts equal libCacheSim's to the request (see tests/test_sim.py).
+semantics are libCacheSim 0.3.5's, so every policy here (LRU, FIFO, CLOCK, LFU, SIEVE,
+S3-FIFO, ARC, W-TinyLFU, Belady) gives libCacheSim's miss counts to the request (see
+tests/test_sim.py and docs/policies.md). W-TinyLFU (`sim/wtinylfu.py`) hashes the keys
+themselves: give it the trace's original keys (`simulate(..., keys=)`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..policies import _queues as q
-from ..policies import _sketch
-from ..policies import wtinylfu as _wtlfu
-from ..policies.base import key_hash_np
+from .wtinylfu import lcs_wtinylfu
 
 NIL = -1
 
@@ -442,54 +442,6 @@ def s3fifo(ids: np.ndarray, n_keys: int, capacity: int) -> int:  # pragma: no co
     return misses
 
 
-# W-TinyLFU (the tier policy's kernels, one request at a time) ------------------------------------
-@numba.njit(cache=True, nogil=True)
-def _wtinylfu(ids, hashes, n_keys, capacity, w_target, main_target, prot_target, table,
-              meta):  # pragma: no cover - compiled
-    S = np.zeros((n_keys + 4, 8), dtype=np.int64)
-    S[:n_keys, q.LIST] = -1
-    for lst in range(3):
-        S[n_keys + lst, q.PREV] = n_keys + lst
-        S[n_keys + lst, q.NEXT] = n_keys + lst
-    one = np.empty(1, dtype=np.int64)
-    key = np.empty(1, dtype=np.int64)
-    out = np.empty(1, dtype=np.int64)
-    origin = np.empty(1, dtype=np.int64)
-    no_i32 = np.empty(0, dtype=np.int32)
-    no_bool = np.empty(0, dtype=np.bool_)
-    log = np.empty((0, 3), dtype=np.int64)
-    nlog = np.zeros(1, dtype=np.int64)
-    size = 0
-    misses = 0
-    for i in range(ids.size):
-        one[0] = ids[i]
-        if S[one[0], q.LIST] >= 0:
-            _wtlfu._access(S, n_keys, prot_target, one, table, meta, log, nlog)
-            continue
-        misses += 1
-        if size >= capacity:
-            _wtlfu._walk(S, n_keys, w_target, main_target, table, 1, 0, no_i32, no_bool,
-                         no_bool, no_bool, out, origin, log, nlog)
-        else:
-            size += 1
-        key[0] = hashes[i]
-        _wtlfu._insert(S, n_keys, w_target, main_target, one, key, table, meta, log, nlog)
-    return misses
-
-
-def wtinylfu(ids: np.ndarray, n_keys: int, capacity: int) -> int:
-    """W-TinyLFU: 1% LRU window, SLRU main (80% protected), count-min sketch admission."""
-    if capacity <= 0:
-        return int(ids.size)
-    pol = _wtlfu.WTinyLFU  # the tier policy's sizing rules
-    w_target = max(1, round(capacity * pol.window_fraction))
-    main_target = max(0, capacity - w_target)
-    table, meta = _sketch.new_sketch(capacity, pol.aging_period)
-    hashes = key_hash_np(np.zeros(1, dtype=np.int64), ids)  # as the tier hashes row ids
-    return int(_wtinylfu(ids, hashes, n_keys, capacity, w_target, main_target,
-                         int(main_target * pol.protected_fraction), table, meta))
-
-
 # ARC ---------------------------------------------------------------------------------------------
 @numba.njit(cache=True, nogil=True, inline="always")
 def _arc_replace(S, n_keys, p, in_b2, log, nlog):  # pragma: no cover - compiled
@@ -560,17 +512,29 @@ EXACT: dict[str, Simulator] = {
     "sieve": sieve,
     "s3fifo": s3fifo,
     "belady": belady,
-    "wtinylfu": wtinylfu,
+    "wtinylfu": lcs_wtinylfu,
     "arc": arc,
 }
 
 
-def simulate(policy: str, ids: np.ndarray, n_keys: int, capacity: int) -> int:
-    """Misses of the exact `policy` on dense keys `ids` with a cache of `capacity` objects."""
+KEYED = frozenset({"wtinylfu"})  # simulators whose result depends on the keys themselves (hashes)
+
+
+def simulate(policy: str, ids: np.ndarray, n_keys: int, capacity: int,
+             keys: np.ndarray | None = None) -> int:
+    """Misses of the exact `policy` on dense keys `ids` with a cache of `capacity` objects.
+
+    `keys`: each request's original key, for the policies in `KEYED` (libCacheSim's W-TinyLFU
+    hashes object ids: pass the trace's keys to match it); default: the dense ids.
+    """
+    name = policy.lower()
     try:
-        fn = EXACT[policy.lower()]
+        fn = EXACT[name]
     except KeyError:
         raise ConfigError(f"no exact simulator for {policy!r}; known: {sorted(EXACT)}") from None
     if capacity < 0:
         raise ConfigError(f"capacity must be >= 0, got {capacity}")
-    return int(fn(np.ascontiguousarray(ids, dtype=np.int64), int(n_keys), int(capacity)))
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if name in KEYED and keys is not None:
+        return int(fn(ids, int(n_keys), int(capacity), keys=keys))
+    return int(fn(ids, int(n_keys), int(capacity)))
