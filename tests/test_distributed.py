@@ -368,7 +368,7 @@ def test_plan_greedy_pinned_and_checked():
     assert pinned.placement("a").owner == 2 and pinned.placement("b").kind == "row"
     assert pinned.placement("d").kind == "row"  # unnamed tables default to row-wise
     assert pinned.placement("c").owner == 0
-    for bad in ({"zz": "row"}, {"a": 3}, "column", {"a": "col"}):
+    for bad in ({"zz": "row"}, {"a": 3}, "columns", {"a": "col"}):
         with pytest.raises(ConfigError):
             make_plan(tabs, 2, bad)
     with pytest.raises(ConfigMismatchError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -101,8 +101,39 @@ class ConstantInit(Initializer):
         return np.full((len(rows), dim), self.value, dtype=np.float32)
 
 
+@dataclass(frozen=True)
+class ColumnSlice(Initializer):
+    """Columns [lo, lo + dim) of `base`'s rows of width `full_dim`, then `zeros` zero columns.
+
+    A column shard of a table initializes exactly the columns the whole table would (the
+    distributed store's column-wise sharding); `zeros` columns hold state kept as weights.
+    """
+
+    base: Initializer = field(default_factory=lambda: UniformInit())
+    full_dim: int = 1
+    lo: int = 0
+    zeros: int = 0
+    kind: ClassVar[str] = "column_slice"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.base, dict):
+            object.__setattr__(self, "base", initializer_from_config(self.base))
+
+    def __call__(self, key: int, rows: np.ndarray, dim: int) -> np.ndarray:
+        """Return float32 [len(rows), dim]: the base's columns, then zeros."""
+        width = dim - self.zeros
+        out = np.zeros((len(rows), dim), dtype=np.float32)
+        out[:, :width] = self.base(key, rows, self.full_dim)[:, self.lo : self.lo + width]
+        return out
+
+    def to_config(self) -> dict:
+        """Serialize to a JSON-able dict (the base nested)."""
+        return {"kind": self.kind, "base": self.base.to_config(), "full_dim": self.full_dim,
+                "lo": self.lo, "zeros": self.zeros}
+
+
 INITIALIZERS: dict[str, type[Initializer]] = {
-    cls.kind: cls for cls in (UniformInit, NormalInit, ConstantInit)
+    cls.kind: cls for cls in (UniformInit, NormalInit, ConstantInit, ColumnSlice)
 }
 
 

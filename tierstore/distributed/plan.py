@@ -1,4 +1,9 @@
-"""The sharding plan: which rank owns which rows of which table (row-wise hash or whole tables)."""
+"""The sharding plan: which ranks hold which rows and columns of which table.
+
+Four placements (Neo's "4D" sharding): row-wise (rows spread by a hash of the id), table-wise
+(a whole table on one rank), column-wise (a table's columns split into shards, one per rank) and
+data-parallel (every rank holds a replica).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import torch
 from ..config import TableSpec
 from ..errors import ConfigError, ConfigMismatchError
 
-KINDS = ("row", "table")
+KINDS = ("row", "table", "column", "data")
 # a fixed 64-bit mix (the golden-ratio multiplier, as a signed int64) then a fold of the high bits
 _MIX = -7046029254386353131
 
@@ -22,16 +27,30 @@ def row_owner(ids: torch.Tensor, world: int) -> torch.Tensor:
     return torch.remainder(h, world)
 
 
+def column_widths(dim: int, shards: int) -> list[int]:
+    """Widths of `shards` column shards of a `dim`-wide table (the first ones one wider)."""
+    return [dim // shards + (1 if i < dim % shards else 0) for i in range(shards)]
+
+
 @dataclass(frozen=True)
 class TablePlacement:
-    """How one table is sharded: row-wise over every rank, or whole on `owner`."""
+    """How one table is sharded: its kind, the owner of a table-wise table, the column shards' ranks."""
 
     kind: str
-    owner: int = -1  # the owning rank of a table-wise table; -1 for row-wise
+    owner: int = -1  # the owning rank of a table-wise table; -1 otherwise
+    shards: tuple[int, ...] = ()  # column-wise: the rank of each column shard, in column order
 
     def to_config(self) -> dict:
         """JSON-able form (stored beside the shards and in checkpoints)."""
-        return {"kind": self.kind, "owner": self.owner}
+        cfg: dict = {"kind": self.kind, "owner": self.owner}
+        if self.shards:
+            cfg["shards"] = list(self.shards)
+        return cfg
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> TablePlacement:
+        """Inverse of `to_config`."""
+        return cls(str(cfg["kind"]), int(cfg["owner"]), tuple(int(r) for r in cfg.get("shards", ())))
 
 
 @dataclass(frozen=True)
@@ -46,11 +65,17 @@ class ShardingPlan:
         return dict(self.tables)[table]
 
     def owners(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """Owner rank of each id (int64 tensor like `ids`)."""
+        """Owner rank of each id (row- and table-wise tables; int64 tensor like `ids`)."""
         p = self.placement(table)
         if p.kind == "row":
             return row_owner(ids, self.world_size)
+        if p.kind != "table":
+            raise ConfigError(f"table {table!r} is {p.kind}-wise: no single owner per row")
         return torch.full_like(ids, p.owner, dtype=torch.int64)
+
+    def kinds(self) -> set[str]:
+        """The placement kinds this plan uses."""
+        return {p.kind for _, p in self.tables}
 
     def to_config(self) -> dict:
         """JSON-able form."""
@@ -60,7 +85,7 @@ class ShardingPlan:
     def from_config(cls, cfg: dict) -> ShardingPlan:
         """Inverse of `to_config`."""
         return cls(int(cfg["world_size"]), tuple(
-            (t, TablePlacement(str(p["kind"]), int(p["owner"]))) for t, p in cfg["tables"].items()))
+            (t, TablePlacement.from_config(p)) for t, p in cfg["tables"].items()))
 
     def check_same(self, other: ShardingPlan, where: str) -> None:
         """Raise ConfigMismatchError when `other` (the stored plan) differs from this one."""
@@ -75,7 +100,7 @@ class ShardingPlan:
 
 
 def _cost(specs: Sequence[TableSpec], lookups: Mapping[str, float] | None) -> dict[str, float]:
-    """Expected share of bytes plus share of lookups per table (the planner's load)."""
+    """Expected share of bytes plus share of lookups per table (the greedy placement's load)."""
     nbytes = {s.name: float(s.num_rows) * s.payload_dim * 4 for s in specs}
     tot_b = sum(nbytes.values()) or 1.0
     cost = {t: b / tot_b for t, b in nbytes.items()}
@@ -86,21 +111,65 @@ def _cost(specs: Sequence[TableSpec], lookups: Mapping[str, float] | None) -> di
     return cost
 
 
-def make_plan(specs: Sequence[TableSpec], world_size: int,
-              sharding: str | Mapping[str, str | int] = "row",
-              lookups: Mapping[str, float] | None = None) -> ShardingPlan:
-    """Build the plan: "row", "table", or {table: "row" | "table" | owner rank} (others: "row").
+def _column_shards(spec: TableSpec, want: str, world: int) -> int:
+    """Number of column shards of "column" (one per rank, at most dim) or "column:K"."""
+    k = min(world, spec.dim)
+    if want != "column":
+        try:
+            k = int(want.split(":", 1)[1])
+        except ValueError:
+            raise ConfigError(f"column sharding of {spec.name!r} must be 'column' or 'column:K', "
+                              f"got {want!r}") from None
+        if not 1 <= k <= min(world, spec.dim):
+            raise ConfigError(f"table {spec.name!r}: {k} column shards; between 1 and "
+                              f"min(world size, dim) = {min(world, spec.dim)}")
+    if spec.dtype != "float32":
+        raise ConfigError(f"table {spec.name!r}: column-wise sharding needs float32 weights "
+                          f"(16-bit weights round per row), got {spec.dtype}")
+    if spec.admission is not None and spec.optimizer.kind == "rowwise_adagrad":
+        raise ConfigError(f"table {spec.name!r}: column-wise row-wise Adagrad does not support "
+                          "admission")
+    return k
 
-    Table-wise tables without a given owner are placed greedily, the costliest first, on the
-    least-loaded rank; the cost of a table is its share of expected bytes plus its share of
-    `lookups` (expected lookups per step), when given.
+
+def check_plan(specs: Sequence[TableSpec], plan: ShardingPlan) -> ShardingPlan:
+    """Check a given plan against the tables and return it (ConfigError when it cannot hold them)."""
+    names = [s.name for s in specs]
+    if sorted(dict(plan.tables)) != sorted(names):
+        raise ConfigError(f"plan covers tables {sorted(dict(plan.tables))}, the store has {sorted(names)}")
+    for s in specs:
+        p = plan.placement(s.name)
+        if p.kind not in KINDS:
+            raise ConfigError(f"unknown placement kind {p.kind!r} for table {s.name!r}")
+        ranks = list(p.shards) + ([p.owner] if p.kind == "table" else [])
+        if any(not 0 <= r < plan.world_size for r in ranks) or len(set(p.shards)) != len(p.shards):
+            raise ConfigError(f"placement of {s.name!r} names bad ranks: {p.to_config()}")
+        if p.kind == "column":
+            _column_shards(s, f"column:{len(p.shards)}", plan.world_size)
+    return plan
+
+
+def make_plan(specs: Sequence[TableSpec], world_size: int,
+              sharding: str | Mapping[str, str | int] | ShardingPlan = "row",
+              lookups: Mapping[str, float] | None = None) -> ShardingPlan:
+    """Build the plan: a kind for all, {table: kind | owner rank} (others: "row"), or a plan.
+
+    Kinds: "row", "table", "column" (one column shard per rank, at most dim; "column:K" for K
+    shards) and "data" (replicated). Table-wise tables without a given owner are placed greedily,
+    the costliest first, on the least-loaded rank; the cost of a table is its share of expected
+    bytes plus its share of `lookups` (expected lookups per step), when given. Column shards
+    start on the least-loaded ranks too. For "auto" see `tierstore.distributed.planner`.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be a positive int, got {world_size!r}")
+    if isinstance(sharding, ShardingPlan):
+        if sharding.world_size != world_size:
+            raise ConfigMismatchError(f"plan is for world size {sharding.world_size}, this job has "
+                                      f"{world_size}")
+        return check_plan(specs, sharding)
     names = [s.name for s in specs]
+    by_name = {s.name: s for s in specs}
     if isinstance(sharding, str):
-        if sharding not in KINDS:
-            raise ConfigError(f"sharding must be one of {KINDS} or a dict, got {sharding!r}")
         wanted: dict[str, str | int] = {n: sharding for n in names}
     elif isinstance(sharding, Mapping):
         unknown = sorted(set(sharding) - set(names))
@@ -108,24 +177,35 @@ def make_plan(specs: Sequence[TableSpec], world_size: int,
             raise ConfigError(f"sharding names unknown tables {unknown}; tables are {names}")
         wanted = {n: sharding.get(n, "row") for n in names}
     else:
-        raise ConfigError(f"sharding must be 'row', 'table' or a dict, got {sharding!r}")
+        raise ConfigError(f"sharding must be a kind {KINDS}, 'auto' or a dict, got {sharding!r}")
     placed: dict[str, TablePlacement] = {}
     load = [0.0] * world_size
     cost = _cost(specs, lookups)
     for name, want in wanted.items():
-        if isinstance(want, bool) or not (want in KINDS or isinstance(want, int)):
-            raise ConfigError(f"sharding of table {name!r} must be 'row', 'table' or a rank, "
-                              f"got {want!r}")
+        ok = isinstance(want, int) and not isinstance(want, bool) or \
+            isinstance(want, str) and (want in KINDS or want.startswith("column:"))
+        if not ok:
+            raise ConfigError(f"sharding of table {name!r} must be one of {KINDS}, 'column:K' or "
+                              f"a rank, got {want!r}")
         if isinstance(want, int):
             if not 0 <= want < world_size:
                 raise ConfigError(f"table {name!r} pinned to rank {want}, world size is {world_size}")
             placed[name] = TablePlacement("table", want)
             load[want] += cost[name]
-        elif want == "row":
-            placed[name] = TablePlacement("row")
-    greedy = sorted((n for n, w in wanted.items() if w == "table"), key=lambda n: (-cost[n], n))
+        elif want in ("row", "data"):
+            placed[name] = TablePlacement(want)
+    greedy = sorted((n for n, w in wanted.items() if isinstance(w, str) and
+                     (w == "table" or w.startswith("column"))), key=lambda n: (-cost[n], n))
     for name in greedy:
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        placed[name] = TablePlacement("table", rank)
-        load[rank] += cost[name]
+        want = str(wanted[name])
+        if want == "table":
+            rank = min(range(world_size), key=lambda r: (load[r], r))
+            placed[name] = TablePlacement("table", rank)
+            load[rank] += cost[name]
+            continue
+        k = _column_shards(by_name[name], want, world_size)
+        ranks = sorted(range(world_size), key=lambda r: (load[r], r))[:k]
+        for r in ranks:
+            load[r] += cost[name] / k
+        placed[name] = TablePlacement("column", -1, tuple(ranks))
     return ShardingPlan(world_size, tuple((n, placed[n]) for n in names))

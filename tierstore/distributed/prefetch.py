@@ -139,10 +139,17 @@ class ShardedPrefetcher:
         send = []
         for j, (table, ids, _, _) in enumerate(tables):
             uniq = torch.unique(ids)
-            own = store.plan.owners(table, uniq)
-            order = torch.argsort(own, stable=True)
-            sizes[:, j] = torch.bincount(own, minlength=world)
-            send.append(uniq.index_select(0, order).split(sizes[:, j].tolist()))
+            placement = store.plan.placement(table)
+            if placement.kind in ("row", "table"):
+                own = store.plan.owners(table, uniq)
+                order = torch.argsort(own, stable=True)
+                sizes[:, j] = torch.bincount(own, minlength=world)
+                send.append(uniq.index_select(0, order).split(sizes[:, j].tolist()))
+                continue
+            # column shards and data-parallel replicas serve every id of the global batch
+            targets = set(placement.shards) if placement.kind == "column" else set(range(world))
+            sizes[:, j] = torch.tensor([uniq.numel() if o in targets else 0 for o in range(world)])
+            send.append([uniq if o in targets else uniq[:0] for o in range(world)])
         recv = comm.exchange_sizes("prefetch:sizes", sizes)
         flat = torch.cat([send[j][o] for o in range(world) for j in range(len(tables))] or
                          [torch.empty(0, dtype=torch.int64)])

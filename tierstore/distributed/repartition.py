@@ -49,6 +49,9 @@ def export_sharded(src: str | os.PathLike, dest: str | os.PathLike, *, level: in
     if plan is None:
         raise ConfigError(f"{src} is not a sharded store or sharded checkpoint")
     check_apart(dest, src, "export destination", "the source")
+    if plan.kinds() & {"column", "data"}:
+        raise ConfigError(f"{src} holds column-wise or data-parallel tables; export/import "
+                          "re-partitions row- and table-wise plans only")
     check_new_dir(dest, overwrite, "export destination")
     t0 = time.perf_counter()
     try:
@@ -102,6 +105,8 @@ def import_sharded(src: str | os.PathLike, path: str | os.PathLike, world_size: 
         sharding = {t: p["kind"] for t, p in old["tables"].items()} if old else "row"
     plan = make_plan(specs, world_size, sharding)
     check_apart(path, src, "import destination", "the export")
+    if plan.kinds() & {"column", "data"}:
+        raise ConfigError("import re-partitions into row- and table-wise plans only")
     check_new_dir(path, False, "import destination")
     shuffle = bool(manifest["codec"].get("shuffle"))
     try:

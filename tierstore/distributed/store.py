@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -12,12 +13,15 @@ from typing import Any
 
 import torch
 
+from .. import validate
 from ..config import TableSpec
-from ..errors import ConfigError, ConfigMismatchError, StoreCorruptError
+from ..errors import ConfigError, ConfigMismatchError, StoreCorruptError, UnknownTableError
+from ..initializers import ColumnSlice
 from ..persistence import check_apart
 from ..store import TierStore
+from . import colwise
 from .comm import Comm, guarded, timeout_seconds
-from .plan import ShardingPlan, make_plan
+from .plan import ShardingPlan, column_widths, make_plan
 
 PLAN_FILE = "sharding.json"
 MANIFEST = "SHARDED_MANIFEST.json"
@@ -38,6 +42,37 @@ def write_json(path: Path, obj: Any, tag: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def local_specs(specs: Sequence[TableSpec], plan: ShardingPlan, rank: int) -> list[TableSpec]:
+    """The tables of one rank's local store: whole tables, or this rank's column shard.
+
+    A column shard keeps the table's name (so lazy initialization draws the same values) and
+    its columns of the initializer; a row-wise Adagrad shard adds the row's accumulator as one
+    more weight column of an SGD(lr=1) table (see `colwise.py`).
+    """
+    out = []
+    for s in specs:
+        p = plan.placement(s.name)
+        if p.kind != "column":
+            out.append(s)
+            continue
+        if rank not in p.shards:
+            continue
+        i = p.shards.index(rank)
+        widths = column_widths(s.dim, len(p.shards))
+        lo = sum(widths[:i])
+        if s.optimizer.kind == "rowwise_adagrad":
+            out.append(dataclasses.replace(s, dim=widths[i] + 1, optimizer=colwise.LOCAL_OPTIMIZER,
+                                           init=ColumnSlice(s.init, s.dim, lo, 1), clip=None))
+        else:
+            out.append(dataclasses.replace(s, dim=widths[i], init=ColumnSlice(s.init, s.dim, lo)))
+    if not out:  # a rank that holds no table at all still opens a (tiny) store
+        out.append(TableSpec(EMPTY_TABLE, 1, 1))
+    return out
+
+
+EMPTY_TABLE = "tierstore.no-tables"
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -75,7 +110,7 @@ class ShardedTierStore:
         self.path = Path(path)
         self.specs = {t.name: t for t in tables}
         if sharding is None:  # the stored plan (an imported store), else row-wise
-            sharding = stored_sharding(self.path) or "row"
+            sharding = stored_plan(self.path) or "row"
         self.plan = guarded(self.comm, "plan",
                             lambda: make_plan(tables, self.world_size, sharding, lookups))
         self.local: TierStore = guarded(self.comm, "open", lambda: self._open(tables, store_kwargs))
@@ -96,7 +131,8 @@ class ShardedTierStore:
             self.plan.check_same(stored_plan, f"sharded store {self.path}")
         else:
             write_json(plan_path, want, f"r{self.rank}")
-        return TierStore(self.path / shard_dir(self.rank, self.world_size), tables, **store_kwargs)
+        return TierStore(self.path / shard_dir(self.rank, self.world_size),
+                         local_specs(tables, self.plan, self.rank), **store_kwargs)
 
     # public API -----------------------------------------------------------------------------
     @property
@@ -111,24 +147,53 @@ class ShardedTierStore:
     def read(self, table: str, ids: Any) -> torch.Tensor:
         """Collective: every rank calls; each gets the current rows [n, dim] of its own ids."""
         def prepare():
-            tab = self.local._table(table)
-            return self.local._ids(tab, ids)
+            if table not in self.specs:
+                raise UnknownTableError(f"unknown table {table!r}; this store has "
+                                        f"{sorted(self.specs)}")
+            return validate.row_ids(self.specs[table], ids)
 
         ids = guarded(self.comm, "read:validate", prepare)
+        placement = self.plan.placement(table)
+        dim = self.specs[table].dim
+        if placement.kind == "data":  # every rank holds the whole table
+            return self.local.read(table, ids).cpu()
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        if placement.kind == "column":  # every shard rank returns its columns of every row
+            return self._read_columns(table, placement.shards, uniq).index_select(0, inv)
         own = self.owners(table, uniq)
         order = torch.argsort(own, stable=True)
         send_ids = uniq.index_select(0, order)
         counts = torch.bincount(own, minlength=self.world_size)
         recv_counts = self.comm.exchange_sizes("read:counts", counts.view(-1, 1))[:, 0]
         asked = self.comm.exchange("read:ids", send_ids, counts.tolist(), recv_counts.tolist())
-        dim = self.specs[table].dim
         rows = self.local.read(table, asked).cpu() if asked.numel() else torch.empty(0, dim)
         back = self.comm.exchange("read:rows", rows.reshape(-1).contiguous(),
                                   (recv_counts * dim).tolist(), (counts * dim).tolist())
         got = torch.empty(uniq.numel(), dim)
         got.index_copy_(0, order, back.view(-1, dim))
         return got.index_select(0, inv)
+
+    def _read_columns(self, table: str, shards: tuple[int, ...], uniq: torch.Tensor) -> torch.Tensor:
+        """[u, dim] rows of a column-wise table: each shard rank returns its columns."""
+        world = self.world_size
+        widths = column_widths(self.specs[table].dim, len(shards))
+        n = uniq.numel()
+        counts = torch.zeros(world, dtype=torch.int64)
+        counts[list(shards)] = n
+        recv_counts = self.comm.exchange_sizes("read:counts", counts.view(-1, 1))[:, 0]
+        send = torch.cat([uniq] * len(shards)) if shards else uniq[:0]
+        asked = self.comm.exchange("read:ids", send, counts.tolist(), recv_counts.tolist())
+        mine = shards.index(self.rank) if self.rank in shards else -1
+        width = widths[mine] if mine >= 0 else 0
+        rows = self.local.read(table, asked).cpu()[:, :width] if asked.numel() \
+            else torch.empty(0, width)
+        back_counts = torch.zeros(world, dtype=torch.int64)
+        for r, w in zip(shards, widths):
+            back_counts[r] = n * w
+        back = self.comm.exchange("read:rows", rows.reshape(-1).contiguous(),
+                                  (recv_counts * width).tolist(), back_counts.tolist())
+        cols = back.split(back_counts.tolist())
+        return torch.cat([cols[r].view(n, w) for r, w in zip(shards, widths)], dim=1)
 
     def flush(self) -> None:
         """Collective: flush every rank's shard to disk."""
@@ -221,12 +286,11 @@ class ShardedTierStore:
         self.close()
 
 
-def stored_sharding(path: Path) -> dict[str, str | int] | None:
-    """The `sharding` argument that reproduces the plan stored at `path`, if any."""
+def stored_plan(path: Path) -> ShardingPlan | None:
+    """The plan stored at `path` (a sharded store or an imported one), if any."""
     if not (path / PLAN_FILE).is_file():
         return None
-    plan = ShardingPlan.from_config(read_json(path / PLAN_FILE, "sharding plan")["plan"])
-    return {t: p.owner if p.kind == "table" else "row" for t, p in plan.tables}
+    return ShardingPlan.from_config(read_json(path / PLAN_FILE, "sharding plan")["plan"])
 
 
 def read_sharded_manifest(dest: str | os.PathLike) -> dict:
