@@ -119,3 +119,35 @@ def test_kjt_batches_through_the_prefetcher_are_bit_identical(tmp_path, depth):
                           store.read("users", torch.arange(30) * 7919**2))
     assert outs["base"][0] == outs["pf"][0]
     assert torch.equal(outs["base"][1], outs["pf"][1]) and torch.equal(outs["base"][2], outs["pf"][2])
+
+
+def test_keyed_tensor_output_and_torchrec_configs(tmp_path):
+    """Issue 39 row 5: real EmbeddingBagConfigs build the collection; output='keyed' is a KeyedTensor."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+    tables = [EmbeddingBagConfig(num_embeddings=10**10, embedding_dim=8, name="users",
+                                 feature_names=["user"]),
+              EmbeddingBagConfig(num_embeddings=500, embedding_dim=4, name="items",
+                                 feature_names=["item", "item_hist"], pooling=PoolingType.SUM)]
+    ebc = ts.TieredEmbeddingBagCollection.from_configs(
+        tmp_path / "s", tables, optimizer=ts.SGD(0.2), output="keyed", device="cpu",
+        device_capacity=10**4, host_capacity=10**4)
+    try:
+        assert ebc.store.table_specs["items"].num_rows == 500
+        assert ebc.store.table_specs["users"].optimizer == ts.SGD(0.2)
+        kjt = _kjt(3)
+        kt = ebc(kjt)
+        assert isinstance(kt, KeyedTensor)
+        assert kt.keys() == list(FEATS) and kt.length_per_key() == [8, 4, 4]
+        want = _expected(ebc.store, kjt)
+        for f in FEATS:
+            torch.testing.assert_close(kt[f], want[f], rtol=1e-6, atol=1e-6)
+        kt.values().sum().backward()  # trains through the KeyedTensor's values
+    finally:
+        ebc.store.close()
+    with pytest.raises(ts.ConfigError, match="different poolings"):
+        ts.TieredEmbeddingBagCollection.from_configs(
+            tmp_path / "t", [EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="a",
+                                                feature_names=["x"], pooling=PoolingType.MEAN),
+                             EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="b",
+                                                feature_names=["y"])], device="cpu")

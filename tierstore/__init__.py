@@ -42,6 +42,7 @@ _LAZY = {
     "JaggedEmbeddings": "sequence",
     "ReadOnlyStore": "serving",
     "Prefetcher": "prefetch",
+    "EmbeddingBagConfig": "embedding_configs", "JaggedBatch": "jagged",
 }
 
 __all__ = [
@@ -54,13 +55,15 @@ __all__ = [
     "ReadOnlyError", "SnapshotUnavailableError",
     "TieredEmbeddingBag", "TieredEmbeddingBagCollection",
     "TieredEmbedding", "TieredEmbeddingCollection", "JaggedEmbeddings",
-    "ReadOnlyStore", "Prefetcher",
+    "ReadOnlyStore", "Prefetcher", "EmbeddingBagConfig", "JaggedBatch",
 ]
 
 if TYPE_CHECKING:
     from .admission import Admission, CountAdmission
     from .config import StoreConfig, TableSpec
+    from .embedding_configs import EmbeddingBagConfig
     from .initializers import ConstantInit, NormalInit, UniformInit
+    from .jagged import JaggedBatch
     from .module import TieredEmbeddingBag, TieredEmbeddingBagCollection
     from .optimizers import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
     from .prefetch import Prefetcher

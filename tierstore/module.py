@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,10 +13,14 @@ from torch.nn import functional as F
 import tierstore.validate as validate
 
 from .admission import pool_masked
+from .embedding_configs import config_features, config_pooling, is_table_config, table_spec
 from .errors import ConfigError, ReadOnlyError, ShapeError
+from .jagged import JaggedBatch, keyed_tensor, torchrec_keyed_tensor
+from .optimizers import Optimizer
 from .store import TierStore
 
 MODES = ("sum", "mean")
+OUTPUTS = ("tensor", "dict", "keyed")  # what a collection returns
 
 
 class _TieredBags(torch.autograd.Function):
@@ -158,16 +163,28 @@ class TieredEmbeddingBagCollection(nn.Module):
     `features` maps feature name -> table name (a list of table names means one feature per
     table, named after it). Input is TorchRec's jagged layout: keys, values, and lengths (or
     offsets) with one entry per (feature, sample), feature-major; a `KeyedJaggedTensor` works
-    too (duck-typed). Output: [batch, sum of dims] in feature order, or a dict per feature.
+    too (TorchRec's own, or duck-typed). `features` may also be a list of table configs
+    (`tierstore.EmbeddingBagConfig` or TorchRec's; their pooling sets `mode`). `output`:
+    "tensor" ([batch, sum of dims] in feature order), "dict" ({feature: [batch, dim]}) or
+    "keyed" (TorchRec's `KeyedTensor`; needs torchrec).
     """
 
-    def __init__(self, store: TierStore, features: Mapping[str, str] | Sequence[str],
-                 mode: str = "sum") -> None:
+    def __init__(self, store: TierStore, features: Mapping[str, str] | Sequence[Any],
+                 mode: str | None = None, output: str = "tensor") -> None:
         super().__init__()
+        configs = not isinstance(features, Mapping) and bool(features) and \
+            all(is_table_config(f) for f in features)
+        mode = mode or (config_pooling(features) if configs else "sum")
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        if output not in OUTPUTS:
+            raise ConfigError(f"output must be one of {OUTPUTS}, got {output!r}")
+        if output == "keyed":
+            torchrec_keyed_tensor()  # ConfigError now, not at the first batch, without torchrec
         if isinstance(features, Mapping):
             feats = dict(features)
+        elif configs:  # EmbeddingBagConfigs (ours or TorchRec's)
+            feats = config_features(features)
         else:  # table names (one feature each) or (feature, table) pairs
             feats = dict(f if isinstance(f, (tuple, list)) else (f, f) for f in features)
         if not feats:
@@ -179,6 +196,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 store.feature_tables[feature] = None  # two collections disagree: no default
         self.store = store
         self.mode = mode
+        self.output = output
         self.features = feats
         self.feature_names = list(feats)
         self.dims = [store.table_specs[t].dim for t in feats.values()]
@@ -191,7 +209,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 weights: torch.Tensor | None = None, as_dict: bool = False
                 ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Pooled embeddings of every feature: [batch, sum of dims] or {feature: [batch, dim]}."""
-        keys, values, lengths, weights = _unpack_jagged(keys, values, lengths, offsets, weights)
+        keys, values, lengths, weights = JaggedBatch.of(keys, values, lengths, offsets, weights).astuple()
         if len(keys) == 0 or lengths.numel() % len(keys):
             raise ShapeError("lengths must hold one entry per (feature, sample)")
         missing = [f for f in self.feature_names if f not in keys]
@@ -222,39 +240,23 @@ class TieredEmbeddingBagCollection(nn.Module):
             pooled = _pool(self.store, table, ids, offs, psw, self.mode)
             for j, f in enumerate(feats):
                 out[f] = pooled[j * batch : (j + 1) * batch]
-        if as_dict:
+        if as_dict or self.output == "dict":
             return {f: out[f] for f in self.feature_names}
-        return torch.cat([out[f] for f in self.feature_names], dim=1)
+        pooled = torch.cat([out[f] for f in self.feature_names], dim=1)
+        return keyed_tensor(self.feature_names, self.dims, pooled) if self.output == "keyed" else pooled
 
+    @classmethod
+    def from_configs(cls, path: str | os.PathLike, tables: Sequence[Any], *,
+                     optimizer: Optimizer | None = None, output: str = "tensor",
+                     **store_options: Any) -> TieredEmbeddingBagCollection:
+        """A collection over `TierStore(path, specs, **store_options)` from EmbeddingBagConfigs.
 
-def _unpack_jagged(keys: Any, values: torch.Tensor | None, lengths: torch.Tensor | None,
-                   offsets: torch.Tensor | None, weights: torch.Tensor | None
-                   ) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Accept (keys, values, lengths|offsets, weights) or a KeyedJaggedTensor-like object."""
-    if hasattr(keys, "keys") and hasattr(keys, "values") and callable(keys.values):
-        kjt = keys
-        keys, values = list(kjt.keys()), kjt.values()
-        lengths = kjt.lengths() if hasattr(kjt, "lengths") else None
-        if lengths is None and hasattr(kjt, "offsets"):
-            offsets = kjt.offsets()
-        w = kjt.weights_or_none() if hasattr(kjt, "weights_or_none") else None
-        weights = w if w is not None else weights
-    keys = list(keys)
-    if values is None:
-        raise ShapeError("values are required")
-    validate.no_meta(values=values, lengths=lengths, offsets=offsets, weights=weights)
-    for name, t in (("lengths", lengths), ("offsets", offsets)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.is_floating_point()
-                              or t.is_complex() or t.dtype == torch.bool):
-            raise ShapeError(f"{name} must be an integer tensor, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)}")
-    if lengths is None:
-        if offsets is None:
-            raise ShapeError("give lengths or offsets")
-        lengths = torch.diff(offsets.to("cpu", torch.int64))
-    lengths = lengths.to("cpu", torch.int64)
-    if bool((lengths < 0).any()) or int(lengths.sum()) != values.numel():
-        raise ShapeError("lengths must be >= 0 and sum to len(values)")
-    if weights is not None and weights.shape != values.shape:
-        raise ShapeError("weights must have the same shape as values")
-    return keys, values, lengths, weights
+        `tables` are `tierstore.EmbeddingBagConfig`s or TorchRec's (`optimizer` for those that
+        name none). The store is `collection.store`; close it when done.
+        """
+        store = TierStore(path, [table_spec(c, optimizer) for c in tables], **store_options)
+        try:
+            return cls(store, tables, output=output)
+        except BaseException:
+            store.close()
+            raise

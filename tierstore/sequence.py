@@ -17,7 +17,8 @@ import tierstore.admission as _adm
 import tierstore.validate as validate
 
 from .errors import ConfigError, InvalidIdsError, ShapeError
-from .module import _unpack_jagged, read_only_rows
+from .jagged import JaggedBatch
+from .module import read_only_rows
 from .store import TierStore
 
 
@@ -170,7 +171,7 @@ class TieredEmbeddingCollection(nn.Module):
                 lengths: torch.Tensor | None = None, offsets: torch.Tensor | None = None
                 ) -> dict[str, JaggedEmbeddings]:
         """{feature: JaggedEmbeddings} for every feature of this collection."""
-        keys, values, lengths, _ = _unpack_jagged(keys, values, lengths, offsets, None)
+        keys, values, lengths, _ = JaggedBatch.of(keys, values, lengths, offsets).astuple()
         if len(keys) == 0 or lengths.numel() % len(keys):
             raise ShapeError("lengths must hold one entry per (feature, sample)")
         missing = [f for f in self.feature_names if f not in keys]

@@ -22,7 +22,8 @@ from torch import nn
 from .. import validate
 from ..bagpaths import Gathered
 from ..errors import ConfigError, ShapeError, TierstoreError, UnknownTableError
-from ..module import MODES, _pool, _unpack_jagged
+from ..jagged import JaggedBatch
+from ..module import MODES, _pool
 from . import colwise
 from .errors import DistributedError
 from .parts import Part, Request, build_request, comm_dtype_of, id_dtype_of, make_parts, pool_rows
@@ -129,7 +130,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _split(self, keys: Any, values: Any, lengths: Any, offsets: Any, weights: Any
                ) -> tuple[int, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]]:
         """Validated (batch, [(table, ids, lengths, weights)]) of this rank's input."""
-        keys, values, lengths, weights = _unpack_jagged(keys, values, lengths, offsets, weights)
+        keys, values, lengths, weights = JaggedBatch.of(keys, values, lengths, offsets, weights).astuple()
         if len(keys) == 0 or lengths.numel() % len(keys):
             raise ShapeError("lengths must hold one entry per (feature, sample)")
         missing = [f for f in self.feature_names if f not in keys]

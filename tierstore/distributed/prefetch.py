@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ConfigError, TierstoreError
+from ..jagged import JaggedBatch
 from .comm import guarded
 
 if TYPE_CHECKING:
@@ -133,8 +134,8 @@ class ShardedPrefetcher:
 
     def _stage(self, step: int, batch: Any) -> None:
         store, comm, world = self.store, self.store.prefetch_comm, self.store.world_size
-        _, tables = guarded(comm, "prefetch:validate",
-                            lambda: self.ebc._split(*_jagged(self.extract(batch))))
+        _, tables = guarded(comm, "prefetch:validate", lambda: self.ebc._split(
+            JaggedBatch.of(self.extract(batch)), None, None, None, None))
         sizes = torch.zeros(world, len(tables), dtype=torch.int64)
         send = []
         for j, (table, ids, _, _) in enumerate(tables):
@@ -180,9 +181,3 @@ class ShardedPrefetcher:
                     staged[t] = uniq
             self._window[step] = staged
 
-
-def _jagged(sparse: Any) -> tuple:
-    """(keys, values, lengths, offsets, weights) of a (keys, values, lengths) tuple or a KJT."""
-    if isinstance(sparse, (tuple, list)) and len(sparse) == 3:
-        return sparse[0], sparse[1], sparse[2], None, None
-    return sparse, None, None, None, None

@@ -18,6 +18,7 @@ from .._parallel import CPUS
 from ..backends.lmdb_backend import lmdb_error
 from ..errors import ConfigError, ShapeError, TierstoreError
 from ..index import sorted_unique
+from ..jagged import JaggedBatch, is_keyed_jagged
 from ..store import TierStore
 from .reads import StoredReads
 
@@ -33,22 +34,11 @@ def _jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, li
     """Table -> id tensors of a jagged batch (KeyedJaggedTensor-like, (keys, values, lengths), dict)."""
     if isinstance(sparse, Mapping):
         items = [(k, torch.as_tensor(v)) for k, v in sparse.items()]
+    elif is_keyed_jagged(sparse) or (isinstance(sparse, (tuple, list)) and len(sparse) == 3):
+        items = list(JaggedBatch.of(sparse).per_key().items())
     else:
-        if hasattr(sparse, "keys") and hasattr(sparse, "values") and callable(sparse.values):
-            keys, values = list(sparse.keys()), sparse.values()
-            lengths = sparse.lengths() if hasattr(sparse, "lengths") else None
-            if lengths is None:
-                lengths = torch.diff(sparse.offsets())
-        elif isinstance(sparse, (tuple, list)) and len(sparse) == 3:
-            keys, values, lengths = list(sparse[0]), sparse[1], sparse[2]
-        else:
-            raise ShapeError("a batch must be jagged (keys, values, lengths), a KeyedJaggedTensor, "
-                             "or a {feature: ids} dict; pass extract= to pick it out of the batch")
-        lengths = torch.as_tensor(lengths, dtype=torch.int64)
-        if len(keys) == 0 or lengths.numel() % len(keys):
-            raise ShapeError("lengths must hold one entry per (feature, sample)")
-        per_key = lengths.view(len(keys), -1).sum(1).tolist()
-        items = list(zip(keys, torch.split(torch.as_tensor(values), per_key)))
+        raise ShapeError("a batch must be jagged (keys, values, lengths), a KeyedJaggedTensor, "
+                         "or a {feature: ids} dict; pass extract= to pick it out of the batch")
     out: dict[str, list[torch.Tensor]] = {}
     for key, ids in items:
         table = features.get(key, key) if features else key
