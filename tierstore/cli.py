@@ -157,6 +157,24 @@ def _compact(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from .distributed.planner import CostModel, auto_plan, format_report, plan_tables
+
+    tables, lookups = plan_tables(args.config)
+    for item in args.lookups or []:
+        name, _, value = item.partition("=")
+        ids, _, bags = value.partition(":")
+        lookups[name] = (float(ids), float(bags or ids))
+    model = CostModel(lookup_rate=args.lookup_rate, bandwidth=args.bandwidth,
+                      id_bytes=8 if args.int64_ids else 4, float_bytes=2 if args.half else 4)
+    plan, report = auto_plan(tables, args.world_size, lookups, args.budget, model)
+    if args.json:
+        print(json.dumps({"plan": plan.to_config(), "model": report.to_config()}, indent=2))
+    else:
+        print(format_report(plan, report))
+    return 0
+
+
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Shows an option's default once: unless its help already says it, or there is none."""
 
@@ -216,6 +234,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharding", choices=("row", "table"), default=None,
                    help="with --world-size: the plan (default: the export's, else row)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = _command(sub, "plan", "the cost-model sharding plan of a table config for N ranks",
+                 "What `ShardedTierStore(..., sharding=\"auto\")` would choose: each table table-,\n"
+                 "row-, column-wise or data-parallel, and every rank's modeled compute, bytes moved,\n"
+                 "memory and step time (formula: docs/distributed.md).", _plan)
+    p.add_argument("config", help="a JSON file: a list of table specs ({name, num_rows, dim, "
+                   "optimizer?}) or {\"tables\": [...], \"lookups\": {table: ids or [ids, bags]}}")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    p.add_argument("--budget", default=None, help="bytes of rows per rank, e.g. 8GiB (default: "
+                   "no limit)")
+    p.add_argument("--lookups", nargs="*", metavar="TABLE=IDS[:BAGS]",
+                   help="ids (and bags) per rank per step of a table (default 1)")
+    p.add_argument("--lookup-rate", type=float, default=4e6, help="lookups of a 64-wide row per s")
+    p.add_argument("--bandwidth", type=float, default=1e9, help="collective bytes per s per rank")
+    p.add_argument("--half", action="store_true", help="16-bit floats on the wire")
+    p.add_argument("--int64-ids", action="store_true", help="int64 ids on the wire")
+    p.add_argument("--json", action="store_true", help="print the plan and report as JSON")
     p = _command(sub, "checkpoint-verify", "check a checkpoint's manifest and checksums",
                  "Reads every file of the checkpoint and compares it with its manifest.",
                  _checkpoint_verify)

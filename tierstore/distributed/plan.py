@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -99,15 +100,17 @@ class ShardingPlan:
                                       f"given {self.to_config()['tables']}")
 
 
-def _cost(specs: Sequence[TableSpec], lookups: Mapping[str, float] | None) -> dict[str, float]:
+def _cost(specs: Sequence[TableSpec], lookups: Mapping[str, Any] | None) -> dict[str, float]:
     """Expected share of bytes plus share of lookups per table (the greedy placement's load)."""
     nbytes = {s.name: float(s.num_rows) * s.payload_dim * 4 for s in specs}
     tot_b = sum(nbytes.values()) or 1.0
     cost = {t: b / tot_b for t, b in nbytes.items()}
-    if lookups:
-        tot_l = float(sum(lookups.get(s.name, 0.0) for s in specs)) or 1.0
+    if lookups:  # ids per step, or (ids, bags)
+        ids = {s.name: lookups.get(s.name, 0.0) for s in specs}
+        ids = {t: float(v if isinstance(v, (int, float)) else v[0]) for t, v in ids.items()}
+        tot_l = sum(ids.values()) or 1.0
         for s in specs:
-            cost[s.name] += float(lookups.get(s.name, 0.0)) / tot_l
+            cost[s.name] += ids[s.name] / tot_l
     return cost
 
 
@@ -151,7 +154,7 @@ def check_plan(specs: Sequence[TableSpec], plan: ShardingPlan) -> ShardingPlan:
 
 def make_plan(specs: Sequence[TableSpec], world_size: int,
               sharding: str | Mapping[str, str | int] | ShardingPlan = "row",
-              lookups: Mapping[str, float] | None = None) -> ShardingPlan:
+              lookups: Mapping[str, Any] | None = None) -> ShardingPlan:
     """Build the plan: a kind for all, {table: kind | owner rank} (others: "row"), or a plan.
 
     Kinds: "row", "table", "column" (one column shard per rank, at most dim; "column:K" for K

@@ -22,6 +22,7 @@ from ..store import TierStore
 from . import colwise
 from .comm import Comm, guarded, timeout_seconds
 from .plan import ShardingPlan, column_widths, make_plan
+from .planner import CostModel, auto_plan
 
 PLAN_FILE = "sharding.json"
 MANIFEST = "SHARDED_MANIFEST.json"
@@ -87,9 +88,13 @@ class ShardedTierStore:
     """Tables sharded over the ranks of torch.distributed; each rank keeps its shard in a TierStore.
 
     Open it on every rank (collective). `sharding` is "row" (rows spread by a hash of the id),
-    "table" (whole tables placed by a greedy planner) or {table: "row" | "table" | rank};
+    "table" (whole tables placed by a greedy planner), "column" (columns split over the ranks),
+    "data" (replicated), "auto" (the cost-model planner, `planner.auto_plan`; a store that
+    already has a plan keeps it), {table: kind | "column:K" | rank}, or a ShardingPlan;
     None adopts the plan stored at `path` (e.g. by `tierstore import --world-size N`).
-    `lookups` ({table: expected lookups per step}) weighs the table-wise planner; `timeout`
+    `lookups` ({table: ids per rank per step, or (ids, bags)}, e.g. from
+    `planner.lookups_from_batches`) weighs the planners; `budget` (bytes per rank, one for all
+    or one each) bounds what "auto" places on a rank; `cost_model` its constants; `timeout`
     (seconds, default 300) bounds every collective, so a dead rank raises RankFailureError;
     `backend` is the process-group backend of the store's collectives ("gloo" or "nccl"); the
     other keyword arguments go to each rank's TierStore (capacities are per rank).
@@ -97,7 +102,9 @@ class ShardedTierStore:
 
     def __init__(self, path: str | os.PathLike, tables: Sequence[TableSpec] | TableSpec, *,
                  sharding: str | Mapping[str, str | int] | None = "row",
-                 lookups: Mapping[str, float] | None = None,
+                 lookups: Mapping[str, Any] | None = None,
+                 budget: int | str | Sequence[int | str] | None = None,
+                 cost_model: CostModel | None = None,
                  timeout: float | datetime.timedelta | None = None, backend: str = "gloo",
                  **store_kwargs: Any) -> None:
         tables = [tables] if isinstance(tables, TableSpec) else list(tables)
@@ -109,26 +116,44 @@ class ShardedTierStore:
         self.rank, self.world_size = self.comm.rank, self.comm.world
         self.path = Path(path)
         self.specs = {t.name: t for t in tables}
+        self.report: dict | None = None  # the planner's modeled cost per rank ("auto")
         if sharding is None:  # the stored plan (an imported store), else row-wise
             sharding = stored_plan(self.path) or "row"
-        self.plan = guarded(self.comm, "plan",
-                            lambda: make_plan(tables, self.world_size, sharding, lookups))
+        if isinstance(sharding, str) and sharding == "auto":
+            self.plan = guarded(self.comm, "plan",
+                                lambda: self._auto(tables, lookups, budget, cost_model))
+        else:
+            self.plan = guarded(self.comm, "plan",
+                                lambda: make_plan(tables, self.world_size, sharding, lookups))
         self.local: TierStore = guarded(self.comm, "open", lambda: self._open(tables, store_kwargs))
         self.step_seconds = 0.0
         self._closed = False
+
+    def _auto(self, tables: list[TableSpec], lookups: Mapping[str, Any] | None,
+              budget: Any, cost_model: CostModel | None) -> ShardingPlan:
+        """The stored plan when there is one (with its report), else the cost-model planner's."""
+        stored = stored_plan(self.path)
+        if stored is not None:
+            self.report = read_json(self.path / PLAN_FILE, "sharding plan").get("model")
+            return make_plan(tables, self.world_size, stored)
+        plan, report = auto_plan(tables, self.world_size, lookups, budget, cost_model)
+        self.report = report.to_config()
+        return plan
 
     def _open(self, tables: list[TableSpec], store_kwargs: dict) -> TierStore:
         """Check or record the plan, then open this rank's shard store."""
         self.path.mkdir(parents=True, exist_ok=True)
         plan_path = self.path / PLAN_FILE
         want = {"plan": self.plan.to_config(), "seed": store_kwargs.get("seed", 0)}
+        if self.report is not None:
+            want["model"] = self.report
         if plan_path.exists():
             stored = read_json(plan_path, "sharding plan")
             try:
-                stored_plan = ShardingPlan.from_config(stored["plan"])
+                before = ShardingPlan.from_config(stored["plan"])
             except (KeyError, TypeError, ValueError) as exc:
                 raise StoreCorruptError(f"sharding plan {plan_path} is malformed: {exc!r}") from exc
-            self.plan.check_same(stored_plan, f"sharded store {self.path}")
+            self.plan.check_same(before, f"sharded store {self.path}")
         else:
             write_json(plan_path, want, f"r{self.rank}")
         return TierStore(self.path / shard_dir(self.rank, self.world_size),
@@ -262,7 +287,8 @@ class ShardedTierStore:
         plan = ShardingPlan.from_config(manifest["plan"])
         seed = open_kwargs.pop("seed", manifest["seed"])
         open_kwargs.pop("tables", None)
-        store_keys = {k: open_kwargs.pop(k) for k in ("timeout", "backend", "lookups")
+        store_keys = {k: open_kwargs.pop(k) for k in ("timeout", "backend", "lookups", "budget",
+                                                      "cost_model")
                       if k in open_kwargs}
         path.mkdir(parents=True, exist_ok=True)
         name = shard_dir(rank, world)
