@@ -111,7 +111,7 @@ def stream_bench(args: argparse.Namespace) -> dict:
             store.advance()
             if (step + 1) % args.every == 0 or step + 1 == args.steps:
                 store.flush()
-                store._expiry.wait()  # the ttl deleter removed what the flush made deletable
+                store.expiry.wait()  # the ttl deleter removed what the flush made deletable
                 st = store.stats()
                 curve.append({"step": step + 1, "rows_stored": st["ssd"]["rows_stored"],
                               "disk_bytes": st["ssd"]["disk_bytes"]})

@@ -33,7 +33,7 @@ from tierstore.stored_rows import StoredRows
 # tiers' operations and the policy calls they make; the writer's log appends, the merges (the
 # merger's, and the writer's own when the log is full), LMDB table reads, puts and commits
 TARGETS: tuple[tuple[type, str], ...] = (
-    (Prefetcher, "_prepare"), (Prefetcher, "_finish"),
+    (Prefetcher, "prepare_batch"), (Prefetcher, "finish_batch"),
     (PinnedSteps, "_stage_many"), (PinnedSteps, "_pool_pinned"), (PinnedSteps, "_apply_pinned"),
     (PinnedSteps, "_drain_hits"), (PinnedSteps, "_drain_unpins"), (PinnedSteps, "_pin"),
     (PinnedSteps, "_expire_scratch"),

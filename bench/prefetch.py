@@ -61,7 +61,7 @@ def io_floor(runner: TierstoreRunner, wl: Workload, reads: float, writes: float,
     """
     name = wl.names[0]
     backend = runner.store.backend
-    raw = RawLmdb(backend.env, backend._db(name), runner.store.table_specs[name].row_dim)
+    raw = RawLmdb(backend.env, backend.table_db(name), runner.store.table_specs[name].row_dim)
     rng = np.random.default_rng(7)
     best_r = best_w = float("inf")
     for _ in range(reps):

@@ -1,7 +1,7 @@
 """`python -m bench.staging_floor`: the CPU floor of staging a step in set-associative cache tiers.
 
 A model, not the store: it measures what the next tier design would cost, to compare with what
-`bench.steady --calls` reports for today's (`Prefetcher._finish` on the staging thread). Each tier
+`bench.steady --calls` reports for today's (`Prefetcher.finish_batch` on the staging thread). Each tier
 is `slots / ways` buckets of `ways` slots; a bucket keeps its keys, last-use stamps, pins and
 dirty bits side by side, so finding a row, recording its use and choosing a victim touch one
 bucket's cache lines. Today's tier keeps a hash index, a linked policy queue, a pin array and a

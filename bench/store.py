@@ -245,7 +245,7 @@ class LmdbCase:
         return TierStore(self.path, self.spec, device_capacity=self.batch, host_capacity=self.batch)
 
     def _raw(self) -> RawLmdb:
-        return RawLmdb(self.store.backend.env, self.store.backend._db(TABLE), self.width)
+        return RawLmdb(self.store.backend.env, self.store.backend.table_db(TABLE), self.width)
 
     def cached(self, threads: int, blocks: int, reps: int, prof: list[str] | None) -> list[dict]:
         """Rows miss both caches and come from page-cached LMDB."""

@@ -99,8 +99,8 @@ def test_k_minus_one_sightings_no_row_k_sightings_stored(tmp_path_factory, k, vi
         sight_and_update()
     assert stored(store) == set()  # no stored row after k-1 sightings
     assert store.stats()["admission"]["t"]["admitted"] == 0
-    with store._lock:  # the row as it is now, without counting a sighting
-        before = store._read(store.tables["t"], ids)
+    with store.lock:  # the row as it is now, without counting a sighting
+        before = store.read_rows(store.tables["t"], ids)
     assert torch.equal(before, init)  # updates were discarded: the row is its init
     sight_and_update()
     assert stored(store) == set(ids.tolist())  # the k-th sighting creates and updates the row
@@ -209,8 +209,8 @@ def _train(path, caps, policy="lru", depth=0, steps=12, specs=None, ttl=None):
         it.close()
     store.check()
     ids = torch.arange(1500) * STRIDE
-    with store._lock:
-        out = {"t": store._read(store.tables["t"], ids), "u": store._read(store.tables["u"],
+    with store.lock:
+        out = {"t": store.read_rows(store.tables["t"], ids), "u": store.read_rows(store.tables["u"],
                                                                           torch.arange(300))}
     stats = store.stats()["admission"]
     store.close()
@@ -411,7 +411,7 @@ def test_kill9_with_admission_keeps_rows_and_sketch_at_a_flush_point(tmp_path, a
                 back.flush()
                 assert (_rows_digest(back.backend), _sketch_digest(back.backend)) == want[s]
         assert back.stats()["admission"]["a"]["rejected"] > 0
-        assert back.clock == acked + 5 and back._expiry.cutoffs[back.tables["a"].index] > 0
+        assert back.clock == acked + 5 and back.expiry.cutoffs[back.tables["a"].index] > 0
         back.close()
         ref.close()
     finally:
@@ -427,7 +427,7 @@ def test_export_import_keeps_stored_rows_visible(tmp_path):
         for _ in range(3):
             store.apply("t", ids, torch.ones(2, 4))
         store.apply("t", torch.tensor([6 * STRIDE]), torch.ones(1, 4))  # seen once: no row
-        want = store._read(store.tables["t"], ids)
+        want = store.read_rows(store.tables["t"], ids)
     export_store(tmp_path / "s", tmp_path / "x")
     import_store(tmp_path / "x", tmp_path / "i")  # no sketch in an export: stored ids admitted
     with open_store(tmp_path / "i", s) as store:

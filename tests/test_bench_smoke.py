@@ -146,7 +146,7 @@ def test_bench_steady_times_the_miss_path_per_method_and_unwraps_after(tmp_path)
     calls = {(c["thread"], c["method"]): c for c in rec["calls"]}
     # the training thread's misses go through the cascade; staging runs on the prefetch thread
     assert calls[("MainThread", "TierCascade._access")]["calls_per_step"] > 0
-    assert any(t != "MainThread" and m == "Prefetcher._prepare" for t, m in calls)
+    assert any(t != "MainThread" and m == "Prefetcher.prepare_batch" for t, m in calls)
     inserts = {m for _, m in calls if m.startswith("SlabTier.insert[")}
     assert inserts <= {"SlabTier.insert[device]", "SlabTier.insert[host]"} and inserts
     for c in rec["calls"]:

@@ -249,7 +249,7 @@ def test_checkpoint_is_compact(tmp_path):
 
 def leaf_stats(backend: LmdbBackend, table: str) -> dict:
     with backend.env.begin() as txn:
-        return txn.stat(backend._db(table))
+        return txn.stat(backend.table_db(table))
 
 
 def test_large_puts_leave_few_free_pages(tmp_path):

@@ -37,8 +37,8 @@ def stored_ids(store, table="t") -> set[int]:
 
 def peek(store, table, ids):
     """Current rows without counting a sighting (no admission here; plain read)."""
-    with store._lock:
-        return store._read(store.tables[table], ids)
+    with store.lock:
+        return store.read_rows(store.tables[table], ids)
 
 
 @settings(deadline=None, max_examples=20)
@@ -122,7 +122,7 @@ def _ttl_run(path, caps, ttl, steps=30, explicit=False):
         if explicit and store.clock % iv == 0 and store.clock > ttl:
             store.expire(older_than=ttl)
     store.flush()  # the cutoffs are durable: the deleter may remove the stale rows from LMDB
-    assert store._expiry.wait(10)
+    assert store.expiry.wait(10)
     out = peek(store, "t", torch.arange(400) * STRIDE)
     rows = stored_ids(store)
     stats = store.stats()["expiry"]
@@ -149,11 +149,11 @@ def test_ttl_cutoff_survives_reopen_and_checkpoint(tmp_path):
         store.apply("t", torch.tensor([2]), torch.ones(1, 4))
         store.advance(3)  # clock 6: cutoff 2 at the boundary 6 (interval 1): row 1 (stamp 0) stale
         store.flush()
-        assert store._expiry.wait(10)
+        assert store.expiry.wait(10)
         value2 = peek(store, "t", torch.tensor([2]))
         store.checkpoint(tmp_path / "ck")
     with open_store(tmp_path / "s", [s]) as store:
-        assert store._expiry.cutoffs[0] == 2 and store.clock == 6
+        assert store.expiry.cutoffs[0] == 2 and store.clock == 6
         assert stored_ids(store) == {2}
         assert torch.equal(peek(store, "t", torch.tensor([2])), value2)
     back = ts.TierStore.restore(tmp_path / "ck", tmp_path / "r", device="cpu", device_capacity=8,
@@ -231,7 +231,7 @@ def test_stale_copies_in_the_ring_and_the_log_never_come_back(tmp_path):
     again = peek(store, "t", ringed[:5])
     assert not torch.equal(again, init[40:45])
     store.flush()  # the cutoff is durable: the deleter removes the stale rows from LMDB
-    assert store._expiry.wait(10)
+    assert store.expiry.wait(10)
     assert stored_ids(store) == set(ringed[:5].tolist())
     assert store.stats()["expiry"]["expired_rows"] == 75  # 80 stale, 5 of them updated since
     store.close()
@@ -253,9 +253,9 @@ def test_expire_reaches_rows_in_the_ring_the_log_and_read_ahead(tmp_path):
     store.writeback.drain()  # in the log
     store.writeback.delay = lambda: 0.2
     store.apply("t", ids[40:], torch.ones(20, 4))  # pending in the ring
-    with store._lock:  # a read-ahead buffer holding the table's copies (as the Prefetcher makes)
+    with store.lock:  # a read-ahead buffer holding the table's copies (as the Prefetcher makes)
         data, found = store._read_stored(store.tables["t"], ids[:20].numpy())
-        store._add_read_ahead("t", store.writeback.tail, ids[:20].numpy(), data, found, keep=2)
+        store.add_read_ahead("t", store.writeback.tail, ids[:20].numpy(), data, found, keep=2)
     store.advance(2)
     store.writeback.delay = None
     assert store.expire(older_than=1) == {"t": 60}
@@ -276,7 +276,7 @@ def test_export_leaves_out_expired_rows_the_deleter_has_not_reached(tmp_path):
         store.advance(3)
         store.apply("t", ids[:10], torch.ones(10, 4))  # fresh again at clock 3
         live = peek(store, "t", ids[:10])
-        store._expiry.close()  # no deleter: the 20 stale rows stay on disk
+        store.expiry.close()  # no deleter: the 20 stale rows stay on disk
         store.flush()
         assert len(stored_ids(store)) == 30
         export_store(store, tmp_path / "ex")
@@ -327,7 +327,7 @@ def test_kill9_inside_expire_reopens_with_the_rows_expired(tmp_path):
     with open_store(tmp_path / "init", [s]) as fresh:
         init = fresh.read("t", ids[100:])
     with open_store(tmp_path / "s", [s]) as store:
-        assert store.clock == 1 and store._expiry.cutoffs == {0: 1}
+        assert store.clock == 1 and store.expiry.cutoffs == {0: 1}
         left = store.backend.count("t")
         assert 100 < left < 2000  # a crash mid-way: part of the stale rows still on disk ...
         assert torch.equal(store.read("t", ids[100:]), init)  # ... reading as expired
@@ -345,8 +345,8 @@ def test_an_abandoned_store_with_a_ttl_deleter_is_collected(tmp_path):
     store.apply("t", torch.arange(50) * STRIDE, torch.ones(50, 4))
     store.advance(3)
     store.flush()  # starts the deleter
-    assert store._expiry.wait(10) and store._expiry._thread.is_alive()
-    thread, ref = store._expiry._thread, weakref.ref(store)
+    assert store.expiry.wait(10) and store.expiry._thread.is_alive()
+    thread, ref = store.expiry._thread, weakref.ref(store)
     del store
     gc.collect()
     assert ref() is None  # closed by __del__ (acknowledged writes kept), its deleter stopped
@@ -420,7 +420,7 @@ def test_kill9_while_the_ttl_deleter_runs_keeps_the_flush_point(tmp_path, delay)
         ref.apply("t", ids[500:600], torch.ones(100, 4))
         later = ref.read("t", ids[500:600])
     with open_store(tmp_path / "s", [s]) as store:
-        assert store.clock == 5 and store._expiry.cutoffs == {0: 1}
+        assert store.clock == 5 and store.expiry.cutoffs == {0: 1}
         assert 500 <= store.backend.count("t") <= 12000
         got = store.read("t", ids)
         # the flush point: fresh rows kept, stale rows initial; the write-behind may have landed

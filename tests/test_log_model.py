@@ -60,7 +60,7 @@ class LogVsDict(RuleBasedStateMachine):
         self.version += 1
         pay = np.zeros((len(keys), self.store.width), dtype=np.float32)
         pay[:] = np.arange(len(keys), dtype=np.float32)[:, None] + 1000.0 * self.version
-        with self.store.writeback._cv:
+        with self.store.writeback.cv:
             self.log.append(tabs, rows, pay)
         for (t, r), p in zip(keys, pay):
             self.model[(t, r)] = p[: SPECS[t].row_dim].copy()
@@ -114,7 +114,7 @@ class LogVsDict(RuleBasedStateMachine):
         self.store.writeback.close()  # the writer stops as a kill would leave it
         self.store.backend.sync()
         self.store.backend.close()
-        self.store._closed = True
+        self.store.closed = True
         log_dir = Path(self.dir) / "wlog"
         if stale and self.log_copies:
             shutil.rmtree(log_dir, ignore_errors=True)

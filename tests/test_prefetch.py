@@ -94,7 +94,7 @@ def test_a_staged_use_is_reported_once_and_consumes_its_look_ahead_hint(tmp_path
                     extract=lambda b: b["sparse"]) as pf:
         for b in pf:
             ebc(*b["sparse"]).sum().backward()
-    with store._exclusive():  # drains the last lock-free gathers
+    with store.exclusive():  # drains the last lock-free gathers
         pass
     st = store.prefetch_stats
     assert st.lock_free_bags == 2 * steps and st.warm_only == 0  # every step staged, lock-free
@@ -564,12 +564,12 @@ def test_a_warm_only_backward_leaves_the_weights_its_forward_returned_unchanged(
         if resident:  # some of the rows device-resident before the warm-only step
             store.read("b", torch.arange(resident))
         ids, offsets = torch.tensor([0, 1, 2, 3, 4, 5, 6]), torch.tensor([0, 3])
-        store._deferring = threading.get_ident()  # as the pipeline marks a warm-only batch
-        _, g = store._pool_forward(tab, ids, offsets, None, "sum", True)
+        store.deferring = threading.get_ident()  # as the pipeline marks a warm-only batch
+        _, g = store.pool_forward(tab, ids, offsets, None, "sum", True)
         assert g.payload is not None
         before, kept = g.weights.clone(), g.payload.clone()
-        store._apply_bags(tab, g, offsets, torch.ones(2, 5), None, "sum")
-        store._deferring = 0
+        store.apply_bag_grads(tab, g, offsets, torch.ones(2, 5), None, "sum")
+        store.deferring = 0
         assert torch.equal(g.weights, before)
         assert torch.equal(g.payload, kept)
         assert not torch.equal(store.read("b", torch.arange(7)), before)  # the update did land

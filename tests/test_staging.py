@@ -47,11 +47,11 @@ def test_staged_slots_equal_a_fresh_lookup(tmp_path_factory, dcap, hcap, batches
         store.apply("a", torch.arange(0, 31, 3), torch.ones(11, 3))  # some dirty rows cached
         tab, dev = store.tables["a"], store.device_tier
         staged = []
-        with store._lock:
+        with store.lock:
             for ids in batches:
                 uniq = torch.unique(torch.tensor(ids, dtype=torch.int64))
                 epoch = dev.pin_epoch
-                (((d, h, s), got),) = store._stage_many([(tab, uniq)])
+                (((d, h, s), got),) = store.stage_many([(tab, uniq)])
                 want = dev.lookup(tab.tix, uniq, count=False)
                 assert torch.equal(got, want)
                 assert d + h + s == uniq.numel()
@@ -60,8 +60,8 @@ def test_staged_slots_equal_a_fresh_lookup(tmp_path_factory, dcap, hcap, batches
                     staged.append(("a", uniq, got, epoch))
                 else:
                     staged.append(("a", uniq))
-            store._pending_unpins.extend(staged)
-            store._drain_unpins()
+            store.pending_unpins.extend(staged)
+            store.drain_unpins()
             assert int(dev.pins.sum()) == 0 and int(store.host_tier.pins.sum()) == 0
         store.check()
 
@@ -85,14 +85,14 @@ def test_staging_all_tables_at_once_gives_each_rows_slot_and_keeps_every_value(
         before = {spec.name: store.read(spec.name, everything) for spec in specs}
         dev, host = store.device_tier, store.host_tier
         pinned = []
-        with store._lock:
+        with store.lock:
             for batch in batches:
                 items = [(store.tables[spec.name], torch.unique(torch.tensor(ids, dtype=torch.int64)))
                          for spec, ids in zip(specs, batch)]
                 where = [(int((dev.lookup(tab.tix, uniq, count=False) >= 0).sum()),
                           int((host.lookup(tab.tix, uniq, count=False) >= 0).sum()))
                          for tab, uniq in items]  # the exclusive caches before staging
-                for (tab, uniq), ((d, h, s), got), dh in zip(items, store._stage_many(items), where):
+                for (tab, uniq), ((d, h, s), got), dh in zip(items, store.stage_many(items), where):
                     assert (d, h) == dh and d + h + s == uniq.numel()
                     assert torch.equal(got, dev.lookup(tab.tix, uniq, count=False))
                     pinned.append((tab.spec.name, uniq))
@@ -105,8 +105,8 @@ def test_staging_all_tables_at_once_gives_each_rows_slot_and_keeps_every_value(
                     assert bool(((dslots >= 0) | (hslots >= 0)).all())
                 assert bool((dev.pins[dslots[dslots >= 0]] > 0).all())
                 assert bool((host.pins[hslots[hslots >= 0]] > 0).all())
-            store._pending_unpins.extend(pinned)
-            store._drain_unpins()
+            store.pending_unpins.extend(pinned)
+            store.drain_unpins()
             assert int(dev.pins.sum()) == 0 and int(host.pins.sum()) == 0
         store.check()
         for spec in specs:
@@ -118,10 +118,10 @@ def test_unpin_by_slot_falls_back_to_lookups_when_the_epoch_moved(tmp_path):
     with ts.TierStore(tmp_path / "s", [spec], device_capacity=8, host_capacity=8,
                       device="cpu") as store:
         tab, dev = store.tables["a"], store.device_tier
-        with store._lock:
+        with store.lock:
             uniq = torch.arange(5)
             epoch = dev.pin_epoch
-            ((_, slots),) = store._stage_many([(tab, uniq)])
+            ((_, slots),) = store.stage_many([(tab, uniq)])
             slots = slots.clone()
             # a pinned row leaves the device (the epoch moves): the slots no longer name the rows
             moved = dev.remove(slots[:2])
@@ -129,8 +129,8 @@ def test_unpin_by_slot_falls_back_to_lookups_when_the_epoch_moved(tmp_path):
             store._access(tab, torch.tensor([10, 11]), None)  # other rows take the freed slots
             store._place(moved, protect=slots[2:])  # back in, at other slots
             assert not torch.equal(dev.lookup(tab.tix, uniq, count=False), slots)
-            store._pending_unpins.append(("a", uniq, slots, epoch))
-            store._drain_unpins()
+            store.pending_unpins.append(("a", uniq, slots, epoch))
+            store.drain_unpins()
             assert int(dev.pins.sum()) == 0 and int(store.host_tier.pins.sum()) == 0
         store.check()
 

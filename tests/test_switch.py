@@ -89,7 +89,7 @@ def test_a_store_abandoned_without_close_stops_counting(tmp_path, fresh_interval
     a.log.stop_merger()  # left as a kill leaves it (tests/test_writeback.py's `_kill`)
     a.writeback.close()
     a.backend.close()
-    a._closed = True
+    a.closed = True
     assert _switch.STORES.users == 0
     with _open(tmp_path / "b"):
         assert sys.getswitchinterval() == pytest.approx(_switch.STORE_DEFAULT)

@@ -33,7 +33,7 @@ def _append_random(s, specs, rng, n: int, universe: int, want: dict) -> None:
     _, first = np.unique(tabs * 10**6 + rows, return_index=True)
     tabs, rows = tabs[first], rows[first]
     pay = rng.standard_normal((len(rows), s.width), dtype=np.float32)
-    with s.writeback._cv:
+    with s.writeback.cv:
         s.log.append(tabs, rows, pay)
     for t, r, p in zip(tabs.tolist(), rows.tolist(), pay):
         want[(t, r)] = p[: specs[t].row_dim].copy()
@@ -229,7 +229,7 @@ def _kill(s) -> None:
     s.writeback.close()
     s.backend.sync()
     s.backend.close()
-    s._closed = True
+    s.closed = True
 
 
 def _leave_a_log(path, version_rows: dict[int, int]) -> dict[int, torch.Tensor]:
@@ -243,7 +243,7 @@ def _leave_a_log(path, version_rows: dict[int, int]) -> dict[int, torch.Tensor]:
     rows = np.array(sorted(version_rows), dtype=np.int64)
     pay = np.zeros((len(rows), w), dtype=np.float32)
     pay[:, : SPEC.dim] = np.array([version_rows[r] for r in rows], dtype=np.float32)[:, None]
-    with s.writeback._cv:
+    with s.writeback.cv:
         s.log.append(np.zeros(len(rows), dtype=np.int64), rows, pay)
     assert s.log.size == len(rows) and len(s.log._chunks) >= 1
     _kill(s)  # the log stays as a kill would leave it
@@ -341,7 +341,7 @@ def _log_rows(s, rows: np.ndarray, value: float) -> None:
     """Append versions of rows of table "t" holding `value` to the log, as the writer does."""
     pay = np.zeros((len(rows), s.width), dtype=np.float32)
     pay[:, : SPEC.dim] = value
-    with s.writeback._cv:
+    with s.writeback.cv:
         s.log.append(np.zeros(len(rows), dtype=np.int64), rows, pay)
 
 
@@ -562,7 +562,7 @@ def test_a_chunked_log_with_superseded_versions_replays_the_newest(tmp_path):
     s.log.stop_merger()
     s.backend.sync()
     s.backend.close()
-    s._closed = True
+    s.closed = True
     with ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=0, host_capacity=0) as s:
         assert s.log.size == 0
         for t, spec in enumerate(specs):
@@ -618,7 +618,7 @@ def test_a_merge_of_chunks_whose_rows_were_all_superseded_writes_nothing_and_goe
         tabs = np.zeros(len(rows), dtype=np.int64)
         old = np.full((len(rows), s.width), 1.0, dtype=np.float32)
         new = np.full((len(rows), s.width), 2.0, dtype=np.float32)
-        with s.writeback._cv:
+        with s.writeback.cv:
             s.log.append(tabs, rows, old)  # the first chunk: superseded by the next append
             s.log.append(tabs, rows, new)
         assert s.log.size == 2 * len(rows)
@@ -646,7 +646,7 @@ def test_rows_appended_again_while_a_merge_runs_keep_the_log_index_whole(tmp_pat
         first = np.full((len(rows), s.width), 1.0, dtype=np.float32)
         again = np.full((len(rows) // 2, s.width), 2.0, dtype=np.float32)
         later = np.arange(5000, 5100, dtype=np.int64)  # rows the merge does not touch
-        with s.writeback._cv:
+        with s.writeback.cv:
             s.log.append(tabs, rows, first)
             s.log.append(tabs[:100], later, np.full((100, s.width), 3.0, dtype=np.float32))
         fold = wal.writelog.fold
@@ -654,7 +654,7 @@ def test_rows_appended_again_while_a_merge_runs_keep_the_log_index_whole(tmp_pat
         def writer_meanwhile(backend, db, chunks, names, dims, ids, newest):
             def looked_up(t, r, q):
                 out = newest(t, r, q)
-                with s.writeback._cv:  # what the writer thread does during a merge
+                with s.writeback.cv:  # what the writer thread does during a merge
                     s.log.append(tabs[::2], rows[::2], again)
                 return out
             return fold(backend, db, chunks, names, dims, ids, looked_up)
@@ -691,7 +691,7 @@ def test_a_writer_that_finds_the_log_full_during_a_merge_waits_for_it_and_merges
         width, cap = s.width, s.log.capacity
         first = np.arange(0, 9000, dtype=np.int64)
         more = np.arange(20_000, 22_000, dtype=np.int64)
-        with s.writeback._cv:
+        with s.writeback.cv:
             s.log.append(np.zeros(len(first), np.int64), first, np.full((len(first), width), 1.0, np.float32))
         assert s.log.size + len(more) > cap  # the writer's append below finds the log full
         fold, folds = wal.writelog.fold, []
@@ -720,7 +720,7 @@ def test_a_writer_that_finds_the_log_full_during_a_merge_waits_for_it_and_merges
         assert folds == ["merger"]  # one merge: the writer's append found room after it
         assert s.log.size == len(first) + len(more) - s.log.rows_merged <= cap
         monkeypatch.setattr(wal.writelog, "fold", fold)
-        with s.log.merging, s.writeback._cv:
+        with s.log.merging, s.writeback.cv:
             s.log.index.check()
         got = s.read("t", torch.from_numpy(np.concatenate([first, more])))
         assert (got[: len(first)] == 1.0).all() and (got[len(first):] == 2.0).all()
@@ -734,12 +734,12 @@ def test_a_write_log_smaller_than_a_writer_batch_keeps_its_index_whole(tmp_path)
     with ts.TierStore(tmp_path / "s", SPEC, device="cpu", device_capacity=4, host_capacity=4,
                       write_buffer=256, write_log=8) as s:
         rows = torch.arange(200)
-        with s.writeback._cv:  # hold the writer so it takes all 200 evicted rows in one batch
+        with s.writeback.cv:  # hold the writer so it takes all 200 evicted rows in one batch
             for ids in rows.split(20):
                 s.apply("t", ids, _grads(len(ids), int(ids[0])))
                 model.apply("t", ids, _grads(len(ids), int(ids[0])))
         s.writeback.drain()
-        with s.log.merging, s.writeback._cv:  # no merge or append runs meanwhile
+        with s.log.merging, s.writeback.cv:  # no merge or append runs meanwhile
             s.log.index.check()
             assert s.log.size <= s.log.capacity and s.writeback.batches >= 1
         assert torch.equal(s.read("t", rows), model.read("t", rows))
@@ -793,11 +793,11 @@ def test_read_ahead_outlives_a_ring_wrap_but_never_serves_a_row_written_after_it
         model.apply("t", torch.arange(40), _grads(40, 1))
         s.writeback.drain()
         want = torch.arange(10, 20)
-        tab = s._table("t")
-        with s._lock:
-            mark = s._read_ahead_mark()
+        tab = s.table_record("t")
+        with s.lock:
+            mark = s.read_ahead_mark()
             data, found = s._read_stored(tab, want.numpy())
-            s._add_read_ahead("t", mark, want.numpy(), data, found, keep=2)
+            s.add_read_ahead("t", mark, want.numpy(), data, found, keep=2)
         # 12 and 15 get newer versions, then batches of other rows evict them through the ring
         for i, ids in enumerate([torch.tensor([12, 15])] + list(torch.arange(100, 140).split(2))):
             s.apply("t", ids, _grads(len(ids), 10 + i))
@@ -855,13 +855,13 @@ def test_one_log_read_for_all_tables_returns_each_rows_newest_version(tmp_path, 
         s.log.merge()  # these versions now live in the tables
         for _ in range(4):
             _append_random(s, specs, rng, 300, 1500, want)
-        tabs = {spec.name: s._table(spec.name) for spec in specs}
+        tabs = {spec.name: s.table_record(spec.name) for spec in specs}
         cold = {name: (tab, np.sort(rng.choice(2000, 400, replace=False)).astype(np.int64))
                 for name, tab in tabs.items()}  # a few never written
         alone = {name: s._read_stored(tab, rows) for name, (tab, rows) in cold.items()}
         with ThreadPoolExecutor(2) as pool:
             reads = StoredReads(s, cold, pool.submit, part_rows)
-            with s.writeback._cv:
+            with s.writeback.cv:
                 s.log.merge(s.log.size // 2)  # the older half leaves the log after the lookups
             got, seconds = reads.result()
         assert seconds > 0
@@ -891,7 +891,7 @@ def test_a_log_read_reports_entries_merged_meanwhile_as_not_found(tmp_path):
         seqs = np.concatenate([s.log.lookup(t, torch.from_numpy(rows[tabs == t])) for t in (0, 1)])
         order = np.concatenate([np.flatnonzero(tabs == t) for t in (0, 1)])
         tabs, rows = tabs[order], rows[order]
-        with s.writeback._cv:
+        with s.writeback.cv:
             s.log.merge(s.log.size // 2)  # whole chunks: the first append's, at least
         data, found = s.log.read_entries(tabs, rows, seqs, s.width)
         assert 0 < np.count_nonzero(found) < len(found)
@@ -918,7 +918,7 @@ s.backend.put({"t": (rows, one)})
 s.flush()  # version 1 of every row, acknowledged
 two = np.zeros((len(rows), s.width), dtype=np.float32)
 two[:, :4] = (rows % 997 + 2).astype(np.float32)[:, None]
-with s.writeback._cv:  # version 2 of every row: committed to the log, not merged
+with s.writeback.cv:  # version 2 of every row: committed to the log, not merged
     s.log.append(np.zeros(len(rows), dtype=np.int64), rows, two)
 wal.merge.MERGE_ROWS = 500  # a merge of 20 pieces, each its own transaction
 s.backend.txn_rows = 500
@@ -1031,7 +1031,7 @@ def test_a_merge_cut_between_its_steps_replays_to_the_newest_rows(tmp_path, monk
     rows = np.arange(0, 6000, 4, dtype=np.int64)  # newer versions of half the rows, logged
     pay = np.zeros((len(rows), w), dtype=np.float32)
     pay[:, : SPEC.dim] = -rows[:, None].astype(np.float32)
-    with s.writeback._cv:
+    with s.writeback.cv:
         s.log.append(np.zeros(len(rows), dtype=np.int64), rows, pay)
     want.update({int(r): torch.from_numpy(pay[i, : SPEC.dim]) for i, r in enumerate(rows)})
 
@@ -1053,7 +1053,7 @@ def test_a_merge_cut_between_its_steps_replays_to_the_newest_rows(tmp_path, monk
     s.writeback.close()  # the process dies here: no flush
     s.backend.sync()
     s.backend.close()
-    s._closed = True
+    s.closed = True
     assert (path / "wlog" / "data.mdb").exists()
     with ts.TierStore(path, SPEC, device="cpu", device_capacity=0, host_capacity=0) as again:
         if cut == "before_delete":

@@ -46,7 +46,7 @@ def configured() -> float | None:
 class SwitchInterval:
     """The stores that want a shorter switch interval: the first sets it, the last one closed restores it.
 
-    Holders are kept weakly and count while their `_closed` is false, so a store that was
+    Holders are kept weakly and count while their `closed` is false, so a store that was
     dropped or abandoned without `close()` (a simulated kill in the tests) stops counting too;
     the interval is put back at the next `acquire` or `release` after that.
     """
@@ -65,7 +65,7 @@ class SwitchInterval:
             return self._prune()
 
     def _prune(self) -> int:
-        for h in [h for h in self._holders if getattr(h, "_closed", False)]:
+        for h in [h for h in self._holders if getattr(h, "closed", False)]:
             self._holders.discard(h)
         return len(self._holders)
 

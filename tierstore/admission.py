@@ -361,8 +361,8 @@ class TableAdmission:
             return 0
         page = 1 << PAGE_SHIFT
         table = self.sketch.table
-        backend._ensure_room(len(dirty) * (page + 4096) + 4096)
-        backend._wrote = True
+        backend.ensure_room(len(dirty) * (page + 4096) + 4096)
+        backend.wrote = True
         env = backend.env
         db = backend.open_named(self.dbname, create=True)
         st = {"admitted": self.admitted, "rejected": self.rejected, "accepted": self.accepted,
@@ -406,7 +406,7 @@ def read_masked(store: TierStore, tab: _Table, ids: torch.Tensor, mask: np.ndarr
     out = init_weights(store, tab, ids)
     if mask.any():
         idx = torch.nonzero(keep).flatten().to(store.device)
-        out.index_copy_(0, idx, store._read(tab, ids[keep]).to(out.dtype))
+        out.index_copy_(0, idx, store.read_rows(tab, ids[keep]).to(out.dtype))
     return out
 
 
@@ -417,7 +417,7 @@ def gather_masked(store: TierStore, tab: _Table, ids: torch.Tensor, mask: np.nda
     ukeep[inv] = torch.from_numpy(mask)
     weights = init_weights(store, tab, uniq)
     if bool(ukeep.any()):
-        sub = store._gather(tab, uniq[ukeep])
+        sub = store.gather_rows(tab, uniq[ukeep])
         idx = torch.nonzero(ukeep).flatten().to(weights.device)
         weights.index_copy_(0, idx, sub.weights.to(weights.device))
     return Gathered(uniq, inv, weights)

@@ -23,9 +23,9 @@ class BagPaths:
 
     def _promoting(self) -> bool:
         """Whether this thread's gathers move missed rows up (not during a warm-only batch)."""
-        return self._deferring != threading.get_ident()
+        return self.deferring != threading.get_ident()
 
-    def _gather(self, tab: _Table, ids: torch.Tensor) -> Gathered:
+    def gather_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered:
         if ids.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64)
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
@@ -34,7 +34,7 @@ class BagPaths:
         return Gathered(uniq, inv, tab.spec.codec.decode(payload, tab.spec.dim), self._last_dslots,
                         self.device_tier.generation)
 
-    def _pool_forward(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
+    def pool_forward(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
                       psw: torch.Tensor | None, mode: str, need_weights: bool
                       ) -> tuple[torch.Tensor, Gathered]:
         """Pooled embeddings of bags over validated ids, and what the backward needs.
@@ -47,14 +47,14 @@ class BagPaths:
         dev = self.device_tier
         mean = mode == "mean"
         if not (self.fused and dev.device.type == "cpu"):
-            g = self._gather(tab, ids)
+            g = self.gather_rows(tab, ids)
             w = g.weights.to(self.device)
             out = torch.nn.functional.embedding_bag(
                 g.inverse.to(w.device), w, offsets.to(w.device), mode=mode,
                 per_sample_weights=None if psw is None else psw.to(w.device, w.dtype))
             return out, g
         if ids.numel() == 0:
-            return torch.zeros(offsets.numel(), dim), self._gather(tab, ids)
+            return torch.zeros(offsets.numel(), dim), self.gather_rows(tab, ids)
         uniq, inv = dedup(ids)
         psw = None if psw is None else psw.detach().to("cpu", torch.float32)
         dslots = self._resident_slots(tab, uniq)
@@ -76,7 +76,7 @@ class BagPaths:
         return out, Gathered(uniq, inv, weights[:, :dim], self._last_dslots, dev.generation,
                              payload=kept, writes=tab.writes)
 
-    def _apply_bags(self, tab: _Table, g: Gathered, offsets: torch.Tensor, grad_out: torch.Tensor,
+    def apply_bag_grads(self, tab: _Table, g: Gathered, offsets: torch.Tensor, grad_out: torch.Tensor,
                     per_sample_weights: torch.Tensor | None, mode: str) -> None:
         """`apply_bags` on trusted input from `gather`; reuses its device slots when still valid."""
         unique, inverse = g.unique, g.inverse

@@ -167,7 +167,7 @@ class TierCascade:
             payload.index_copy_(0, hidx, host.read(hslots.index_select(0, hidx)))
             if nh < m:
                 cidx = torch.nonzero(~hhit).flatten()
-                payload.index_copy_(0, cidx, self._load(tab, rows.index_select(0, cidx)))
+                payload.index_copy_(0, cidx, self.load(tab, rows.index_select(0, cidx)))
             return payload, torch.zeros(m, dtype=torch.bool), None, hhit
         if nh == m:
             moved = host.remove(hslots)
@@ -188,12 +188,12 @@ class TierCascade:
         copy, updated in place), else `_load`."""
         if known is not None:
             return known if idx is None else known.index_select(0, idx)
-        return self._load(tab, rows if idx is None else rows.index_select(0, idx))
+        return self.load(tab, rows if idx is None else rows.index_select(0, idx))
 
-    def _uncached(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
+    def uncached(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
         """Mask of rows in no cache tier and not in the write-behind ring (store lock held)."""
         indexes = (self.device_tier.index, self.host_tier.index, self.writeback.index)
-        with self.writeback._cv:
+        with self.writeback.cv:
             return absent_from(indexes, tab.index, rows)
 
     def _distinct_resident(self, slots: torch.Tensor) -> torch.Tensor | None:
@@ -263,9 +263,9 @@ class TierCascade:
         self.ssd_stats.bytes_written += nbytes
 
     @contextlib.contextmanager
-    def _quiesce_writer(self):
+    def quiesce_writer(self):
         """Drain the write-behind ring, merge the log, and keep the writer idle inside the block."""
         self.writeback.drain()
-        with self.log.merging, self.writeback._cv:  # no background merge runs meanwhile
+        with self.log.merging, self.writeback.cv:  # no background merge runs meanwhile
             self.ssd_stats.bytes_written += self.log.merge()
             yield

@@ -68,7 +68,7 @@ def purge_caches(store: TierStore, cutoffs: dict[int, int]) -> int:
     Dirty or not: an older copy below is older still, so it is stale too and reads as missing.
     One vectorized pass over each tier's occupied slots, whatever the number of tables.
     """
-    tables = store._by_index
+    tables = store.by_index
     cut = torch.full((len(tables),), -(2**31), dtype=torch.int64)  # no cutoff move: keep
     for t, c in cutoffs.items():
         cut[t] = c
@@ -92,7 +92,7 @@ def stale_ids(backend: Any, spec: TableSpec, cutoff: int, start: int = 0
     """Ids of one scan chunk's stale rows from id `start` on; and where the next chunk starts."""
     size = spec.row_dim * 4 + CHECK_BYTES
     with backend.reading():
-        db = backend._db(spec.name)
+        db = backend.table_db(spec.name)
         if db is None:
             return np.empty(0, np.int64), None
         with backend.env.begin(db=db, buffers=False) as txn:
@@ -113,11 +113,11 @@ def delete_stale(backend: Any, spec: TableSpec, ids: np.ndarray, cutoff: int) ->
     """Delete these rows if their stored stamp is still below `cutoff` (one write transaction)."""
     if len(ids) == 0:
         return 0
-    db = backend._db(spec.name)
+    db = backend.table_db(spec.name)
     col = spec.stamp_col * 4
     keys = encode_keys(ids)
-    backend._ensure_room(4096 * 8)
-    backend._wrote = True
+    backend.ensure_room(4096 * 8)
+    backend.wrote = True
     with backend.env.begin(write=True, db=db) as txn:
         vals = list(map(txn.get, keys))  # re-checked inside the transaction: a newer version stays
         here = [i for i, v in enumerate(vals) if v is not None]
@@ -149,17 +149,17 @@ def expire_table(store: TierStore, spec: TableSpec, cutoff: int,
             if stop is None:
                 deleted += delete_stale(store.backend, spec, part, cutoff)
                 continue
-            while not store._lock.acquire(timeout=0.05):  # close() holds it while stopping us
+            while not store.lock.acquire(timeout=0.05):  # close() holds it while stopping us
                 if stop.is_set():
                     return deleted
             try:
-                if stop.is_set() or store._closed:
+                if stop.is_set() or store.closed:
                     return deleted
                 n = delete_stale(store.backend, spec, part, cutoff)
                 deleted += n
-                store._expiry.expired_rows += n  # (expire() counts its own)
+                store.expiry.expired_rows += n  # (expire() counts its own)
             finally:
-                store._lock.release()
+                store.lock.release()
     return deleted
 
 
@@ -167,18 +167,18 @@ def expire(store: TierStore, table: str | None, older_than: int) -> dict[str, in
     """`TierStore.expire` (store lock held): expire rows last updated more than `older_than`
     clock steps ago everywhere, delete them from LMDB; durable on return."""
     older_than = check_older_than(older_than)
-    tabs = [store._table(table)] if table is not None else list(store.tables.values())
-    ex = store._expiry
+    tabs = [store.table_record(table)] if table is not None else list(store.tables.values())
+    ex = store.expiry
     store.flush()  # every dirty row down and the log merged: stale rows are all in the tables
     ex.raise_cutoffs({t.index: store.clock - older_than for t in tabs})
     ex.save(store.backend)
     store.backend.sync()  # the cutoffs are durable before any deletion (a crash: rows read missing)
     ex.flushed(queue=False)  # deleted here, synchronously
-    with store._quiesce_writer():  # nothing is pending (we hold the lock); the writer stays idle
+    with store.quiesce_writer():  # nothing is pending (we hold the lock); the writer stays idle
         out = {t.spec.name: expire_table(store, t.spec, ex.cutoffs[t.index]) for t in tabs}
     store.backend.sync()
-    with ex._wake:  # a ttl table's deleter has nothing left below these cutoffs
-        ex._done.update({t.index: ex.cutoffs[t.index] for t in tabs if t.index in ex.ttl})
+    with ex.wake:  # a ttl table's deleter has nothing left below these cutoffs
+        ex.done.update({t.index: ex.cutoffs[t.index] for t in tabs if t.index in ex.ttl})
     ex.expired_rows += sum(out.values())
     return out
 
@@ -194,12 +194,12 @@ class Expiry:
         self.cutoffs = {t.index: int(saved[n]) for n, t in store.tables.items() if n in saved}
         self.durable = dict(self.cutoffs)  # as of the last flush (deletions may go this far)
         self._queued: dict[int, int] = {}  # ttl tables: the cutoff the deleter last got
-        self._done: dict[int, int] = {}  # ttl tables: the cutoff of the last completed pass
+        self.done: dict[int, int] = {}  # ttl tables: the cutoff of the last completed pass
         self._saved = dict(self.cutoffs)
         self.ttl = {t.index: t.spec.ttl for t in store.tables.values() if t.spec.ttl is not None}
         self.expired_rows = 0  # deleted from LMDB
         self.expired_cached = 0  # dropped from the caches
-        self._wake = threading.Condition()
+        self.wake = threading.Condition()
         self._pending: dict[int, int] = {}
         self._stop = threading.Event()
         self._idle = threading.Event()
@@ -216,7 +216,7 @@ class Expiry:
 
     def stats(self) -> dict[str, Any]:
         """Rows expired so far (deleted from LMDB, dropped from the caches) and the cutoffs."""
-        names = self.store._by_index
+        names = self.store.by_index
         return {"expired_rows": self.expired_rows, "expired_cached": self.expired_cached,
                 "cutoffs": {names[i].spec.name: c for i, c in self.cutoffs.items()}}
 
@@ -256,7 +256,7 @@ class Expiry:
     def save(self, backend: Any) -> None:
         """Write the cutoffs that changed since the last save (flush: synced with the rows)."""
         if self.cutoffs != self._saved:
-            names = self.store._by_index
+            names = self.store.by_index
             backend.put_meta({META_KEY: {names[i].spec.name: c for i, c in self.cutoffs.items()}})
             self._saved = dict(self.cutoffs)
 
@@ -267,7 +267,7 @@ class Expiry:
         stale rows on disk); later flushes hand it the cutoffs that rose.
         """
         self.durable = dict(self.cutoffs)
-        with self._wake:
+        with self.wake:
             work = {i: c for i, c in self.durable.items()
                     if i in self.ttl and c > self._queued.get(i, -(2**31))}
             self._queued.update(work)
@@ -277,11 +277,11 @@ class Expiry:
     def _queue(self, work: dict[int, int]) -> None:
         if not work or self._stop.is_set():
             return
-        with self._wake:
+        with self.wake:
             for i, c in work.items():
                 self._pending[i] = max(c, self._pending.get(i, c))
             self._idle.clear()
-            self._wake.notify()
+            self.wake.notify()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name=f"tierstore-ttl:{self.store.path.name}")
@@ -289,10 +289,10 @@ class Expiry:
 
     def _run(self) -> None:
         while True:
-            with self._wake:
+            with self.wake:
                 while not self._pending and not self._stop.is_set():
                     self._idle.set()
-                    self._wake.wait()
+                    self.wake.wait()
                 if self._stop.is_set():
                     self._idle.set()
                     return
@@ -302,23 +302,23 @@ class Expiry:
                 return
             for i, cutoff in work.items():
                 try:
-                    expire_table(store, store._by_index[i].spec, cutoff, stop=self._stop)
+                    expire_table(store, store.by_index[i].spec, cutoff, stop=self._stop)
                 except Exception:  # a disk error: the rows stay stale (read as missing); the
-                    with self._wake:  # next flush or close() retries (never the store lock here:
-                        self._queued[i] = self._done.get(i, -(2**31))  # close() joins us holding it)
+                    with self.wake:  # next flush or close() retries (never the store lock here:
+                        self._queued[i] = self.done.get(i, -(2**31))  # close() joins us holding it)
                     continue
                 if not self._stop.is_set():
-                    with self._wake:
-                        self._done[i] = max(cutoff, self._done.get(i, cutoff))
+                    with self.wake:
+                        self.done[i] = max(cutoff, self.done.get(i, cutoff))
             del store
 
     def finish(self) -> None:
         """At close, after the last flush (store lock held, deleter stopped): delete what the
         deleter did not reach, so the closed store holds no row below a durable ttl cutoff."""
         for i, cutoff in self.durable.items():
-            if i in self.ttl and cutoff > self._done.get(i, -(2**31)):
-                self.expired_rows += expire_table(self.store, self.store._by_index[i].spec, cutoff)
-                self._done[i] = cutoff
+            if i in self.ttl and cutoff > self.done.get(i, -(2**31)):
+                self.expired_rows += expire_table(self.store, self.store.by_index[i].spec, cutoff)
+                self.done[i] = cutoff
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the deleter has no pending work (call without the store lock held)."""
@@ -327,7 +327,7 @@ class Expiry:
     def close(self) -> None:
         """Stop the deleter thread (rows it did not reach stay stale and read as missing)."""
         self._stop.set()
-        with self._wake:
-            self._wake.notify()
+        with self.wake:
+            self.wake.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()

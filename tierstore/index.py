@@ -51,7 +51,7 @@ class HashIndex:
         self.max_probe = 0
         self.use_kernels = _kernels.HAVE_NUMBA
 
-    def _fast(self, rows: torch.Tensor) -> bool:
+    def fast(self, rows: torch.Tensor) -> bool:
         """Whether the numba kernels apply (CPU tensors; callers pass contiguous copies)."""
         return self.use_kernels and self.device.type == "cpu"
 
@@ -68,7 +68,7 @@ class HashIndex:
         out = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         if n == 0 or self.live == 0:
             return out
-        if self._fast(rows):
+        if self.fast(rows):
             args = (self.table.numpy(), tabs.reshape(-1).contiguous().numpy(), rows.contiguous().numpy(),
                     out.numpy(), self.mask)
             parallel_for(lambda lo, hi: _kernels.hash_find(*args, lo, hi), n, 8192)
@@ -97,7 +97,7 @@ class HashIndex:
             return
         if (self.live + self.tombs + n) * 20 > self.size * 17:
             self._rebuild()
-        if self._fast(rows):
+        if self.fast(rows):
             reused, maxd = _kernels.hash_add(self.table.numpy(), self.pos_of.numpy(),
                                              tabs.reshape(-1).contiguous().numpy(),
                                              rows.contiguous().numpy(), slots.contiguous().numpy(),
@@ -139,7 +139,7 @@ class HashIndex:
 
     def keys(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(table index, row id) of each present slot."""
-        if self._fast(slots) and slots.dim() == 1 and slots.dtype == torch.int64:
+        if self.fast(slots) and slots.dim() == 1 and slots.dtype == torch.int64:
             n = slots.numel()
             tabs, rows = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
             if n:
@@ -156,7 +156,7 @@ class HashIndex:
             return
         if bool((self.pos_of[slots] < 0).any()):
             raise StoreCorruptError("an index removal names a slot that holds no key (internal error)")
-        if self._fast(slots):
+        if self.fast(slots):
             self.tombs += int(_kernels.hash_remove(self.table.numpy(), self.pos_of.numpy(),
                                                    slots.contiguous().numpy(), self.mask))
         else:
@@ -224,7 +224,7 @@ def absent_from(indexes: tuple[HashIndex, HashIndex, HashIndex], tab: int,
     """
     n = rows.numel()
     rows = rows.to("cpu", torch.int64).contiguous()
-    if all(ix._fast(rows) for ix in indexes) and n:
+    if all(ix.fast(rows) for ix in indexes) and n:
         out = torch.empty(n, dtype=torch.bool)
         (a, b, c) = indexes
         _kernels.hash_absent(a.table.numpy(), a.mask, b.table.numpy(), b.mask, c.table.numpy(),

@@ -30,24 +30,24 @@ class _TieredBags(torch.autograd.Function):
     def forward(ctx: Any, anchor: torch.Tensor, psw: torch.Tensor | None, store: TierStore,
                 table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str) -> torch.Tensor:
         need_weights = bool(ctx.needs_input_grad[1])
-        tab = store._table(table)
-        ids = store._ids(tab, ids)
+        tab = store.table_record(table)
+        ids = store.check_ids(tab, ids)
         # lock-free on the slots the pipeline pinned for this batch (not with admission: its
         # sketch counts under the lock)
         done = None if tab.spec.admission is not None else \
-            store._pool_pinned(tab, ids, offsets, psw, mode, need_weights)
+            store.pool_pinned(tab, ids, offsets, psw, mode, need_weights)
         if done is not None:
             out, g = done
         else:
-            with store._exclusive():
-                store._live()
-                tab = store._table(table)
-                store._record(table, ids)
-                mask = store._admit(tab, ids)
+            with store.exclusive():
+                store.check_live()
+                tab = store.table_record(table)
+                store.record_access(table, ids)
+                mask = store.admit_mask(tab, ids)
                 if mask is not None:  # some ids not admitted yet: they pool their initial rows
                     out, g = pool_masked(store, tab, ids, mask, offsets, psw, mode)
                 else:
-                    out, g = store._pool_forward(tab, ids, offsets, psw, mode, need_weights)
+                    out, g = store.pool_forward(tab, ids, offsets, psw, mode, need_weights)
         ctx.save_for_backward(psw, offsets)
         ctx.mode, ctx.store, ctx.table, ctx.gathered = mode, store, table, g
         return out
@@ -57,13 +57,13 @@ class _TieredBags(torch.autograd.Function):
         psw, offsets = ctx.saved_tensors
         store, g = ctx.store, ctx.gathered
         ctx.gathered = None
-        tab = store._table(ctx.table)
+        tab = store.table_record(ctx.table)
         grad_out = validate.bag_gradients(tab.spec, grad_out, psw).contiguous()
-        if not store._apply_pinned(tab, g, offsets, grad_out, psw, ctx.mode):  # lock-free
-            with store._exclusive():
-                store._live()
-                tab = store._table(ctx.table)
-                store._apply_bags(tab, g, offsets, grad_out, psw, ctx.mode)
+        if not store.apply_pinned(tab, g, offsets, grad_out, psw, ctx.mode):  # lock-free
+            with store.exclusive():
+                store.check_live()
+                tab = store.table_record(ctx.table)
+                store.apply_bag_grads(tab, g, offsets, grad_out, psw, ctx.mode)
         g_psw = None
         if psw is not None and ctx.needs_input_grad[1]:
             n = g.inverse.numel()
@@ -115,7 +115,7 @@ class TieredEmbeddingBag(nn.Module):
         self.mode = mode
         self.embedding_dim = store.table_specs[table].dim if table in store.table_specs else None
         if self.embedding_dim is None:
-            store._table(table)  # raises UnknownTableError
+            store.table_record(table)  # raises UnknownTableError
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,7 +190,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         if not feats:
             raise ConfigError("features must not be empty")
         for feature, table in feats.items():
-            store._table(table)
+            store.table_record(table)
             known = store.feature_tables.setdefault(feature, table)
             if known != table:
                 store.feature_tables[feature] = None  # two collections disagree: no default

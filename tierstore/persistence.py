@@ -304,6 +304,14 @@ class PendingCheckpoint:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
+    def settle(self, manifest: dict | None = None, error: BaseException | None = None) -> None:
+        """Record the copy's outcome: its manifest, or the error `wait` re-raises."""
+        self._manifest, self._error = manifest, error
+
+    def attach(self, thread: threading.Thread) -> None:
+        """Record the thread that copies the checkpoint (`done` and `wait` follow it)."""
+        self._thread = thread
+
     def done(self) -> bool:
         """Whether the copy has finished (successfully or not)."""
         return self._thread is None or not self._thread.is_alive()
@@ -329,7 +337,7 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ConfigError(f"step must be an int >= 0 or None, got {step!r}")
     extra = validate.json_extra(extra)  # before the flush and the copy
-    store._live()
+    store.check_live()
     if is_staging(dest):
         raise ConfigError(f"{dest} is a staging directory name; choose another destination")
     check_apart(dest, store.path, "checkpoint destination")
@@ -380,16 +388,16 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
                              "copy_s": time.perf_counter() - t1})
             write_json_atomic(staging / MANIFEST, manifest)
             publish_dir(staging, dest)
-            pending._manifest = manifest
+            pending.settle(manifest=manifest)
         except OSError as exc:
-            pending._error = os_error(exc, f"cannot write checkpoint {dest}")
+            pending.settle(error=os_error(exc, f"cannot write checkpoint {dest}"))
         except BaseException as exc:  # re-raised by wait()
-            pending._error = exc
+            pending.settle(error=exc)
         finally:
             end_staging(staging)
 
     thread = threading.Thread(target=copy, name=f"tierstore-checkpoint-{dest.name}", daemon=False)
-    pending._thread = thread
+    pending.attach(thread)
     backend.track_copy(thread)
     thread.start()
     return pending

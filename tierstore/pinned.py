@@ -25,16 +25,16 @@ class PinnedSteps:
     """Staging (tierstore.prefetch, store lock held) and the lock-free path of a staged batch."""
 
     @contextlib.contextmanager
-    def _exclusive(self):
+    def exclusive(self):
         """The store lock, with no lock-free update of pinned rows running (they wait outside)."""
-        with self._lock:
+        with self.lock:
             with self._compute:
                 self._barrier += 1
                 while self._inflight:
                     self._compute.wait()
             try:
-                self._drain_hits()
-                self._drain_unpins()
+                self.drain_hits()
+                self.drain_unpins()
                 yield
             finally:
                 with self._compute:
@@ -43,7 +43,7 @@ class PinnedSteps:
     def _begin_unlocked(self) -> bool:
         """Start a lock-free update of pinned rows; False while a locked operation holds them."""
         with self._compute:
-            if self._barrier or self._closed:
+            if self._barrier or self.closed:
                 return False
             self._inflight += 1
             return True
@@ -54,7 +54,7 @@ class PinnedSteps:
             if not self._inflight:
                 self._compute.notify_all()
 
-    def _drain_unpins(self) -> None:
+    def drain_unpins(self) -> None:
         """Drop the pins of batches the pipeline released lock-free (store lock held).
 
         An entry is (table, rows) or (table, rows, device slots, pin epoch): the slots where
@@ -62,7 +62,7 @@ class PinnedSteps:
         unchanged (a pinned row never leaves otherwise, and the caches are exclusive, so no
         other tier holds one of them); then the pins are dropped by slot, without lookups.
         """
-        pending, dev = self._pending_unpins, self.device_tier
+        pending, dev = self.pending_unpins, self.device_tier
         while pending:
             item = pending.popleft()
             tab = self.tables.get(item[0])
@@ -71,7 +71,7 @@ class PinnedSteps:
             if len(item) == 4 and item[3] == dev.pin_epoch:
                 dev.pin(item[2], -1)
             else:
-                self._pin(tab, item[1], -1)
+                self.pin(tab, item[1], -1)
         self._expire_scratch()
 
     def _expire_scratch(self) -> None:
@@ -81,7 +81,7 @@ class PinnedSteps:
         if rows is not None and bool(rows.dirty.any()):
             self._write_down(rows.take(rows.dirty))
 
-    def _drain_hits(self) -> None:
+    def drain_hits(self) -> None:
         """Count the hits of lock-free gathers and report the use to the policy (store lock held).
 
         Staging told the policy of this access of every one of these rows (a hit or an insert)
@@ -104,7 +104,7 @@ class PinnedSteps:
         takes a pinned row, and anything else that removes one, or drops pins wholesale, bumps
         the device tier's `pin_epoch`, which must still be the one seen at staging.
         """
-        owner, staged, epoch = self._staged
+        owner, staged, epoch = self.staged
         got = staged.get(tab.spec.name)
         if got is None or owner != threading.get_ident() or epoch != self.device_tier.pin_epoch:
             return None
@@ -116,7 +116,7 @@ class PinnedSteps:
         s = slots[pos]
         return None if len(s) == 0 or s.min() < 0 else torch.from_numpy(s)
 
-    def _pool_pinned(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
+    def pool_pinned(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
                      psw: torch.Tensor | None, mode: str, need_weights: bool
                      ) -> tuple[torch.Tensor, Gathered] | None:
         """`_pool_forward` without the store lock for a batch the pipeline pinned, else None."""
@@ -141,7 +141,7 @@ class PinnedSteps:
         self.prefetch_stats.lock_free_bags += 1
         return out, Gathered(uniq, inv, weights, dslots, dev.pin_epoch, pinned=True)
 
-    def _apply_pinned(self, tab: _Table, g: Gathered, offsets: torch.Tensor,
+    def apply_pinned(self, tab: _Table, g: Gathered, offsets: torch.Tensor,
                       grad_out: torch.Tensor, psw: torch.Tensor | None, mode: str) -> bool:
         """`_apply_bags` without the store lock when `g`'s rows are still pinned; False otherwise."""
         if not g.pinned or g.slots is None:
@@ -151,13 +151,13 @@ class PinnedSteps:
         try:
             if g.generation != self.device_tier.pin_epoch:  # a pinned row left since the gather
                 return False
-            self._apply_bags(tab, g, offsets, grad_out, psw, mode)
+            self.apply_bag_grads(tab, g, offsets, grad_out, psw, mode)
         finally:
             self._end_unlocked()
         return True
 
     # staging (called by tierstore.prefetch with the store lock held) ---------------------
-    def _window_fits(self, rows: int) -> bool:
+    def window_fits(self, rows: int) -> bool:
         """Whether a prefetch window of `rows` staged rows (counted per batch) can stay pinned.
 
         Without staging slots, only when the caches could hold it twice over: pinned rows
@@ -171,7 +171,7 @@ class PinnedSteps:
             return rows <= dev.capacity + dev.staging
         return 2 * rows <= dev.capacity + self.host_tier.capacity
 
-    def _stage_many(self, items: list[tuple[_Table, torch.Tensor]]
+    def stage_many(self, items: list[tuple[_Table, torch.Tensor]]
                     ) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
         """Bring each table's sorted unique rows up the hierarchy and pin them, all tables at
         once: ((device, host, ssd) counts, device slots or -1 where a row overflowed to the
@@ -223,7 +223,7 @@ class PinnedSteps:
             cseg = mseg[cold]
             for i in torch.unique(cseg).tolist():  # loaded table by table, in key order
                 at = cold[cseg == i]
-                payload.index_copy_(0, at, self._load(items[i][0], mrows[at]))
+                payload.index_copy_(0, at, self.load(items[i][0], mrows[at]))
             moving, placed = Rows(mtabs, mrows, payload, dirty, pins), miss
             pad = self._refused(cold, mtabs, mrows)
             if pad is not None:  # refused by the policy: to the scratch pad while it has room
@@ -292,7 +292,7 @@ class PinnedSteps:
             return None
         return cold[~admit]
 
-    def _pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:
+    def pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:
         """Add `delta` to the prefetch pins of those rows wherever they are cached."""
         tabs = tab.tix
         for tier in (self.device_tier, self.host_tier):
@@ -301,7 +301,7 @@ class PinnedSteps:
         if delta < 0:
             self._expire_scratch()
 
-    def _hint(self, tab: _Table, rows: torch.Tensor, next_use: torch.Tensor) -> None:
+    def hint(self, tab: _Table, rows: torch.Tensor, next_use: torch.Tensor) -> None:
         """Tell look-ahead policies the next known use (batch number) of cached rows."""
         tabs = tab.tix
         for tier in (self.device_tier, self.host_tier):

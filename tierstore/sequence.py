@@ -28,12 +28,12 @@ class _TieredLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, store: TierStore, table: str,
                 ids: torch.Tensor) -> torch.Tensor:
-        with store._exclusive():  # no lock-free bag update of these rows is running
-            tab = store._table(table)
-            ids = store._ids(tab, ids)
-            store._record(table, ids)
-            mask = store._admit(tab, ids)  # admission counts every sighting, as bags do
-            g = store._gather(tab, ids) if mask is None else _adm.gather_masked(store, tab, ids, mask)
+        with store.exclusive():  # no lock-free bag update of these rows is running
+            tab = store.table_record(table)
+            ids = store.check_ids(tab, ids)
+            store.record_access(table, ids)
+            mask = store.admit_mask(tab, ids)  # admission counts every sighting, as bags do
+            g = store.gather_rows(tab, ids) if mask is None else _adm.gather_masked(store, tab, ids, mask)
         ctx.store, ctx.table, ctx.gathered = store, table, g
         return g.weights.index_select(0, g.inverse.to(g.weights.device))
 
@@ -43,12 +43,12 @@ class _TieredLookup(torch.autograd.Function):
         ctx.gathered = None
         n = g.inverse.numel()
         if n:
-            with store._exclusive():
-                store._live()
-                tab = store._table(ctx.table)
+            with store.exclusive():
+                store.check_live()
+                tab = store.table_record(ctx.table)
                 grad_out = validate.bag_gradients(tab.spec, grad_out, None)  # NaN/Inf; clip
                 # each id is a bag of one: gradients are summed per row in input order
-                store._apply_bags(tab, g, torch.arange(n), grad_out.contiguous(), None, "sum")
+                store.apply_bag_grads(tab, g, torch.arange(n), grad_out.contiguous(), None, "sum")
         return None, None, None, None
 
 
@@ -61,7 +61,7 @@ def _lookup(store: TierStore, table: str, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _dim(store: TierStore, table: str) -> int:
-    store._table(table)  # raises UnknownTableError / StoreClosedError
+    store.table_record(table)  # raises UnknownTableError / StoreClosedError
     return store.table_specs[table].dim
 
 
@@ -155,7 +155,7 @@ class TieredEmbeddingCollection(nn.Module):
         if not feats:
             raise ConfigError("features must not be empty")
         for feature, table in feats.items():
-            store._table(table)
+            store.table_record(table)
             known = store.feature_tables.setdefault(feature, table)
             if known != table:
                 store.feature_tables[feature] = None  # two collections disagree: no default

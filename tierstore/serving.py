@@ -109,7 +109,7 @@ class ReadOnlyStore:
         self.path = Path(path)
         self.device = resolve_device(device)
         self.timeout = float(timeout)
-        self._closed = True
+        self.closed = True
         self._lock = threading.RLock()
         self._reg_fd: int | None = None
         if not (self.path / DATA_NAME).is_file():
@@ -135,7 +135,7 @@ class ReadOnlyStore:
         self.refreshes = 0
         self._generation = 0  # bumped when the cache is dropped for a new state
         self._reopens_seen = self._reader.reopens
-        self._closed = False
+        self.closed = False
 
     # registration: the writer keeps flushed values while this shared lock is held --------
     def _register(self) -> None:
@@ -196,15 +196,15 @@ class ReadOnlyStore:
     def refresh(self) -> bool:
         """Move to the writer's newest flushed state; whether the state changed."""
         with self._lock:
-            self._live()
+            self.check_live()
             self.refreshes += 1
             return self._renew()
 
     def read(self, table: str, ids: Any) -> torch.Tensor:
         """Embedding rows [n, dim] (float32, on `device`) as of the current snapshot."""
         with self._lock:
-            tab = self._table(table)
-            ids = self._ids(tab, ids)
+            tab = self.table_record(table)
+            ids = self.check_ids(tab, ids)
             dim = tab.spec.dim
             if ids.numel() == 0:
                 return torch.empty(0, dim, device=self.device)
@@ -262,7 +262,7 @@ class ReadOnlyStore:
     def stats(self) -> dict[str, Any]:
         """Snapshot (epoch, LMDB txn id), host-cache counters, refreshes and reopens."""
         with self._lock:
-            self._live()
+            self.check_live()
             host = self.host_tier.stats.as_dict()
             host.update(capacity=self.host_tier.capacity, resident=self.host_tier.size)
             return {"epoch": self._snap.epoch, "txn_id": self._snap.txn_id, "host": host,
@@ -282,9 +282,9 @@ class ReadOnlyStore:
     def close(self) -> None:
         """Release the snapshot, the environment and the reader registration (idempotent)."""
         with self._lock:
-            if self._closed:
+            if self.closed:
                 return
-            self._closed = True
+            self.closed = True
             self._reader.close()
             self._unregister()
 
@@ -350,12 +350,12 @@ class ReadOnlyStore:
         self._refuse("setting map_limit")
 
     # validation ----------------------------------------------------------------------------------
-    def _live(self) -> None:
-        if self._closed:
+    def check_live(self) -> None:
+        if self.closed:
             raise StoreClosedError(f"read-only store {self.path} is closed")
 
-    def _table(self, table: str) -> _Table:
-        self._live()
+    def table_record(self, table: str) -> _Table:
+        self.check_live()
         try:
             return self._tables[table]
         except (KeyError, TypeError):
@@ -363,6 +363,6 @@ class ReadOnlyStore:
                 f"unknown table {table!r}; this store has {sorted(self._tables)}") from None
 
     @staticmethod
-    def _ids(tab: _Table, ids: Any) -> torch.Tensor:
+    def check_ids(tab: _Table, ids: Any) -> torch.Tensor:
         """Validated row ids of a table (the signature `TierStore._ids` has)."""
         return validate.row_ids(tab.spec, ids)

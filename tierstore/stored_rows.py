@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class StoredRows:
     """The read path below the caches (any thread for `_read_stored`; the rest with the store lock)."""
 
-    def _load(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
+    def load(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
         """Rows cached nowhere: from the write-behind ring, a read-ahead buffer, or LMDB; [n, width].
 
         Rows never written are lazily initialized. The ring holds the newest version of every
@@ -59,8 +59,8 @@ class StoredRows:
             st.hits += nfound
             st.misses += nneed - nfound
             st.bytes_read += nfound * (spec.row_dim + 1) * 4
-        if self._expiry.cutoffs:  # rows stamped below their table's expiry cutoff read as missing
-            data, found = self._expiry.stale_mask(tab.index, data, found, spec.stamp_col)
+        if self.expiry.cutoffs:  # rows stamped below their table's expiry cutoff read as missing
+            data, found = self.expiry.stale_mask(tab.index, data, found, spec.stamp_col)
         nfound = int(np.count_nonzero(found))
         if nfound < n:
             lazy = ~found
@@ -72,7 +72,7 @@ class StoredRows:
             out = torch.nn.functional.pad(out, (0, self.width - spec.row_dim))
         return out
 
-    def _read_ahead_mark(self) -> tuple[int, int]:
+    def read_ahead_mark(self) -> tuple[int, int]:
         """What a read-ahead starting now must remember: (ring tail, log's next sequence number)."""
         with self.log.lock:
             return self.writeback.tail, self.log.next
@@ -120,7 +120,7 @@ class StoredRows:
             if not len(todo):
                 return
 
-    def _add_read_ahead(self, table: str, since: int | tuple[int, int], rows: np.ndarray,
+    def add_read_ahead(self, table: str, since: int | tuple[int, int], rows: np.ndarray,
                         data: np.ndarray, found: np.ndarray, keep: int) -> None:
         """Register rows the prefetch pipeline read from LMDB (sorted); keeps the newest `keep` buffers."""
         bufs = self._readahead.setdefault(table, [])
@@ -133,22 +133,22 @@ class StoredRows:
         seqs = self.log.lookup(tab.index, torch.from_numpy(rows_np))
         inlog = seqs >= 0
         if not inlog.any():
-            return self._read_table(tab, rows_np)
+            return self.read_table(tab, rows_np)
         data = np.zeros((len(rows_np), spec.row_dim), dtype=np.float32)
         found = np.zeros(len(rows_np), dtype=bool)
         idx = np.flatnonzero(inlog)
-        data[idx], found[idx] = self._read_log_entries(
+        data[idx], found[idx] = self.read_log_entries(
             np.full(len(idx), tab.index, dtype=np.int64), rows_np[idx], seqs[idx], spec.row_dim)
         rest = np.flatnonzero(~inlog)
         if len(rest):
-            data[rest], found[rest] = self._read_table(tab, rows_np[rest])
+            data[rest], found[rest] = self.read_table(tab, rows_np[rest])
         return data, found
 
-    def _read_table(self, tab: _Table, rows_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def read_table(self, tab: _Table, rows_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows of one table in LMDB: (rows [n, row_dim], found [n]); any thread."""
         return self.backend.get(tab.spec.name, rows_np, tab.spec.row_dim)
 
-    def _read_log_entries(self, tabs: np.ndarray, rows: np.ndarray, seqs: np.ndarray,
+    def read_log_entries(self, tabs: np.ndarray, rows: np.ndarray, seqs: np.ndarray,
                           width: int) -> tuple[np.ndarray, np.ndarray]:
         """Log versions of rows of any tables (table indexes, row ids, sequence numbers from
         `log.lookup`): (rows [n, width], found [n]); any thread. Entries merged into their

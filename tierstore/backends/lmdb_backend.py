@@ -154,7 +154,7 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
         self._file_base = _file_resident()  # file-backed resident bytes after the last trim
         self._map_gen = 0  # bumped whenever the mapping may move (open, resize)
         self._span: tuple[int, list[tuple[int, int]]] | None = None
-        self._wrote = False  # whether this handle changed the file (compaction on close)
+        self.wrote = False  # whether this handle changed the file (compaction on close)
         self.compact_on_close: float | None = COMPACT_ON_CLOSE
         self.map_resident = MAP_RESIDENT
         if self.path.exists() and not self.path.is_dir():
@@ -303,8 +303,8 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
 
     def put_meta(self, records: dict[str, dict]) -> None:
         """Write JSON metadata records in one transaction."""
-        self._ensure_room(4096)
-        self._wrote = True
+        self.ensure_room(4096)
+        self.wrote = True
         self._check_space(len(records))
         try:
             with self.env.begin(write=True, db=self._meta) as txn:
@@ -320,7 +320,7 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
     def count(self, table: str) -> int:
         """Rows stored for a table."""
         with self.reading():
-            db = self._db(table)
+            db = self.table_db(table)
             if db is None:
                 return 0
             with self.env.begin(db=db) as txn:
@@ -341,7 +341,7 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
             self.env.sync(True)
         except lmdb.Error as exc:
             self._raise_io(exc)
-        if not self._marked and not self.readonly and self._wrote:
+        if not self._marked and not self.readonly and self.wrote:
             self.mark_stored()  # the metadata is durable: from now on data.mdb must stay
 
     def close(self) -> None:
@@ -362,7 +362,7 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
                 except (lmdb.Error, TierstoreError, OSError):
                     pass
                 self.close_log_env()  # a log not merged stays for the next open's replay
-                if self._wrote and self.compact_on_close is not None:
+                if self.wrote and self.compact_on_close is not None:
                     try:
                         disk = self.data_bytes()
                         if disk >= _COMPACT_MIN_BYTES and \

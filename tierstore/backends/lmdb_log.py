@@ -110,7 +110,7 @@ class LogIO:
         """Append entries under increasing keys past the log's end in one transaction; returns bytes."""
         total = sum(map(len, vals)) + 8 * len(keys)
         env = self.log_env()
-        self._ensure_room(total, env)
+        self.ensure_room(total, env)
         while True:
             try:
                 with env.begin(write=True, db=db) as txn:

@@ -34,7 +34,7 @@ class MemoryMap:
         info, stat = env.info(), env.stat()
         return (info["last_pgno"] + 1) * stat["psize"]
 
-    def _ensure_room(self, incoming: int, env: lmdb.Environment | None = None) -> None:
+    def ensure_room(self, incoming: int, env: lmdb.Environment | None = None) -> None:
         env = env or self.env
         need = self.used_bytes(env) + 2 * incoming + (1 << 20)
         if need > env.info()["map_size"]:

@@ -41,7 +41,7 @@ class Snapshots:
         """A read transaction: an MVCC snapshot that later commits do not change."""
         # a table's database handle must exist before the transaction starts to be usable in it
         self.open_tables([k[6:] for k in self.meta_keys() if k.startswith("table:")])
-        self._snap_dbs = self._named_dbs()
+        self.snap_dbs = self._named_dbs()
         return self.env.begin()
 
     def snapshot_meta(self, txn: lmdb.Transaction) -> dict[str, dict]:
@@ -53,7 +53,7 @@ class Snapshots:
 
     def snapshot_count(self, txn: lmdb.Transaction, table: str) -> int:
         """Rows stored for a table as seen by the read transaction `txn`."""
-        db = self._db(table)
+        db = self.table_db(table)
         return 0 if db is None else int(txn.stat(db)["entries"])
 
     def copy_snapshot(self, dest: str | os.PathLike, txn: lmdb.Transaction, *,
@@ -65,7 +65,7 @@ class Snapshots:
         """
         try:
             if compact:
-                write_compact(txn, self._snap_dbs, Path(dest), progress=self._note_touch)
+                write_compact(txn, self.snap_dbs, Path(dest), progress=self._note_touch)
             else:
                 self.env.copy(str(dest), txn=txn)
         except lmdb.Error as exc:
@@ -88,7 +88,7 @@ class Snapshots:
     def iter_rows(self, table: str, width: int, txn: lmdb.Transaction, chunk: int = 65536
                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Stream a table's rows in id order from read txn `txn`: (ids [k], payload [k, width])."""
-        db = self._db(table)
+        db = self.table_db(table)
         if db is None:
             return
         kcur, vcur = txn.cursor(db=db), txn.cursor(db=db)

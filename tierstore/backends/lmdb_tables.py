@@ -52,7 +52,7 @@ class TableRows:
                 except lmdb.Error as exc:
                     self._raise_io(exc)
 
-    def _db(self, table: str, create: bool = False):
+    def table_db(self, table: str, create: bool = False):
         """The named database of a table, or None when it does not exist."""
         if table not in self._dbs:
             self.open_tables([table])
@@ -70,7 +70,7 @@ class TableRows:
             return out, found
         order = np.argsort(rows, kind="stable")  # sorted keys read the B-tree in order
         with self.reading():  # any thread: map growth by the writer waits for this read
-            db = self._db(table) if self.env is not None else None
+            db = self.table_db(table) if self.env is not None else None
             if db is None:
                 return out, found
             pages = self._pages if self.map_resident is None else None
@@ -122,7 +122,7 @@ class TableRows:
                     for r, p in batches.values())
         if total == 0:
             return 0
-        self._ensure_room(total)
+        self.ensure_room(total)
         # open table handles first: open_db inside our write txn would wait on itself
         segs = []
         for table, (rows, payload) in batches.items():
@@ -140,7 +140,7 @@ class TableRows:
                 seal(srt, np.ascontiguousarray(ordered, dtype=np.float32))
             # one `bytes` per row from a void view (a C loop, no per-row Python)
             vals = blob.view(f"V{blob.shape[1]}").ravel().tolist()
-            segs.append((self._db(table), keys, vals, unique))
+            segs.append((self.table_db(table), keys, vals, unique))
         part: list = []
         room = self.txn_rows
         for db, keys, vals, unique in segs:
@@ -159,7 +159,7 @@ class TableRows:
 
     def _commit(self, parts: list, total: int) -> None:
         """One write transaction of sorted (db, keys, values, unique) parts; grows the map as needed."""
-        self._wrote = True
+        self.wrote = True
         self._check_space(sum(len(p[1]) for p in parts))
         while True:
             try:
@@ -184,8 +184,8 @@ class TableRows:
         """Mark the rows written so far as the published (flushed) state for readers; the epoch."""
         if self.publisher is None or not self.publisher.changed:
             return None
-        self._ensure_room(4096)
-        self._wrote = True
+        self.ensure_room(4096)
+        self.wrote = True
         while True:
             try:
                 with self.env.begin(write=True) as txn:

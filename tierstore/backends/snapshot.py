@@ -114,7 +114,7 @@ class _SharedEnv:
     def close(self) -> None:
         """Abort every user's snapshot and close the environment."""
         for user in list(self.users):
-            user._lose()
+            user.lose()
         if self.env is not None:
             self.env.close()
             self.env = None
@@ -179,7 +179,7 @@ class SnapshotReader:
                 share.users.add(self)
                 self._share, self.env, self._gen = share, share.env, share.gen
 
-    def _lose(self) -> None:
+    def lose(self) -> None:
         """The shared environment is being closed (caller holds its lock): drop our snapshot."""
         if self._txn is not None:
             try:

@@ -52,10 +52,10 @@ def upgrade_store(path: str | os.PathLike) -> dict:
         txn = backend.snapshot()
         try:
             need = 2 * backend.used_bytes() + (64 << 20)
-            env = lmdb.open(str(tmp), map_size=need, max_dbs=len(backend._snap_dbs) + 2, subdir=True,
+            env = lmdb.open(str(tmp), map_size=need, max_dbs=len(backend.snap_dbs) + 2, subdir=True,
                             lock=False, sync=False, metasync=False, readahead=False)
             try:
-                for name, db in backend._snap_dbs.items():
+                for name, db in backend.snap_dbs.items():
                     out = env.open_db(name, create=True)
                     it = txn.cursor(db=db).iternext(keys=True, values=True)
                     while items := list(islice(it, _CHUNK)):

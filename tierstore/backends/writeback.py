@@ -57,7 +57,7 @@ class WriteBehind:
         self.tail = 0  # next position to fill
         self.head = 0  # positions below are committed to LMDB
         self.error: BaseException | None = None
-        self._cv = threading.Condition()
+        self.cv = threading.Condition()
         self._stop = False
         # counters (read by stats)
         self.rows_in = 0
@@ -82,11 +82,11 @@ class WriteBehind:
         n = len(rows)
         off = 0
         while off < n:
-            with self._cv:
+            with self.cv:
                 k = self._wait_room(n - off)
                 part = rows.take(slice(off, off + k)) if (off or k < n) else rows
                 self._append(part)
-                self._cv.notify_all()
+                self.cv.notify_all()
             off += k
 
     def _wait_room(self, want: int) -> int:
@@ -105,7 +105,7 @@ class WriteBehind:
             if self.error is not None and now - (t0 or now) >= patience:
                 raise self._failure()
             t0 = t0 or now
-            self._cv.wait(0.05)
+            self.cv.wait(0.05)
         if t0 is not None:
             self.wait_seconds += time.perf_counter() - t0
 
@@ -140,13 +140,13 @@ class WriteBehind:
         Raises the writer's error instead when it cannot write, so a call that could not hand its
         evicted rows to the ring fails before it moves any row.
         """
-        with self._cv:
+        with self.cv:
             self._wait_for(min(int(n), self.capacity), patience=0.0)
 
     def lookup(self, tab: int, rows: torch.Tensor, count: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hit mask [n], payloads [hits, width]) of the rows' newest ring versions (copies)."""
-        with self._cv:
+        with self.cv:
             slots = self.index.find(torch.tensor(tab, dtype=torch.int64), rows)
             hit = slots >= 0
             data = self.payload.index_select(0, slots[hit]) if bool(hit.any()) else self.payload[:0]
@@ -156,7 +156,7 @@ class WriteBehind:
 
     def contains(self, tab: int, rows: torch.Tensor) -> torch.Tensor:
         """Mask of the rows that have a version in the ring."""
-        with self._cv:
+        with self.cv:
             return self.index.find(torch.tensor(tab, dtype=torch.int64), rows) >= 0
 
     def still_current(self, since_tail: int) -> bool:
@@ -165,7 +165,7 @@ class WriteBehind:
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every row put so far is committed; raises the writer's error if it cannot write."""
-        with self._cv:
+        with self.cv:
             target = self.tail
             t0 = time.perf_counter()
             while self.head < target:
@@ -175,7 +175,7 @@ class WriteBehind:
                     raise StoreClosedError("the write-behind writer has stopped")
                 if timeout is not None and time.perf_counter() - t0 > timeout:
                     raise TierstoreError(f"write-behind drain timed out after {timeout} s")
-                self._cv.wait(0.05)
+                self.cv.wait(0.05)
 
     def raise_if_failed(self) -> None:
         """Raise the writer's last error while it cannot write (rows stay in the ring, retried)."""
@@ -191,18 +191,18 @@ class WriteBehind:
 
     def close(self) -> None:
         """Stop the writer thread (after `drain()` for a clean close; rows still pending are dropped)."""
-        with self._cv:
+        with self.cv:
             self._stop = True
-            self._cv.notify_all()
+            self.cv.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
 
     # writer thread ----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            with self._cv:
+            with self.cv:
                 while self.head == self.tail and not self._stop:
-                    self._cv.wait()
+                    self.cv.wait()
                 if self._stop:
                     return
                 lo, hi = self.head, min(self.tail, self.head + self.chunk)
@@ -221,12 +221,12 @@ class WriteBehind:
                 written = sink(tabs, rows, payload) if len(live) else 0
                 sink = None  # not kept while idle: an abandoned store must stay collectable
             except BaseException as exc:  # kept; callers see it; the batch is retried
-                with self._cv:
+                with self.cv:
                     self.error = exc
-                    self._cv.notify_all()
+                    self.cv.notify_all()
                 time.sleep(_RETRY_S)
                 continue
-            with self._cv:
+            with self.cv:
                 self.head = hi
                 self.error = None
                 self.rows_written += len(live)
@@ -234,7 +234,7 @@ class WriteBehind:
                 self.bytes_written += written
                 self.batches += 1
                 self.writer_seconds += time.perf_counter() - t0
-                self._cv.notify_all()
+                self.cv.notify_all()
 
     def stats(self) -> dict:
         """Counters of the ring and its writer."""

@@ -91,10 +91,10 @@ class ShardedPrefetcher:
         if staged is None:
             return
         local = self.local
-        with local._lock:
-            if not local._closed:
+        with local.lock:
+            if not local.closed:
                 for table, uniq in staged.items():
-                    local._pin(local._table(table), uniq, -1)
+                    local.pin(local.table_record(table), uniq, -1)
         self._permits.release()
 
     def close(self) -> None:
@@ -158,8 +158,8 @@ class ShardedPrefetcher:
         pieces = got.split(recv.reshape(-1).tolist())  # [source rank][table], row-major
         local = self.local
         staged: dict[str, torch.Tensor] = {}
-        with local._lock:
-            if local._closed or self._stop.is_set():
+        with local.lock:
+            if local.closed or self._stop.is_set():
                 return
             mine = {t: torch.unique(torch.cat([pieces[r * len(tables) + j] for r in range(world)]))
                     for j, (t, *_) in enumerate(tables)}
@@ -171,7 +171,7 @@ class ShardedPrefetcher:
                 stats.warm_only += 1  # the window cannot stay cached: do not evict the step's rows
             else:
                 todo = [(t, uniq) for t, uniq in mine.items() if uniq.numel()]
-                done = local._stage_many([(local._table(t), uniq) for t, uniq in todo])
+                done = local.stage_many([(local.table_record(t), uniq) for t, uniq in todo])
                 for (t, uniq), ((d, h, s), _) in zip(todo, done):  # one placement for all tables
                     stats.rows_used += uniq.numel()
                     stats.rows_resident_at_use += d + h

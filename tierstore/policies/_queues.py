@@ -22,8 +22,8 @@ PREV, NEXT, LIST = 0, 1, 2
 FIRST_FREE = 3
 LOG_SLACK = 64  # undo-log rows one walk step writes at most: a walk stops short of the end
 EMPTY_LOG = np.empty((0, 3), dtype=np.int64)
-_NO_I32 = np.empty(0, dtype=np.int32)
-_NO_BOOL = np.empty(0, dtype=np.bool_)
+NO_I32 = np.empty(0, dtype=np.int32)
+NO_BOOL = np.empty(0, dtype=np.bool_)
 AHEAD = 8  # slots ahead that batch walks prefetch
 
 

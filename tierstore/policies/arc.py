@@ -123,7 +123,7 @@ class ARC(QueuePolicy):
         k = as_numpy(keys) if keys is not None else np.empty(0, dtype=np.int64)
         _insert(self.state, self.capacity, self.p, as_numpy(slots), k, *self._ghosts())
 
-    def _walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
+    def walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
               origin: np.ndarray, log: np.ndarray, nlog: np.ndarray) -> tuple[int, bool]:
         return _walk(self.state, self.capacity, float(self.p[0]), n, mode, ev.pins,
                      ev.protected, ev.skip, mark, out, origin, log, nlog)

@@ -46,9 +46,9 @@ class Evictable:
     valid only during the `victims` call.
     """
 
-    pins: np.ndarray = field(default_factory=lambda: q._NO_I32)
-    protected: np.ndarray = field(default_factory=lambda: q._NO_BOOL)
-    skip: np.ndarray = field(default_factory=lambda: q._NO_BOOL)
+    pins: np.ndarray = field(default_factory=lambda: q.NO_I32)
+    protected: np.ndarray = field(default_factory=lambda: q.NO_BOOL)
+    skip: np.ndarray = field(default_factory=lambda: q.NO_BOOL)
 
     @staticmethod
     def from_mask(mask: torch.Tensor) -> Evictable:
@@ -186,7 +186,7 @@ class QueuePolicy(Policy):
         """The globals row: queue lengths, then the policy's own globals."""
         return self.state[-1]
 
-    def _walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
+    def walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
               origin: np.ndarray, log: np.ndarray, nlog: np.ndarray) -> tuple[int, bool]:
         """Run the eviction walk for up to `n` victims; return (found, finished)."""
         raise NotImplementedError
@@ -200,14 +200,14 @@ class QueuePolicy(Policy):
             return self._empty()
         ev = as_evictable(evictable)
         out = np.empty(n, dtype=np.int64)
-        if type(self)._walk is QueuePolicy._walk:
+        if type(self).walk is QueuePolicy.walk:
             k = q.first_allowed(self.state, self.capacity, self._victim_lists, n,
                                 ev.pins, ev.protected, ev.skip, out)
             return self._out(out[:k])
         origin = np.empty(n, dtype=np.int64)
         while True:
             nlog = np.zeros(1, dtype=np.int64)
-            k, done = self._walk(n, 0, ev, self._scratch_mark, out, origin,
+            k, done = self.walk(n, 0, ev, self._scratch_mark, out, origin,
                                  self._scratch_log, nlog)
             q.rollback(self.state, self._scratch_log, int(nlog[0]))
             if done:
@@ -219,7 +219,7 @@ class QueuePolicy(Policy):
         s = as_numpy(slots)
         if s.size == 0:
             return
-        if type(self)._walk is QueuePolicy._walk:
+        if type(self).walk is QueuePolicy.walk:
             self.on_remove(slots)
             return
         mark = self._scratch_mark
@@ -227,7 +227,7 @@ class QueuePolicy(Policy):
         out = np.empty(s.size, dtype=np.int64)
         origin = np.empty(s.size, dtype=np.int64)
         try:
-            k, _ = self._walk(s.size, 1, Evictable(), mark, out, origin, q.EMPTY_LOG,
+            k, _ = self.walk(s.size, 1, Evictable(), mark, out, origin, q.EMPTY_LOG,
                               np.zeros(1, dtype=np.int64))
         finally:
             mark[s] = False

@@ -53,7 +53,7 @@ class Clock(QueuePolicy):
         q.push_many(self.state, self.capacity, 0, s)
         self.state[s, _REF] = 0
 
-    def _walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
+    def walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
               origin: np.ndarray, log: np.ndarray, nlog: np.ndarray) -> tuple[int, bool]:
         origin[:] = 0
         return _walk(self.state, self.capacity, n, mode, ev.pins, ev.protected, ev.skip, mark,

@@ -125,7 +125,7 @@ class S3FIFO(QueuePolicy):
         gh = self.ghost
         _insert(self.state, self.capacity, self.small_target, s, k, gh.ring, gh.table, gh.meta)
 
-    def _walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
+    def walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
               origin: np.ndarray, log: np.ndarray, nlog: np.ndarray) -> tuple[int, bool]:
         return _walk(self.state, self.capacity, self.small_target, n, mode, ev.pins,
                      ev.protected, ev.skip, mark, out, origin, log, nlog)

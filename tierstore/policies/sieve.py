@@ -87,7 +87,7 @@ class Sieve(QueuePolicy):
         """Unlink slots without sweeping; the hand steps off a removed slot."""
         _remove(self.state, self.capacity, as_numpy(slots))
 
-    def _walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
+    def walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
               origin: np.ndarray, log: np.ndarray, nlog: np.ndarray) -> tuple[int, bool]:
         origin[:] = 0
         return _walk(self.state, self.capacity, n, mode, ev.pins, ev.protected, ev.skip, mark,

@@ -138,7 +138,7 @@ class WTinyLFU(QueuePolicy):
         _insert(self.state, self.capacity, self.w_target, self.main_target, as_numpy(slots), k,
                 self.sketch, self.sketch_meta, q.EMPTY_LOG, np.zeros(1, dtype=np.int64))
 
-    def _walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
+    def walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
               origin: np.ndarray, log: np.ndarray, nlog: np.ndarray) -> tuple[int, bool]:
         return _walk(self.state, self.capacity, self.w_target, self.main_target, self.sketch, n,
                      mode, ev.pins, ev.protected, ev.skip, mark, out, origin, log, nlog)

@@ -90,7 +90,7 @@ class Prefetcher:
         self._window: dict[int, dict[str, torch.Tensor]] = {}  # staged, unreleased batches
         self._slots: dict[int, dict] = {}  # step -> {table: (sorted rows, device slots)} when staged
         self._unpin_slots: dict[int, tuple] = {}  # step -> ({table: device slots}, pin epoch)
-        self._warm_only = False  # the last batch's mode (warm-only batches are not read a batch early)
+        self.warm_only = False  # the last batch's mode (warm-only batches are not read a batch early)
         self._warm_steps: set[int] = set()  # warm-only batches not yet handed over
         self._consumed = -1
         self._closed = False
@@ -114,7 +114,7 @@ class Prefetcher:
         self._finalizer = weakref.finalize(self, _shutdown, store, self._window, self._stop,
                                            self._permits, depth, self._pool, self._thread,
                                            self._in_source)
-        store._prefetchers.add(self)
+        store.prefetchers.add(self)
         if self._thread is not None:
             self._thread.start()
 
@@ -159,9 +159,9 @@ class Prefetcher:
         stats.batches += 1
         # this thread's forward and backward may use the batch's pinned slots without the lock
         st = self._slots.pop(step, None)
-        self.store._staged = (threading.get_ident(), st[0], st[1]) if st else (0, {}, -1)
+        self.store.staged = (threading.get_ident(), st[0], st[1]) if st else (0, {}, -1)
         # a warm-only batch's forward reads its misses where they are; its backward places them
-        self.store._deferring = threading.get_ident() if step in self._warm_steps else 0
+        self.store.deferring = threading.get_ident() if step in self._warm_steps else 0
         self._warm_steps.discard(step)
         return batch
 
@@ -182,20 +182,20 @@ class Prefetcher:
         if ids is None:
             return
         store = self.store
-        store._staged = (0, {}, -1)  # the batch's rows are about to lose their pins
-        store._deferring = 0
+        store.staged = (0, {}, -1)  # the batch's rows are about to lose their pins
+        store.deferring = 0
         if store.device_tier.policy.wants_future or store.host_tier.policy.wants_future:
-            with store._lock:  # hints need the rows' slots now
-                if store._closed:
+            with store.lock:  # hints need the rows' slots now
+                if store.closed:
                     return
-                store._drain_hits()
-                store._drain_unpins()
+                store.drain_hits()
+                store.drain_unpins()
                 for table, uniq in ids.items():
-                    tab = store._table(table)
-                    store._pin(tab, uniq, -1)
+                    tab = store.table_record(table)
+                    store.pin(tab, uniq, -1)
                     self._hint_next_uses(tab, uniq, step)
         else:  # without the lock: the next locked section (staging, any call) drops the pins
-            store._pending_unpins.extend((t, u, by_slot[t], epoch) if t in by_slot else (t, u)
+            store.pending_unpins.extend((t, u, by_slot[t], epoch) if t in by_slot else (t, u)
                                          for t, u in ids.items())
         self._permits.release()
 
@@ -210,7 +210,7 @@ class Prefetcher:
                 continue
             hit = torch.isin(remaining, other)
             if bool(hit.any()):
-                self.store._hint(tab, remaining[hit], torch.full((int(hit.sum()),), later))
+                self.store.hint(tab, remaining[hit], torch.full((int(hit.sum()),), later))
                 remaining = remaining[~hit]
 
     def close(self) -> None:
@@ -226,7 +226,7 @@ class Prefetcher:
         self._closed = True
         self._finalizer()
 
-    def _stop_for_store(self) -> None:
+    def stop_for_store(self) -> None:
         """The store is closing (its lock held): stop staging and drop the pins, without waiting."""
         self._closed = True
         self._stop.set()
@@ -244,35 +244,35 @@ class Prefetcher:
 
     def _stage(self, step: int, batch: Any) -> None:
         """Read a batch's rows ahead and stage it (both phases, one after the other)."""
-        self._finish(step, self._prepare(batch))
+        self.finish_batch(step, self.prepare_batch(batch))
 
-    def _prepare(self, batch: Any) -> tuple:
+    def prepare_batch(self, batch: Any) -> tuple:
         """Phase 1: find the batch's rows no cache holds and start reading them (reader threads).
 
         Runs while the previous batch is staged (`_run`): rows that staging brings into a cache
         were read for nothing, and clean rows it evicts are read at staging instead (both rare
-        at a steady state, and neither changes a value: see `store._load`).
+        at a steady state, and neither changes a value: see `store.load`).
         """
         store = self.store
         per_table = {t: sorted_unique(torch.cat(parts).to("cpu", torch.int64))
                      for t, parts in _jagged_ids(self.extract(batch), self.features).items()}
-        with store._lock:
-            tabs = {t: store._table(t) for t in per_table}
+        with store.lock:
+            tabs = {t: store.table_record(t) for t in per_table}
             for t, uniq in per_table.items():
-                store._ids(tabs[t], uniq)  # validate before anything moves
+                store.check_ids(tabs[t], uniq)  # validate before anything moves
             # a row not in the write-behind ring has its newest value in LMDB or in a cache; what
             # LMDB holds now stays its newest stored value while every row written back from here
             # on is still in the ring or in the log past this mark, so a copy read now may serve a
             # later miss (store._read_ahead)
-            since = store._read_ahead_mark()
+            since = store.read_ahead_mark()
             window_rows = sum(u.numel() for w in self._window.values() for u in w.values())
             batch_rows = sum(u.numel() for u in per_table.values())
             # the window cannot stay cached: staging would only evict rows the running step needs,
             # so this batch gets no pins, and every row the caches may lose by then is read ahead
-            warm_only = not store._window_fits(window_rows + batch_rows)
+            warm_only = not store.window_fits(window_rows + batch_rows)
             stats = store.prefetch_stats
             stats.window_rows = max(stats.window_rows, window_rows + batch_rows)
-            self._warm_only = warm_only
+            self.warm_only = warm_only
             ringed = {}
             if warm_only:  # rows in the ring now: copy their newest version, read the rest
                 # (only the uncached rest where the device policy admits rows selectively: the
@@ -293,7 +293,7 @@ class Prefetcher:
                             self._pool.submit, READ_CHUNK)
         return per_table, tabs, since, warm_only, ringed, cold, reads
 
-    def _finish(self, step: int, prep: tuple) -> None:
+    def finish_batch(self, step: int, prep: tuple) -> None:
         """Phase 2: register the rows read ahead and stage the batch (pins, hints) under the lock."""
         store = self.store
         per_table, tabs, since, warm_only, ringed, cold, reads = prep
@@ -303,8 +303,8 @@ class Prefetcher:
         stats.read_seconds += seconds
         if self.delay is not None:
             time.sleep(self.delay())
-        with store._lock:
-            if store._closed or self._stop.is_set():
+        with store.lock:
+            if store.closed or self._stop.is_set():
                 return
             t1 = time.perf_counter()
             for t in per_table:
@@ -318,10 +318,10 @@ class Prefetcher:
                     if t in ringed:  # the ring's rows come after the sorted cold ones: sort all
                         rows_np = np.concatenate(rows)
                         order = np.argsort(rows_np, kind="stable")
-                        store._add_read_ahead(t, since, rows_np[order], np.concatenate(data)[order],
+                        store.add_read_ahead(t, since, rows_np[order], np.concatenate(data)[order],
                                               np.concatenate(found)[order], keep=self.depth + 2)
                     else:  # the cold rows, in sorted chunks read in order: sorted already
-                        store._add_read_ahead(t, since, rows[0], np.concatenate(data),
+                        store.add_read_ahead(t, since, rows[0], np.concatenate(data),
                                               np.concatenate(found), keep=self.depth + 2)
             stats.rows_read_ahead_from_ssd += sum(len(c) for c in cold.values())
             if warm_only:  # its misses are served from the read-ahead buffers
@@ -332,13 +332,13 @@ class Prefetcher:
                 stats.stage_seconds += time.perf_counter() - t1
                 return
             future = store.device_tier.policy.wants_future or store.host_tier.policy.wants_future
-            store._drain_hits()
-            store._drain_unpins()
+            store.drain_hits()
+            store.drain_unpins()
             dev = store.device_tier
             epoch = dev.pin_epoch
             slots, by_slot = {}, {}
             # all tables' misses placed at once; device slots, -1 where a row overflowed to host
-            staged_all = store._stage_many([(tabs[t], uniq) for t, uniq in per_table.items()])
+            staged_all = store.stage_many([(tabs[t], uniq) for t, uniq in per_table.items()])
             for (t, uniq), ((d, h, s), staged) in zip(per_table.items(), staged_all):
                 slots[t] = (uniq.numpy(), staged.cpu().numpy())
                 if d + h + s == 0 or int(staged.min()) >= 0:  # all on the device: unpin by slot
@@ -356,7 +356,7 @@ class Prefetcher:
                 earlier = [w[t] for k, w in self._window.items() if t in w]
                 fresh = uniq if not earlier else uniq[~torch.isin(uniq, torch.cat(earlier))]
                 if fresh.numel():
-                    store._hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
+                    store.hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
             self._window[step] = per_table
             self._slots[step] = (slots, epoch)
             self._unpin_slots[step] = (by_slot, epoch)
@@ -364,7 +364,7 @@ class Prefetcher:
 
     def _uncached(self, tab: Any, uniq: torch.Tensor) -> torch.Tensor:
         """Mask of rows not in the write-behind ring and in no cache tier."""
-        return self.store._uncached(tab, uniq)
+        return self.store.uncached(tab, uniq)
 
 
 # lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------
@@ -380,14 +380,14 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
 
     def prepare(pf, batch):
         try:
-            return pf._prepare(batch)
+            return pf.prepare_batch(batch)
         except TierstoreError as exc:  # bad ids: raised in turn, after earlier batches
             return exc
 
     def finish(pf, item):
         if isinstance(item[2], BaseException):
             raise item[2]
-        pf._finish(item[0], item[2])
+        pf.finish_batch(item[0], item[2])
         ready.put((item[0], item[1]))
 
     try:
@@ -403,7 +403,7 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
             if pf is None:  # abandoned: its finalizer stops the rest
                 return
             try:
-                ahead = batch is not _END and not pf._warm_only
+                ahead = batch is not _END and not pf.warm_only
                 if ahead:
                     step += 1
                     nxt = (step, batch, prepare(pf, batch))
@@ -433,17 +433,17 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
 
 def _unpin_all(store: TierStore, window: dict) -> None:
     """Unpin every staged batch still in `window` (under the store lock)."""
-    store._staged = (0, {}, -1)
-    store._deferring = 0
-    with store._lock:
+    store.staged = (0, {}, -1)
+    store.deferring = 0
+    with store.lock:
         steps = sorted(window)
-        if not store._closed:
-            store._drain_hits()
-            store._drain_unpins()
+        if not store.closed:
+            store.drain_hits()
+            store.drain_unpins()
             store.device_tier.pin_epoch += 1  # pins dropped wholesale: staged slots are void
             for step in steps:
                 for table, uniq in window[step].items():
-                    store._pin(store._table(table), uniq, -1)
+                    store.pin(store.table_record(table), uniq, -1)
         window.clear()
 
 

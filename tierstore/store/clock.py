@@ -20,13 +20,13 @@ class StoreClock:
         Every row update records the clock as the row's last-update stamp (kept with the row in
         every tier and on disk); the clock is saved by `flush()`, `checkpoint()` and `close()`.
         """
-        self._live()
+        self.check_live()
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ConfigError(f"steps must be an int >= 0, got {steps!r}")
         if self.clock + steps > CLOCK_MAX:
             raise ConfigError(f"the store clock cannot pass {CLOCK_MAX} (at {self.clock})")
         self.clock += steps
-        self._expiry.on_advance()  # tables with a ttl: expire at fixed clock points
+        self.expiry.on_advance()  # tables with a ttl: expire at fixed clock points
         self._rows_may_change()
         return self.clock
 
@@ -37,7 +37,7 @@ class StoreClock:
         They leave the caches and LMDB and read as freshly initialized; durable on return.
         Returns rows deleted from LMDB per table. `tierstore compact` reclaims the disk.
         """
-        self._live()
+        self.check_live()
         self._rows_may_change()
         return _exp.expire(self, table, older_than)
 

@@ -48,7 +48,7 @@ def _locked(fn):
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        with self._exclusive():
+        with self.exclusive():
             try:
                 return fn(self, *args, **kwargs)
             except lmdb.Error as exc:  # every LMDB error leaves as a TierstoreError with the path

@@ -83,8 +83,8 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
                 log_rows = max(log_rows, min(sum(t.num_rows for t in tables) // 2, LOG_MAX_ROWS))
         limit = parse_map_limit(map_limit)
         switch = _switch.configured()  # a bad TIERSTORE_SWITCH_INTERVAL fails before any file opens
-        self._closed = True
-        self._lock = threading.RLock()
+        self.closed = True
+        self.lock = threading.RLock()
         # lock-free updates of pinned rows (see _pinned_slots): a count of those running, and a
         # barrier that holds new ones off while a locked operation needs every row at rest
         self._compute = threading.Condition()
@@ -92,13 +92,13 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self._barrier = 0
         # the batch in use, as the prefetch pipeline staged it: (consumer thread id,
         # {table: (sorted rows, device slots)}); its rows stay pinned until the pipeline's release
-        self._staged: tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], int] = (0, {}, -1)
+        self.staged: tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], int] = (0, {}, -1)
         # the consumer thread whose batch is warm-only (0: none): its forward reads missed rows
         # where they are, and its backward moves them up once (`_access`'s `promote`)
-        self._deferring = 0
+        self.deferring = 0
         # batches released by the pipeline without the lock: their pins drop at the next locked
         # section (staging or any store call), after their hits are told
-        self._pending_unpins: collections.deque = collections.deque()
+        self.pending_unpins: collections.deque = collections.deque()
         # device hits of lock-free gathers, not yet told (a deque: append and popleft are atomic)
         self._pending_hits: collections.deque[torch.Tensor] = collections.deque()
         self.prefetch_stats = PrefetchStats()
@@ -107,7 +107,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         # feature name -> table, registered by TieredEmbeddingBagCollection (None: ambiguous);
         # lets a Prefetcher over the store read jagged batches keyed by feature
         self.feature_tables: dict[str, str | None] = {}
-        self._prefetchers: weakref.WeakSet = weakref.WeakSet()  # stopped when the store closes
+        self.prefetchers: weakref.WeakSet = weakref.WeakSet()  # stopped when the store closes
         self.fused = _st.HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
         from ..policies import make_policy
 
@@ -131,10 +131,10 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self.policy = policy
         self.width = width
         self.tables = {t.name: _Table(t, i, name_key(seed, t.name)) for i, t in enumerate(tables)}
-        self._by_index = [self.tables[n] for n in names]
+        self.by_index = [self.tables[n] for n in names]
         try:  # table name -> admission state, for tables with an admission config
             self._admission = _adm.open_admission(self)
-            self._expiry = _exp.Expiry(self)  # cutoffs per table, ttl expiry points, its deleter
+            self.expiry = _exp.Expiry(self)  # cutoffs per table, ttl expiry points, its deleter
         except BaseException:
             self.backend.close()
             raise
@@ -152,8 +152,8 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self.log = None
         try:  # a failure from here on stops the threads started so far and frees the lock
             self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], log_rows,
-                                self.writeback._cv)
-            self.backend.quiesce = _weak_context(self._quiesce_writer)  # the merger holds the backend
+                                self.writeback.cv)
+            self.backend.quiesce = _weak_context(self.quiesce_writer)  # the merger holds the backend
             self.log.start_merger(self._add_written)
             # the logical clock (store.advance, stamped on updates) and the tables' update counts
             self._load_clock(self.backend.get_meta("clock") or {})
@@ -171,7 +171,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
             self.writeback.close()
             self.backend.close()
             raise
-        self._closed = False
+        self.closed = False
         _OPEN_STORES.add(self)
         _switch.STORES.acquire(self, switch)  # a shorter GIL switch interval while its threads run
 

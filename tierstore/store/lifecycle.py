@@ -42,33 +42,33 @@ class StoreLifecycle:
         Rows go down in transactions of at most `FLUSH_CHUNK` rows, so flushing a large cache
         needs bounded extra memory; the flush is acknowledged (durable) when it returns.
         """
-        self._live()
+        self.check_live()
         for tier in (self.device_tier, self.host_tier):
             for slots, rows in tier.dirty_chunks(FLUSH_CHUNK):
                 self._write_down(rows.to(torch.device("cpu")))
                 tier.dirty[slots] = False
-        with self._quiesce_writer():  # drain the ring, fold the whole log into the tables
+        with self.quiesce_writer():  # drain the ring, fold the whole log into the tables
             self.backend.publish()  # readers (tierstore.serving) now see this flush
         for adm in self._admission.values():  # the sketches go down with the rows they gate
             adm.save(self.backend)
-        self._expiry.save(self.backend)  # and the expiry cutoffs
+        self.expiry.save(self.backend)  # and the expiry cutoffs
         self._save_clock()
         self.backend.sync()
-        self._expiry.flushed()  # rows below durable ttl cutoffs may now leave LMDB
+        self.expiry.flushed()  # rows below durable ttl cutoffs may now leave LMDB
 
     @_locked
     def close(self) -> None:
         """Flush dirty rows and release the store (idempotent)."""
-        if self._closed:
+        if self.closed:
             return
-        for pf in list(self._prefetchers):  # abandoned or still running pipelines: stop them
-            pf._stop_for_store()
-        self._expiry.close()
+        for pf in list(self.prefetchers):  # abandoned or still running pipelines: stop them
+            pf.stop_for_store()
+        self.expiry.close()
         try:
             self.flush()
-            self._expiry.finish()  # rows below durable ttl cutoffs the deleter did not reach
+            self.expiry.finish()  # rows below durable ttl cutoffs the deleter did not reach
         finally:
-            self._closed = True
+            self.closed = True
             _switch.STORES.release(self)
             self.log.stop_merger()
             self.writeback.close()
@@ -85,7 +85,7 @@ class StoreLifecycle:
 
     def __del__(self) -> None:  # best effort: never lose acknowledged writes to GC order
         try:
-            if not getattr(self, "_closed", True) and not sys.is_finalizing():
+            if not getattr(self, "closed", True) and not sys.is_finalizing():
                 self.close()
         except Exception:
             pass

@@ -11,7 +11,7 @@ class StoreMetrics:
     @_locked
     def stats(self) -> dict[str, dict]:
         """Per-tier counters (device, host, ssd) plus store totals."""
-        self._live()
+        self.check_live()
         out = {"device": self.device_tier.stats.as_dict(), "host": self.host_tier.stats.as_dict(),
                "ssd": self.ssd_stats.as_dict()}
         out["device"].update(capacity=self.device_tier.capacity, resident=self.device_tier.size,
@@ -25,7 +25,7 @@ class StoreMetrics:
                             "log_background_merges": log.background_merges}
         if self._admission:
             out["admission"] = {n: a.stats() for n, a in self._admission.items()}
-        out["expiry"] = self._expiry.stats()
+        out["expiry"] = self.expiry.stats()
         out["ssd"].update(rows_stored=sum(self.backend.count(n) for n in self.tables),
                           disk_bytes=self.backend.disk_bytes())
         return out
@@ -52,7 +52,7 @@ class StoreMetrics:
     @_locked
     def check(self) -> None:
         """Assert internal invariants (tiers consistent, caches exclusive); for tests."""
-        self._live()
+        self.check_live()
         self.device_tier.check()
         self.host_tier.check()
         dt, dr = self.device_tier.resident()

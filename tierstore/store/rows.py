@@ -20,19 +20,19 @@ class RowApi:
     """The public row operations, each over a batch of ids of one table, under the store lock."""
 
     # validation -----------------------------------------------------------------------------
-    def _live(self) -> None:
-        if self._closed:
+    def check_live(self) -> None:
+        if self.closed:
             raise StoreClosedError(f"store {self.path} is closed")
 
-    def _table(self, table: str) -> _Table:
-        self._live()
+    def table_record(self, table: str) -> _Table:
+        self.check_live()
         try:
             return self.tables[table]
         except (KeyError, TypeError):
             raise UnknownTableError(
                 f"unknown table {table!r}; this store has {sorted(self.tables)}") from None
 
-    def _ids(self, tab: _Table, ids: Any) -> torch.Tensor:
+    def check_ids(self, tab: _Table, ids: Any) -> torch.Tensor:
         return validate.row_ids(tab.spec, ids)
 
     def _grads(self, tab: _Table, grads: Any, n: int) -> torch.Tensor:
@@ -47,15 +47,15 @@ class RowApi:
     @_locked
     def read(self, table: str, ids: Any) -> torch.Tensor:
         """Current embedding rows [n, dim] (float32, store device); never-written rows are lazy."""
-        tab = self._table(table)
-        ids = self._ids(tab, ids)
-        self._record(table, ids)
-        mask = self._admit(tab, ids)
+        tab = self.table_record(table)
+        ids = self.check_ids(tab, ids)
+        self.record_access(table, ids)
+        mask = self.admit_mask(tab, ids)
         if mask is not None:
             return _adm.read_masked(self, tab, ids, mask)
-        return self._read(tab, ids)
+        return self.read_rows(tab, ids)
 
-    def _read(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor:
+    def read_rows(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor:
         dev = self.device_tier
         # probe one id first: a batch that misses the device tier skips the full lookup
         probe = ids[:1].to(dev.device)
@@ -63,30 +63,30 @@ class RowApi:
             slots = self._resident_slots(tab, ids)
             if slots is not None:  # fast path: one lookup and one gather
                 return tab.spec.codec.gather(dev.slab, slots, tab.spec.dim)
-        g = self._gather(tab, ids)
+        g = self.gather_rows(tab, ids)
         return g.weights.index_select(0, g.inverse.to(g.weights.device))
 
     @_locked
     def gather(self, table: str, ids: Any) -> Gathered:
         """Make a batch's rows resident (device tier first) and return them deduplicated."""
-        tab = self._table(table)
-        ids = self._ids(tab, ids)
-        self._record(table, ids)
-        mask = self._admit(tab, ids)
+        tab = self.table_record(table)
+        ids = self.check_ids(tab, ids)
+        self.record_access(table, ids)
+        mask = self.admit_mask(tab, ids)
         if mask is not None:
             return _adm.gather_masked(self, tab, ids, mask)
-        return self._gather(tab, ids)
+        return self.gather_rows(tab, ids)
 
     @_locked
     def apply(self, table: str, ids: Any, grads: torch.Tensor) -> None:
         """One optimizer step on the rows of `ids`; duplicate ids' gradients are summed first."""
-        tab = self._table(table)
-        ids = self._ids(tab, ids)
+        tab = self.table_record(table)
+        ids = self.check_ids(tab, ids)
         grads = self._grads(tab, grads, ids.numel())
         if ids.numel() == 0:
             return
-        self._record(table, ids)
-        mask = self._admit(tab, ids)
+        self.record_access(table, ids)
+        mask = self.admit_mask(tab, ids)
         if mask is not None:  # updates of ids not admitted yet are discarded
             keep = torch.from_numpy(mask)
             ids, grads = ids[keep], grads[keep]
@@ -119,8 +119,8 @@ class RowApi:
     @_locked
     def apply_unique(self, table: str, unique: torch.Tensor, grads: torch.Tensor) -> None:
         """One optimizer step on sorted unique ids (as from `gather`) with one gradient per id."""
-        tab = self._table(table)
-        unique = self._ids(tab, unique)
+        tab = self.table_record(table)
+        unique = self.check_ids(tab, unique)
         grads = self._grads(tab, grads, unique.numel())
         if unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
             raise InvalidIdsError("apply_unique needs sorted unique ids; use apply() otherwise")
@@ -145,14 +145,14 @@ class RowApi:
         `grad_out` is [bags, dim]. Gradients are summed per row in input order and the update is
         fused (one pass over the rows, in place where they live).
         """
-        tab = self._table(table)
-        unique = self._ids(tab, unique)
+        tab = self.table_record(table)
+        unique = self.check_ids(tab, unique)
         inverse, offsets, grad_out, psw = validate.bags(tab.spec, unique, inverse, offsets,
                                                         grad_out, per_sample_weights, mode)
-        self._apply_bags(tab, Gathered(unique, inverse, grad_out[:0]), offsets, grad_out, psw, mode)
+        self.apply_bag_grads(tab, Gathered(unique, inverse, grad_out[:0]), offsets, grad_out, psw, mode)
 
     # admission and tracing ----------------------------------------------------------------
-    def _admit(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
+    def admit_mask(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
         """Count `ids` for admission; the admitted mask over them, or None when all are."""
         adm = self._admission.get(tab.spec.name)
         return None if adm is None else adm.count(ids)
@@ -162,7 +162,7 @@ class RowApi:
         adm = self._admission.get(tab.spec.name)
         return None if adm is None else adm.admitted_mask(ids)
 
-    def _record(self, table: str, ids: torch.Tensor) -> None:
+    def record_access(self, table: str, ids: torch.Tensor) -> None:
         """Append the requested ids to the access trace, when recording."""
         if self._recorder is not None:
             self._recorder.record(table, ids)
