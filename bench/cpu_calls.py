@@ -34,12 +34,12 @@ from tierstore.stored_rows import StoredRows
 # merger's, and the writer's own when the log is full), LMDB table reads, puts and commits
 TARGETS: tuple[tuple[type, str], ...] = (
     (Prefetcher, "prepare_batch"), (Prefetcher, "finish_batch"),
-    (PinnedSteps, "_stage_many"), (PinnedSteps, "_pool_pinned"), (PinnedSteps, "_apply_pinned"),
-    (PinnedSteps, "_drain_hits"), (PinnedSteps, "_drain_unpins"), (PinnedSteps, "_pin"),
+    (PinnedSteps, "stage_many"), (PinnedSteps, "pool_pinned"), (PinnedSteps, "apply_pinned"),
+    (PinnedSteps, "drain_hits"), (PinnedSteps, "drain_unpins"), (PinnedSteps, "pin"),
     (PinnedSteps, "_expire_scratch"),
     (TierCascade, "_access"), (TierCascade, "_read_in_place"), (TierCascade, "_fetch_misses"),
-    (TierCascade, "_place"), (TierCascade, "_uncached"), (TierCascade, "_write_down"),
-    (StoredRows, "_load"), (StoredRows, "_read_stored"),
+    (TierCascade, "_place"), (TierCascade, "uncached"), (TierCascade, "_write_down"),
+    (StoredRows, "load"), (StoredRows, "_read_stored"),
     (SlabTier, "lookup"), (SlabTier, "touch"), (SlabTier, "pin"), (SlabTier, "insert"),
     (SlabTier, "remove"), (SlabTier, "_evict"), (SlabTier, "_fill"), (SlabTier, "_take"),
     (SlabTier, "_release"), (SlabTier, "admit"),

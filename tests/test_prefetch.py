@@ -514,7 +514,7 @@ def test_a_warm_only_backward_updates_the_rows_its_forward_read_unless_the_table
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(TierCascade, "_cold", counted_cold)
             if not reuse:
-                mp.setattr(BagPaths, "_apply_bags", fetching)
+                mp.setattr(BagPaths, "apply_bag_grads", fetching)
             batches = _two_table_batches(20)
             with Prefetcher(store, batches, depth=2, features=feats, extract=lambda b: b["sparse"]) as pf:
                 for i, b in enumerate(pf):
