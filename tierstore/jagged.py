@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from . import validate
+import tierstore.validate as validate
+
 from .errors import ConfigError, ShapeError
 
 

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import validate
+import tierstore.distributed.colwise as colwise
+import tierstore.validate as validate
+
 from ..bagpaths import Gathered
 from ..errors import ConfigError, ShapeError, TierstoreError, UnknownTableError
 from ..jagged import JaggedBatch
 from ..module import MODES, _pool
-from . import colwise
 from .errors import DistributedError
 from .parts import Part, Request, build_request, comm_dtype_of, id_dtype_of, make_parts, pool_rows
 from .store import ShardedTierStore

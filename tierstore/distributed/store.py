@@ -13,13 +13,14 @@ from typing import Any
 
 import torch
 
-from .. import validate
+import tierstore.distributed.colwise as colwise
+import tierstore.validate as validate
+
 from ..config import TableSpec
 from ..errors import ConfigError, ConfigMismatchError, StoreCorruptError, UnknownTableError
 from ..initializers import ColumnSlice
 from ..persistence import check_apart
 from ..store import TierStore
-from . import colwise
 from .comm import Comm, guarded, timeout_seconds
 from .plan import ShardingPlan, column_widths, make_plan
 from .planner import CostModel, auto_plan
