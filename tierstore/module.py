@@ -16,6 +16,7 @@ from .admission import pool_masked
 from .embedding_configs import config_features, config_pooling, is_table_config, table_spec
 from .errors import ConfigError, ReadOnlyError, ShapeError
 from .jagged import JaggedBatch, keyed_tensor, torchrec_keyed_tensor
+from .module_state import StoreBacked
 from .optimizers import Optimizer
 from .store import TierStore
 
@@ -103,7 +104,7 @@ def _normalize(input: torch.Tensor, offsets: torch.Tensor | None,
     return input, offsets, per_sample_weights
 
 
-class TieredEmbeddingBag(nn.Module):
+class TieredEmbeddingBag(StoreBacked, nn.Module):
     """Like torch.nn.EmbeddingBag over one store table; backward updates rows in the store."""
 
     def __init__(self, store: TierStore, table: str, mode: str = "sum") -> None:
@@ -124,6 +125,13 @@ class TieredEmbeddingBag(nn.Module):
         if psw is not None and self.mode != "sum":
             raise ConfigError("per_sample_weights are only supported with mode='sum'")
         return _pool(self.store, self.table, ids, offsets, psw, self.mode)
+
+    def _state_tables(self) -> list[str]:
+        return [self.table]
+
+    def extra_repr(self) -> str:
+        """The store's path, the table and the mode."""
+        return f"{super().extra_repr()}, mode={self.mode!r}"
 
 
 class _ReadOnlyRows(torch.autograd.Function):
@@ -157,7 +165,7 @@ def _pool(store: TierStore, table: str, ids: torch.Tensor, offsets: torch.Tensor
     return _TieredBags.apply(anchor, psw, store, table, ids, offsets.to("cpu", torch.int64), mode)
 
 
-class TieredEmbeddingBagCollection(nn.Module):
+class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
     """Many features over many store tables (features may share a table), jagged input.
 
     `features` maps feature name -> table name (a list of table names means one feature per
@@ -244,6 +252,11 @@ class TieredEmbeddingBagCollection(nn.Module):
             return {f: out[f] for f in self.feature_names}
         pooled = torch.cat([out[f] for f in self.feature_names], dim=1)
         return keyed_tensor(self.feature_names, self.dims, pooled) if self.output == "keyed" else pooled
+
+    def extra_repr(self) -> str:
+        """The store's path, tables, features, mode and output."""
+        return (f"{super().extra_repr()}, features={self.features}, mode={self.mode!r}, "
+                f"output={self.output!r}")
 
     @classmethod
     def from_configs(cls, path: str | os.PathLike, tables: Sequence[Any], *,

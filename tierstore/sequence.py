@@ -19,6 +19,7 @@ import tierstore.validate as validate
 from .errors import ConfigError, InvalidIdsError, ShapeError
 from .jagged import JaggedBatch
 from .module import read_only_rows
+from .module_state import StoreBacked
 from .store import TierStore
 
 
@@ -65,7 +66,7 @@ def _dim(store: TierStore, table: str) -> int:
     return store.table_specs[table].dim
 
 
-class TieredEmbedding(nn.Module):
+class TieredEmbedding(StoreBacked, nn.Module):
     """Like torch.nn.Embedding over one store table; backward updates rows in the store.
 
     Ids of any shape give `[..., dim]`. Positions holding `padding_idx` read as zeros and their
@@ -137,7 +138,7 @@ class JaggedEmbeddings:
         return f"JaggedEmbeddings(values={tuple(self._values.shape)}, lengths={self._lengths.numel()})"
 
 
-class TieredEmbeddingCollection(nn.Module):
+class TieredEmbeddingCollection(StoreBacked, nn.Module):
     """Many sequence features over store tables, TorchRec EmbeddingCollection style.
 
     `features` maps feature name -> table name (or is a list of table names, one feature

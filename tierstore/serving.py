@@ -26,6 +26,7 @@ from .backends.lmdb_backend import DATA_NAME, LOCK_NAME
 from .backends.publish import READERS_LOCK
 from .backends.slab import Rows, SlabTier
 from .backends.snapshot import Snapshot, SnapshotLostError, SnapshotReader
+from .backends.wal.marks import MERGED_KEY
 from .config import TableSpec, parse_capacity, resolve_device
 from .errors import (
     ReadOnlyError,
@@ -273,6 +274,16 @@ class ReadOnlyStore:
     def table_specs(self) -> dict[str, TableSpec]:
         """The specs of the tables this handle serves."""
         return {n: t.spec for n, t in self._tables.items()}
+
+    @property
+    def store_id(self) -> str | None:
+        """The writer's store id at the current snapshot (None for stores made before ids)."""
+        return (self._snap.meta.get(MERGED_KEY) or {}).get("store")
+
+    @property
+    def clock(self) -> int:
+        """The writer's store clock at its flushed state this handle reads."""
+        return int((self._snap.meta.get("clock") or {}).get("value", 0))
 
     @property
     def epoch(self) -> int | None:

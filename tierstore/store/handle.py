@@ -188,3 +188,8 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
     def table_specs(self) -> dict[str, TableSpec]:
         """The specs of the tables this handle serves."""
         return {n: t.spec for n, t in self.tables.items()}
+
+    @property
+    def store_id(self) -> str:
+        """This store's identity (32 hex digits; its checkpoints and restores keep it)."""
+        return self.log.owner
