@@ -66,8 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, help="write the summary to this JSON file")
     ap.add_argument("--distributed", action="store_true",
                     help="shard the tables over torchrun's ranks (see integration/distributed.py)")
-    ap.add_argument("--sharding", default="row", choices=("row", "table"),
-                    help="with --distributed: row- or table-wise sharding")
+    ap.add_argument("--sharding", default="row", choices=("row", "table", "column", "data", "auto"),
+                    help="with --distributed: how the tables are sharded (docs/distributed.md)")
+    ap.add_argument("--comm-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                    help="with --distributed: pooled bags and gradients on the wire")
+    ap.add_argument("--exact", action="store_true",
+                    help="with --distributed: exact row-wise (bit-identical to one process)")
     ap.add_argument("--admission", default=None,
                     help="feature admission of every table, e.g. 'count:2' (docs/admission.md)")
     ap.add_argument("--ttl", type=int, default=None,

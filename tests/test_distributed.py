@@ -445,7 +445,7 @@ def test_distributed_trainer_runs_and_evaluates_over_ranks(tmp_path):
     s = res[0]
     assert s["steps"] == 4 and s["world_size"] == 2 and 0.0 <= s["final_auc"] <= 1.0
     assert s["rank0_bytes_sent"] > 0
-    assert (tmp_path / "run" / "ckpt" / "step-000000004" / "SHARDED_MANIFEST.json").is_file()
+    assert (tmp_path / "run" / "ckpt" / "step-000000004" / "store" / "SHARDED_MANIFEST.json").is_file()
 
 
 @pytest.mark.slow

@@ -45,7 +45,8 @@ def run_local(world: int, fn: Callable, *args: Any, timeout_s: float = 600.0,
     """fn(rank, world, *args) on `world` gloo ranks of this machine; {rank: result}.
 
     Ranks fork from a clean server process (torch preloaded), so they start fast and inherit no
-    threads. `fn` must be importable by name (a module-level function).
+    threads. `fn` must be importable by name (a module-level function). A rank that fails or
+    dies (e.g. `kill -9`) makes this raise DistributedError, with every rank's error.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tierstore", "tierstore.distributed", *preload])
@@ -57,6 +58,7 @@ def run_local(world: int, fn: Callable, *args: Any, timeout_s: float = 600.0,
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    dead: dict[int, float] = {}
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) + len(errors) < world:
@@ -65,7 +67,12 @@ def run_local(world: int, fn: Callable, *args: Any, timeout_s: float = 600.0,
                 raise DistributedError(f"local ranks did not finish in {timeout_s:g} s")
             try:
                 rank, status, value = q.get(timeout=min(left, 1.0))
-            except Exception:
+            except Exception:  # nothing new: a rank that exited without a word died (kill -9)
+                for r, p in enumerate(procs):
+                    if r not in results and r not in errors and p.exitcode is not None:
+                        dead.setdefault(r, time.monotonic())
+                        if time.monotonic() - dead[r] > 2.0:  # its last message had time to land
+                            errors[r] = f"died with exit code {p.exitcode} before returning"
                 continue
             if status == "ok":
                 results[rank] = pickle.loads(value)
