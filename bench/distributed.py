@@ -4,10 +4,14 @@ Workload: bench.training's (tables x rows x dim, 1-20 Zipf(1.05) ids per bag, ro
 sum pooling, grad_out fixed) at cache10: LMDB holds every row, the caches (device + host, half
 each) hold 10% of the rows a process owns. The global batch is the same in every configuration:
 one process trains it whole (`single`, TieredEmbeddingBagCollection); N ranks train a 1/N block
-each through ShardedEmbeddingBagCollection (`row`- or `table`-wise). Reported: global samples/s,
-bytes each rank sends per step (and the minimum: unique ids out, the smaller of rows or pooled
-partials back, gradients back), seconds in collectives vs the rest, an all-to-all bandwidth
-sweep, and a model of 8-128 nodes fitted to it.
+each through ShardedEmbeddingBagCollection. A config is a sharding (`row`, `table`, `column`,
+`data`, `auto`) with options joined by `-`: `f16` / `bf16` (16-bit comms), `i64` (int64 ids
+instead of int32), `exact` (exact row-wise); e.g. `row-f16`. Reported: global samples/s, bytes
+each rank sends per step (ids apart; and the minimum for row/table: unique ids out, the smaller
+of rows or pooled partials back, gradients back), seconds in collectives vs the rest, the
+planner's modeled step per rank vs the measured one, an all-to-all bandwidth sweep, a model of
+8-128 nodes fitted to it; `--auc N` also trains the demo's data for N steps with float32 and
+float16 comms and compares the held-out AUCs. `--criteo`: 26 tables.
 """
 
 from __future__ import annotations
@@ -23,8 +27,15 @@ import numpy as np
 import torch
 
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
-from tierstore.distributed import ShardedEmbeddingBagCollection, ShardedTierStore, row_owner
+from tierstore.distributed import (
+    CostModel,
+    ShardedEmbeddingBagCollection,
+    ShardedTierStore,
+    lookups_from_batches,
+    row_owner,
+)
 from tierstore.distributed.launch import run_local
+from tierstore.distributed.planner import table_cost
 
 from .common import OUT_DIR, save, table
 from .training import EPS, LR, Workload
@@ -38,11 +49,14 @@ def _block(values: torch.Tensor, lengths: torch.Tensor, tables: int, batch: int,
     return torch.cat(parts), lens[:, lo:hi].reshape(-1)
 
 
-def _populate(store: TierStore, names: list[str], rows: int, width: int, dim: int, keep) -> None:
+def _populate(store: TierStore, names: list[str], rows: int, keep) -> None:
     """Write every row this process owns to LMDB (so reads miss the caches into the disk)."""
     rng = np.random.default_rng(3)
     chunk = 1 << 17
     for n in names:
+        if n not in store.table_specs:  # a column-wise table with no shard here
+            continue
+        width, dim = store.table_specs[n].row_dim, store.table_specs[n].dim
         for lo in range(0, rows, chunk):
             ids = torch.arange(lo, min(lo + chunk, rows))
             pay = rng.standard_normal((len(ids), width), dtype=np.float32) * 0.05
@@ -64,13 +78,51 @@ def _min_bytes(plan, rank: int, world: int, name: str, ids: torch.Tensor, length
     return 8 * u + 2 * 4 * dim * min(u, int(pairs))
 
 
+def _options(mode: str) -> tuple[str, dict]:
+    """(sharding, module keyword arguments) of a config name like `row-f16-i64`."""
+    kind, *opts = mode.split("-")
+    kw: dict = {}
+    for o in opts:
+        if o in ("f16", "bf16"):
+            kw["comm_dtype"] = {"f16": "float16", "bf16": "bfloat16"}[o]
+        elif o == "i64":
+            kw["id_dtype"] = "int64"
+        elif o == "exact":
+            kw["exact"] = True
+        else:
+            raise SystemExit(f"unknown config option {o!r} in {mode!r}")
+    return kind, kw
+
+
+def _keeps(plan, rank: int):
+    """Which ids of a table this rank stores under `plan`."""
+    def keep(n: str, ids: torch.Tensor) -> torch.Tensor:
+        p = plan.placement(n)
+        if p.kind in ("row", "table"):
+            return plan.owners(n, ids) == rank
+        return torch.ones_like(ids, dtype=torch.bool)  # a column shard or a replica: every row
+    return keep
+
+
+def _modeled(store, specs, looks: dict, kw: dict, world: int) -> list[tuple[float, float, float]]:
+    """Each rank's modeled (seconds, compute units, bytes) under the store's plan (CostModel())."""
+    m = CostModel(id_bytes=8 if kw.get("id_dtype") == "int64" else 4,
+                  float_bytes=2 if kw.get("comm_dtype") else 4)
+    per = [[0.0, 0.0, 0.0] for _ in range(world)]
+    for s in specs:
+        for r, c in enumerate(table_cost(s, store.plan.placement(s.name), *looks[s.name], world, m)):
+            per[r][0] += c.seconds
+            per[r][1] += c.compute
+            per[r][2] += c.bytes
+    return [tuple(x) for x in per]
+
+
 def _rank(rank: int, world: int, cfg: dict) -> dict:
     torch.set_num_threads(1)
     wl = Workload(cfg["tables"], cfg["rows"], cfg["dim"], cfg["batch"], cfg["max_len"],
                   cfg["alpha"], cfg["pool"])
     specs = [TableSpec(n, wl.rows, wl.dim, optimizer=RowWiseAdagrad(lr=LR, eps=EPS))
              for n in wl.names]
-    width = specs[0].row_dim  # the stored row: payload and its last-update stamp (format v2)
     lo, hi = rank * wl.batch // world, (rank + 1) * wl.batch // world
     work = Path(cfg["work"]) / f"{cfg['mode']}-{world}"
     total_rows = wl.tables * wl.rows
@@ -78,17 +130,17 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     if cfg["mode"] == "single":
         store = TierStore(work, specs, device_capacity=cap, host_capacity=cap)
         local, ebc = store, TieredEmbeddingBagCollection(store, wl.names)
-        _populate(store, wl.names, wl.rows, width, wl.dim,
-                  lambda n, ids: torch.ones_like(ids, dtype=torch.bool))
+        _populate(store, wl.names, wl.rows, lambda n, ids: torch.ones_like(ids, dtype=torch.bool))
         comm = None
-    else:
-        store = ShardedTierStore(work, specs, sharding=cfg["mode"], device_capacity=cap,
-                                 host_capacity=cap, timeout=300)
-        local, ebc = store.local, ShardedEmbeddingBagCollection(store, wl.names)
-        _populate(local, wl.names, wl.rows, width, wl.dim,
-                  lambda n, ids: store.plan.owners(n, ids) == rank)
-        comm = store.comm
     batches = [_block(v, ln, wl.tables, wl.batch, lo, hi) for v, ln in wl.steps]
+    looks = lookups_from_batches([(wl.names, v, ln) for v, ln in batches], {n: n for n in wl.names})
+    if cfg["mode"] != "single":
+        sharding, kw = _options(cfg["mode"])
+        store = ShardedTierStore(work, specs, sharding=sharding, lookups=looks, device_capacity=cap,
+                                 host_capacity=cap, timeout=300)
+        local, ebc = store.local, ShardedEmbeddingBagCollection(store, wl.names, **kw)
+        _populate(local, wl.names, wl.rows, _keeps(store.plan, rank))
+        comm = store.comm
     grad = wl.grad_out[lo:hi]
 
     def step(i: int) -> None:
@@ -108,22 +160,27 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     wall = time.perf_counter() - t0
     out = {"wall_s": wall, "steps": cfg["steps"]}
     if comm is not None:
-        sent = coll = 0.0
+        sent = coll = ids_sent = 0.0
         for k, v in comm.stats.items():
             if k.startswith(("fwd:", "bwd:")):
                 b0, s0 = base.get(k, (0, 0.0))
                 sent += v.bytes_sent - b0
                 coll += v.seconds - s0
+                if k == "fwd:ids":
+                    ids_sent += v.bytes_sent - b0
         floor = 0
-        for i in range(cfg["steps"]):
+        for i in range(cfg["steps"] if store.plan.kinds() <= {"row", "table"} else 0):
             values, lengths = batches[(cfg["warmup"] + i) % len(batches)]
             per = lengths.view(wl.tables, -1)
             starts = torch.cat([torch.zeros(1, dtype=torch.int64), per.sum(1).cumsum(0)])
             for t, n in enumerate(wl.names):
                 floor += _min_bytes(store.plan, rank, world, n, values[int(starts[t]) : int(starts[t + 1])],
                                     per[t], wl.dim)
-        out.update(bytes_per_step=sent / cfg["steps"], min_bytes_per_step=floor / cfg["steps"],
-                   collective_s=coll, by_phase={k: v.as_dict() for k, v in comm.stats.items()})
+        out.update(bytes_per_step=sent / cfg["steps"], ids_bytes_per_step=ids_sent / cfg["steps"],
+                   min_bytes_per_step=floor / cfg["steps"] if floor else None,
+                   collective_s=coll, by_phase={k: v.as_dict() for k, v in comm.stats.items()},
+                   modeled_s=_modeled(store, specs, looks, kw, world),
+                   plan={t: p.kind for t, p in store.plan.tables})
         if cfg.get("sweep"):
             out["sweep"] = _sweep(comm, cfg["sweep"])
         if cfg.get("model_ids"):
@@ -177,6 +234,50 @@ def scaling_model(fit: tuple[float, float], ids: list[torch.Tensor], lengths: li
     return out
 
 
+def _calibrate(per_rank: list[dict], records: list[dict], runs: dict, a) -> None:
+    """Add `calibrated_ms`: the planner's formula with this machine's fitted constants."""
+    single = next((r for r in records if r["config"] == "single"), None)
+    sweep = next((v[0]["sweep"] for v in runs.values() if 0 in v and v[0].get("sweep")), None)
+    if single is None or sweep is None:
+        return
+    wl_ids = a.batch * a.tables * (a.max_len + 1) / 2  # mean ids per global step
+    rate = wl_ids * a.dim / 64 / (single["step_ms"] / 1e3)  # 64-wide lookups per second
+    lat = sweep[0]["seconds"]
+    bw = (sweep[-1]["bytes_per_peer"] - sweep[0]["bytes_per_peer"]) / \
+        max(sweep[-1]["seconds"] - sweep[0]["seconds"], 1e-9)
+    for r in per_rank:
+        r["calibrated_ms"] = 1e3 * (r["units"] / rate + r["model_bytes"] / bw + 4 * lat)
+    print(f"\ncalibration: {rate:,.0f} 64-wide lookups/s (one process), all-to-all "
+          f"{bw / 1e9:.2f} GB/s and {lat * 1e3:.1f} ms latency (gloo, loopback)")
+
+
+def _auc_rank(rank: int, world: int, run_dir: str, steps: int, comm_dtype: str) -> dict | None:
+    from integration.distributed import run_distributed
+    from integration.train import DEMO, TrainConfig
+
+    demo = {k: v for k, v in DEMO.items() if k not in ("run_dir", "checkpoint_interval", "eval_interval")}
+    cfg = TrainConfig(**{**demo, "steps": steps, "run_dir": run_dir, "progress": False})
+    return run_distributed(cfg, sharding="row", timeout_s=600, comm_dtype=comm_dtype)
+
+
+def _auc_compare(steps: int, work: Path) -> dict:
+    """Held-out AUC of the demo's data after `steps` on 2 ranks, float32 vs float16 comms."""
+    out = {}
+    for dt in ("float32", "float16"):
+        print(f"demo data, {steps} steps, {dt} comms on 2 ranks ...", file=sys.stderr, flush=True)
+        res = run_local(2, _auc_rank, str(work / f"auc-{dt}"), steps, dt, timeout_s=7200,
+                        preload=["integration.distributed"])
+        out[dt] = {"auc": res[0]["final_auc"], "logloss": res[0]["final_logloss"],
+                   "bytes_sent": res[0]["rank0_bytes_sent"], "samples_per_s": res[0]["samples_per_s"]}
+    diff = out["float16"]["auc"] - out["float32"]["auc"]
+    out["auc_diff"] = diff
+    print(f"\ndemo data, {steps} steps on 2 ranks: held-out AUC float32 comms "
+          f"{out['float32']['auc']:.5f}, float16 comms {out['float16']['auc']:.5f} "
+          f"(difference {diff:+.5f}; bytes sent by rank 0 {out['float32']['bytes_sent'] / 2**20:.1f} "
+          f"-> {out['float16']['bytes_sent'] / 2**20:.1f} MiB)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; prints tables and writes JSON."""
     p = argparse.ArgumentParser(prog="python -m bench.distributed", description=__doc__.splitlines()[0])
@@ -196,17 +297,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fast-compute-ms", type=float, default=10.0,
                    help="a GPU-class step time per rank, to show when the all-to-all dominates")
     p.add_argument("--quick", action="store_true", help="8 x 100k rows, batch 512, 6 steps")
+    p.add_argument("--criteo", action="store_true",
+                   help="26 tables (the Criteo feature count) x --rows, dim 16")
+    p.add_argument("--auc", type=int, default=0, metavar="STEPS",
+                   help="also train the demo's data STEPS steps on 2 ranks with float32 and float16 "
+                        "comms and compare the held-out AUCs")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=str(OUT_DIR))
     a = p.parse_args(argv)
     if a.quick:
         a.rows, a.batch, a.pool, a.warmup, a.steps = 100_000, 512, 8, 3, 6
+    if a.criteo:
+        a.tables, a.dim = 26, 16
     work = Path(a.workdir or tempfile.mkdtemp(prefix="bench-dist-"))
     base = dict(tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch, max_len=a.max_len,
                 alpha=a.alpha, pool=a.pool, frac=a.frac, warmup=a.warmup, steps=a.steps,
                 work=str(work))
     sweep = [1 << 12, 1 << 16, 1 << 20, 1 << 23]
-    records, runs = [], {}
+    records, runs, per_rank = [], {}, []
     for mode in a.configs.split(","):
         world = 1 if mode == "single" else 2
         cfg = dict(base, mode=mode, sweep=sweep if mode == "row" else None,
@@ -218,12 +326,22 @@ def main(argv: list[str] | None = None) -> int:
         rec = {"config": mode, "ranks": world, "samples_per_s": a.batch * a.steps / wall,
                "step_ms": 1e3 * wall / a.steps}
         if world > 1:
+            floors = [r["min_bytes_per_step"] for r in res.values()]
             rec.update(
                 bytes_per_rank_step=float(np.mean([r["bytes_per_step"] for r in res.values()])),
-                min_bytes_per_rank_step=float(np.mean([r["min_bytes_per_step"] for r in res.values()])),
-                collective_ms=1e3 * float(np.mean([r["collective_s"] for r in res.values()])) / a.steps)
-            rec["volume_vs_min"] = rec["bytes_per_rank_step"] / rec["min_bytes_per_rank_step"]
+                ids_bytes_per_rank_step=float(np.mean([r["ids_bytes_per_step"] for r in res.values()])),
+                min_bytes_per_rank_step=float(np.mean(floors)) if None not in floors else None,
+                collective_ms=1e3 * float(np.mean([r["collective_s"] for r in res.values()])) / a.steps,
+                plan=res[0]["plan"])
+            if rec["min_bytes_per_rank_step"]:
+                rec["volume_vs_min"] = rec["bytes_per_rank_step"] / rec["min_bytes_per_rank_step"]
             rec["compute_ms"] = rec["step_ms"] - rec["collective_ms"]
+            for r, v in sorted(res.items()):
+                per_rank.append({"config": mode, "rank": r, "modeled_ms": 1e3 * v["modeled_s"][r][0],
+                                 "units": v["modeled_s"][r][1], "model_bytes": v["modeled_s"][r][2],
+                                 "measured_ms": 1e3 * v["wall_s"] / a.steps,
+                                 "collective_ms": 1e3 * v["collective_s"] / a.steps,
+                                 "bytes_per_step": v["bytes_per_step"]})
         records.append(rec)
     single = next((r for r in records if r["config"] == "single"), None)
     for r in records:
@@ -233,8 +351,27 @@ def main(argv: list[str] | None = None) -> int:
                           ("step_ms", "step ms", ".1f"), ("collective_ms", "collective ms", ".1f"),
                           ("compute_ms", "other ms", ".1f"),
                           ("bytes_per_rank_step", "bytes/rank/step", ",.0f"),
+                          ("ids_bytes_per_rank_step", "of which ids", ",.0f"),
                           ("volume_vs_min", "vs min", ".2f")]))
-    meta = {"args": vars(a)}
+    print("(2 ranks on this shared 2-core machine cannot show a speedup over one process: the ranks "
+          "share the cores; the table shows the overhead of sharding.)")
+    if per_rank:
+        _calibrate(per_rank, records, runs, a)
+        print("\nthe planner's model vs measured, per rank (lookups measured from this rank's "
+              "batches; `modeled`: CostModel defaults; `calibrated`: lookup_rate from the one-process "
+              "run, bandwidth and latency from the all-to-all sweep, 4 collectives a step):")
+        print(table(per_rank, [("config", "config", "s"), ("rank", "rank", "d"),
+                               ("modeled_ms", "modeled ms", ".2f"),
+                               ("calibrated_ms", "calibrated ms", ".1f"),
+                               ("measured_ms", "measured ms", ".1f"),
+                               ("collective_ms", "collective ms", ".1f"),
+                               ("bytes_per_step", "bytes sent/step", ",.0f")]))
+        for r in records:
+            if r.get("plan") and len(set(r["plan"].values())) > 1 or r["config"].startswith("auto"):
+                print(f"{r['config']} plan: {r['plan']}")
+    meta = {"args": vars(a), "per_rank": per_rank}
+    if a.auc:
+        meta["auc"] = _auc_compare(a.auc, work)
     if "row" in runs:
         r0 = runs["row"][0]
         sw = r0["sweep"]
