@@ -112,6 +112,7 @@ class TieredEmbeddingBag(StoreBacked, nn.Module):
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         self.store = store
+        self.watch_clock()  # warns when tables with a ttl train on a clock nobody advances
         self.table = table
         self.mode = mode
         self.embedding_dim = store.table_specs[table].dim if table in store.table_specs else None
@@ -203,6 +204,7 @@ class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
             if known != table:
                 store.feature_tables[feature] = None  # two collections disagree: no default
         self.store = store
+        self.watch_clock()  # warns when tables with a ttl train on a clock nobody advances
         self.mode = mode
         self.output = output
         self.features = feats

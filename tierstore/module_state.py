@@ -11,7 +11,10 @@ by `store.checkpoint()` and come back with `TierStore.restore()` (docs/persisten
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
+
+import torch
 
 from .errors import ConfigMismatchError
 
@@ -68,6 +71,14 @@ def tables_repr(store: Any, tables: list[str]) -> str:
                      for t in tables)
 
 
+# forwards with autograd on, over tables with a ttl, after which a clock still at 0 is reported
+STILL_CLOCK_FORWARDS = 1000
+
+
+def _check_clock(module: Any, args: Any) -> None:
+    module.check_clock()
+
+
 class StoreBacked:
     """Mixin for nn.Modules over store tables: a truthful state_dict entry and repr.
 
@@ -77,6 +88,36 @@ class StoreBacked:
 
     store: Any
     features: dict[str, str]
+    _forwards = 0
+    _clock_warned = False
+
+    def watch_clock(self) -> None:
+        """Warn once if this module trains tables with a ttl while the store's clock stays 0.
+
+        The clock is advanced by whoever defines a training step: `integration.train` calls
+        `store.advance()` once per step; a loop of your own must too (docs/admission.md, "The
+        clock"). A module cannot tell steps apart: several modules may share a store, gradients
+        may accumulate over several backwards, and a module rebuilt on resume would shift the
+        count, so it never advances the clock itself.
+        """
+        self.register_forward_pre_hook(_check_clock)
+
+    def check_clock(self) -> None:
+        """Count a forward; at the STILL_CLOCK_FORWARDS-th with autograd on, warn if tables with
+        a ttl train while the store's clock is still 0 (once)."""
+        if self._clock_warned or not torch.is_grad_enabled():
+            return
+        self._forwards += 1
+        if self._forwards < STILL_CLOCK_FORWARDS:
+            return
+        self._clock_warned = True
+        store = self.store
+        ttl = [t for t in self._state_tables() if store.table_specs[t].ttl is not None]
+        if ttl and int(getattr(store, "clock", 1)) == 0 and not getattr(store, "readonly", False):
+            warnings.warn(f"tables {ttl} have a ttl, but the store's clock is still 0 after "
+                          f"{self._forwards} training forwards: rows expire by that clock only. "
+                          f"Call store.advance() once per training step (integration.train "
+                          f"does)", stacklevel=3)
 
     def _state_tables(self) -> list[str]:
         return list(dict.fromkeys(self.features.values()))

@@ -84,6 +84,7 @@ class TieredEmbedding(StoreBacked, nn.Module):
                 raise ConfigError(f"padding_idx must be an int in [0, {self.num_embeddings}) "
                                   f"(a row id), got {padding_idx!r}")
         self.store = store
+        self.watch_clock()  # warns when tables with a ttl train on a clock nobody advances
         self.table = table
         self.padding_idx = padding_idx
         self.features = {table: table}  # for Prefetcher(module, ...): batches keyed by table
@@ -161,6 +162,7 @@ class TieredEmbeddingCollection(StoreBacked, nn.Module):
             if known != table:
                 store.feature_tables[feature] = None  # two collections disagree: no default
         self.store = store
+        self.watch_clock()  # warns when tables with a ttl train on a clock nobody advances
         self.features = feats
         self.feature_names = list(feats)
         self.dims = {f: store.table_specs[t].dim for f, t in feats.items()}
