@@ -118,8 +118,10 @@ def test_kernel_reports_short_map_and_foreign_pages():
     keys = np.array([5], dtype=np.uint64)
     out = np.zeros((1, 8), dtype=np.uint8)
     found = np.zeros(1, dtype=bool)
-    assert find_values(mem, 4096, 7, keys, out, found) == 1  # page 7 lies past the mapping
-    assert find_values(mem, 4096, 1, keys, out, found) == 2  # page 1 says it is page 0
+    info = np.zeros(2, dtype=np.int64)
+    assert find_values(mem, 4096, 7, keys, out, found, info) == 1  # page 7 lies past the mapping
+    assert find_values(mem, 4096, 1, keys, out, found, info) == 3  # page 1 says it is page 0
+    assert info.tolist() == [1, 1]  # (the page, "it carries another page number")
     assert not found.any()
 
 
@@ -173,7 +175,7 @@ def test_compaction_replaces_the_file_and_reads_follow(tmp_path):
         be.compact()
         (fo, ff), (so, sf) = _both(be, "t", rows[::7])
         assert np.array_equal(fo, before[0]) and np.array_equal(fo, so) and ff.all()
-        assert be._pages._ino is not None
+        assert be._pages._mem is not None and be._pages._size == (tmp_path / "s" / "data.mdb").stat().st_size
     finally:
         be.close()
 

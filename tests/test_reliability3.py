@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,3 +147,62 @@ def test_restore_and_import_into_their_source_refused(tmp_path):
     with pytest.raises(ts.ConfigError):
         import_store(tmp_path / "ex", tmp_path / "ex" / "inner")
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["MANIFEST.json", "data.mdb"]
+
+
+# row 3: a flipped byte in a leaf's node pointers or mp_lower hid stored rows ----------------------
+def _table_leaves(data: Path, record: int) -> list[int]:
+    """Page numbers of the leaf pages holding rows (8-byte keys, `record`-byte values)."""
+    raw = data.read_bytes()
+    out = []
+    for pg in range(2, len(raw) // 4096):
+        b = pg * 4096
+        own, flags, lower = (int.from_bytes(raw[b: b + 8], "little"),
+                             int.from_bytes(raw[b + 10: b + 12], "little"),
+                             int.from_bytes(raw[b + 12: b + 14], "little"))
+        if own != pg or flags & 0x3FEF != 2 or lower < 18:
+            continue
+        node = b + int.from_bytes(raw[b + 16: b + 18], "little")
+        if int.from_bytes(raw[node + 6: node + 8], "little") == 8 and \
+                int.from_bytes(raw[node: node + 4], "little") == record:
+            out.append(pg)
+    return out
+
+
+@pytest.mark.parametrize("page_reads", [True, False])
+@pytest.mark.parametrize("readonly", [False, True])
+def test_flipped_leaf_pointer_or_lower_is_corrupt_not_lazy_init(tmp_path, page_reads, readonly,
+                                                               monkeypatch):
+    from tierstore.backends import lmdb_backend
+
+    monkeypatch.setattr(lmdb_backend, "PAGE_READS", page_reads)
+    store = _store(tmp_path / "s")
+    ids = torch.arange(3000) * 7
+    store.apply("t", ids, torch.randn(3000, 8, generator=torch.Generator().manual_seed(1)))
+    want = store.read("t", ids)
+    record = store.table_specs["t"].row_dim * 4 + 4
+    store.close()
+    base = (tmp_path / "s" / "data.mdb").read_bytes()
+    leaves = _table_leaves(tmp_path / "s" / "data.mdb", record)
+    assert len(leaves) >= 10
+    rng = np.random.default_rng(5)
+    outcomes = {"error": 0, "exact": 0}
+    for case in range(12):
+        pg = int(rng.choice(leaves))
+        b = pg * 4096
+        lower = int.from_bytes(base[b + 12: b + 14], "little")
+        at = b + 12 if case % 3 == 0 else b + 16 + int(rng.integers(0, lower - 16))
+        raw = bytearray(base)
+        raw[at] ^= int(rng.integers(1, 256))
+        (tmp_path / "s" / "data.mdb").write_bytes(bytes(raw))
+        try:
+            with (ts.TierStore.open(tmp_path / "s", readonly=True) if readonly
+                  else ts.TierStore.open(tmp_path / "s", device_capacity=0, host_capacity=0,
+                                         device="cpu")) as s:
+                got = s.read("t", ids)
+        except ts.StoreCorruptError as exc:
+            assert "page" in str(exc) or "damaged" in str(exc) or "corrupt" in str(exc), exc
+            outcomes["error"] += 1
+            continue
+        assert torch.equal(got, want), f"page {pg} byte {at - b}: rows silently wrong"
+        outcomes["exact"] += 1
+    assert outcomes["error"] >= 6, outcomes  # the damage is seen, not only harmless

@@ -124,6 +124,7 @@ class TableSpec:
 
 
 KERNELS = ("auto", "numba", "triton")
+DAMAGED_LOG = ("raise", "last_flush")  # StoreConfig.damaged_log
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,10 @@ class StoreConfig:
     "auto" (numba on a CPU device tier, Triton on CUDA), "numba", or "triton" (on a CPU device
     tier it runs under Triton's interpreter, `TRITON_INTERPRET=1`). `staging_capacity`: slots past
     the cache where staged rows wait pinned (docs/prefetch.md). `write_buffer` / `write_log`: the
-    write-behind ring and log (rows or sizes; None picks them from the tables).
+    write-behind ring and log (rows or sizes; None picks them from the tables). `damaged_log`:
+    what an open does with a damaged write-behind log left by a crash: "raise" a
+    `LogCorruptError`, or "last_flush": drop the log and open as the tables hold the rows (the
+    rows written back after the last flush, which the log held, are lost).
     """
 
     device_capacity: int | str = "64MiB"
@@ -149,6 +153,7 @@ class StoreConfig:
     write_log: int | str | None = None
     staging_capacity: int | str = 0
     kernels: str = "auto"
+    damaged_log: str = "raise"  # a damaged crash-left log: "raise", or "last_flush" (drop it)
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -160,6 +165,8 @@ class StoreConfig:
         if not isinstance(self.add_tables, bool):
             raise ConfigError(f"add_tables must be a bool, got {self.add_tables!r}")
         parse_map_limit(self.map_limit)  # None or a positive size
+        if self.damaged_log not in DAMAGED_LOG:
+            raise ConfigError(f"damaged_log must be one of {DAMAGED_LOG}, got {self.damaged_log!r}")
 
     @classmethod
     def build(cls, config: StoreConfig | None = None, **options: object) -> StoreConfig:

@@ -38,6 +38,11 @@ class StoreCorruptError(TierstoreError):
     """The store's files are unreadable, truncated or inconsistent."""
 
 
+class LogCorruptError(StoreCorruptError):
+    """The write-behind log left by a crash is damaged: the rows written back after the last
+    flush are at stake; `TierStore.open(path, damaged_log="last_flush")` opens without them."""
+
+
 class OutOfSpaceError(TierstoreError, OSError):
     """The disk (or the configured map limit) cannot hold more rows."""
 

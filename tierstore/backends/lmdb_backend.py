@@ -213,7 +213,8 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
         except lmdb.Error as exc:
             self._release_lock()
             raise StoreCorruptError(f"cannot open LMDB store at {self.path}: {exc}") from exc
-        if PAGE_READS and HAVE_NUMBA:
+        self._page_reads = PAGE_READS  # rows read by the page walker (else py-lmdb)
+        if HAVE_NUMBA:  # also checks the search paths of py-lmdb's misses (check_missing)
             self._pages = PageReader(self.path / DATA_NAME, self.env.stat()["psize"])
         try:
             self.check_file()

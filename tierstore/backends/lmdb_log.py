@@ -21,15 +21,18 @@ from pathlib import Path
 
 import lmdb
 
-from ..errors import StoreCorruptError
+from ..errors import LogCorruptError, StoreCorruptError
 from .lmdb_common import DATA_NAME
 from .lmdb_compact import fsync_path
 from .lmdb_meta import LOG_DIR  # the log's environment, inside the store's directory
+from .pagecheck import check_file
 
 LOG_DB = b"__tierstore_log__"  # the log's database (in the tables' environment before format 3)
 OWNER_DB = b"__tierstore_log_owner__"  # the identity of the store whose log this is (key b"store")
-DROP_HINT = ("; removing the directory {} opens the store with its rows as of its last flush (the "
-              "rows written back since are lost)")
+DROP_HINT = ("; at stake are the rows written back after the store's last flush (the entries of "
+             "the log in {} past those the tables hold); TierStore.open(path, "
+             "damaged_log=\"last_flush\") opens the store without them, as its tables hold it (its "
+             "last flush or later)")
 
 
 class LogIO:
@@ -50,19 +53,24 @@ class LogIO:
             data = path / DATA_NAME
             if not data.exists() and (not create or self.readonly):
                 return None
+            if data.exists():  # left by a crash: LMDB must never walk a damaged page (it aborts)
+                try:
+                    check_file(data, f"write-behind log of {self.path}")
+                except StoreCorruptError as exc:
+                    raise LogCorruptError(f"{exc}{DROP_HINT.format(path)}") from None
             start = self.initial_map if self.map_limit is None else min(self.initial_map, self.map_limit)
             try:
                 path.mkdir(exist_ok=True)
                 env = lmdb.open(str(path), map_size=start, max_dbs=4, subdir=True, sync=False,
                                 metasync=False, readahead=False, meminit=False)
             except (lmdb.Error, OSError) as exc:
-                raise StoreCorruptError(f"cannot open the write-behind log of {self.path}: {exc}"
-                                        f"{DROP_HINT.format(path)}") from exc
+                raise LogCorruptError(f"cannot open the write-behind log of {self.path}: {exc}"
+                                      f"{DROP_HINT.format(path)}") from exc
             try:
                 self._check_file(env, data)
             except StoreCorruptError as exc:
                 env.close()
-                raise StoreCorruptError(f"{exc}{DROP_HINT.format(path)}") from exc
+                raise LogCorruptError(f"{exc}{DROP_HINT.format(path)}") from exc
             self._wlog = env
         return self._wlog
 

@@ -73,7 +73,7 @@ class TableRows:
             db = self.table_db(table) if self.env is not None else None
             if db is None:
                 return out, found
-            pages = self._pages if self.map_resident is None else None
+            pages = self._pages if self.map_resident is None and self._page_reads else None
             got = None
             if pages is not None:
                 srt = rows[order]
@@ -88,6 +88,10 @@ class TableRows:
                 vals: list = []
                 try:
                     with self.env.begin(db=db) as txn:
+                        if self._pages is not None:  # LMDB trusts its pages: check them first
+                            self._pages.check_paths(txn.get(b"t:" + table.encode(),
+                                                            db=self.env.open_db(None)),
+                                                    rows[order].astype(np.uint64))
                         for i in range(0, n, GET_CHUNK):  # bounded pieces: trim the map in between
                             vals += map(txn.get, keys[i:i + GET_CHUNK])  # a C loop; None if missing
                             self._note_touch()

@@ -9,9 +9,14 @@ while it is open), we take the table's root page from the snapshot's record of t
 database, and a compiled loop walks branch pages down to the leaves and copies the values out
 of our own read-only mapping of the file (the kernel's page cache, shared with LMDB's map).
 
-Anything unexpected (a page type we do not write, a value of another size, a page past the file)
-returns a status instead of raising: the caller then reads the batch through py-lmdb, which
-reports damage with its own checks. The fast path never decides that a store is corrupt.
+A layout we do not write (another page type, a value in overflow pages) returns a status and
+the caller reads the batch through py-lmdb. Damage is a `StoreCorruptError` naming the page
+(issue 38): every page on a key's path is checked for structure (its number, `mp_lower` /
+`mp_upper`, nodes tiling the node area, node pointers on node boundaries, keys in order along
+the binary search and within the range the parent gives), and a miss checks the keys beside
+its place, so a flipped byte in a leaf's pointer array or `mp_lower` cannot hide a stored row
+(which would read as its lazy init). Reads through py-lmdb run the same walk over their misses
+(`check_missing`).
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ from pathlib import Path
 import numpy as np
 
 from .._kernels import HAVE_NUMBA
+from ..errors import StoreCorruptError
 
 P_INVALID = (1 << 64) - 1  # md_root of an empty database
 # MDB_db: pad, flags, depth, branch/leaf/overflow page counts, entries, root page
 _DB_RECORD = struct.Struct("<IHHQQQQQ")
-OK, SHORT_MAP, UNEXPECTED = 0, 1, 2
+OK, SHORT_MAP, UNEXPECTED, CORRUPT = 0, 1, 2, 3
+REASONS = {1: "it carries another page number", 3: "mp_lower/mp_upper out of bounds",
+           4: "its nodes do not tile the node area", 5: "a node pointer out of place",
+           6: "keys out of order", 7: "a key of another size"}
 
 if HAVE_NUMBA:
     import numba
@@ -46,18 +55,86 @@ if HAVE_NUMBA:
         return v
 
     @numba.njit(nogil=True, cache=True)
-    def find_spans(mem, psize, root, keys, offs, lens):  # pragma: no cover - compiled
+    def _node_key(mem, base, psize, upper, align, slot, info, pg):  # pragma: no cover - compiled
+        """The 8-byte key of node `slot` of the page at `base`, or -1 (info set) when the node
+        pointer or the node is out of place; `align` > 0: leaf nodes all `align` bytes long."""
+        node = base + _u16(mem, base + 16 + 2 * slot)
+        if node < base + upper or node + 16 > base + psize or \
+                (align > 0 and (node - base - upper) % align != 0):
+            info[0], info[1] = pg, 5
+            return -1
+        if _u16(mem, node + 6) != 8:
+            info[0], info[1] = pg, 7
+            return -1
+        return node
+
+    @numba.njit(nogil=True, cache=True)
+    def _whole_page(mem, base, psize, upper, n, leaf, align, lb, has_lb, ub, has_ub, info,
+                    pg):  # pragma: no cover - compiled
+        """Check every node of a page (before py-lmdb reads it: LMDB trusts its pages, and a
+        bad node pointer or size makes it read past the page, or the file): 0, or 1 (a page past
+        the mapping: remap and retry), or 3 (damaged, info set)."""
+        pages = mem.shape[0] // psize
+        prev, has_prev = np.uint64(0), False
+        for slot in range(n):
+            node = base + _u16(mem, base + 16 + 2 * slot)
+            if not leaf and slot == 0:  # a branch's key-less first node
+                if node < base + upper or node + 8 > base + psize or _u16(mem, node + 6) != 0:
+                    info[0], info[1] = pg, 5
+                    return 3
+            else:
+                node = _node_key(mem, base, psize, upper, align if leaf else 0, slot, info, pg)
+                if node < 0:
+                    return 3
+                key = _key(mem, node + 8)
+                if (has_prev and key <= prev) or (has_lb and key < lb) or (has_ub and key >= ub):
+                    info[0], info[1] = pg, 6
+                    return 3
+                prev, has_prev = key, True
+            if leaf:
+                fl = _u16(mem, node + 4)
+                dsize = _u16(mem, node) | (_u16(mem, node + 2) << 16)
+                if fl & 1:  # the value lies in overflow pages: their run must be in the file
+                    ov = _u16(mem, node + 16) | (_u16(mem, node + 18) << 16) | \
+                        (_u16(mem, node + 20) << 32)
+                    if ov < 2:
+                        info[0], info[1] = pg, 5
+                        return 3
+                    if ov * psize + 16 + dsize > pages * psize:
+                        return 1
+                elif fl != 0 or node + 16 + dsize > base + psize:
+                    info[0], info[1] = pg, 4
+                    return 3
+            else:
+                child = _u16(mem, node) | (_u16(mem, node + 2) << 16) | (_u16(mem, node + 4) << 32)
+                if child < 2:
+                    info[0], info[1] = pg, 5
+                    return 3
+                if child >= pages:
+                    return 1
+        return 0
+
+    @numba.njit(nogil=True, cache=True)
+    def find_spans(mem, psize, root, keys, offs, lens, info, full=False):  # pragma: no cover
         """Where each key's value lies in `mem` (offs[i], lens[i]; offs[i] = -1 when absent).
 
-        Returns OK, SHORT_MAP (a page lies past the mapping: remap and retry) or UNEXPECTED.
+        Returns OK, SHORT_MAP (a page lies past the mapping: remap and retry), UNEXPECTED (a
+        layout we do not write: py-lmdb reads it) or CORRUPT, with info = (page, reason): the
+        page number it carries (1), its mp_lower/mp_upper (3), nodes not tiling the node area
+        (4), a node pointer out of place (5), keys out of order along the search (6), a key
+        of another size (7). Every page on a key's path is checked; on a miss, the keys beside
+        where it would be are too, so a damaged pointer array cannot hide a stored key. `full`:
+        every node of each page on the paths is checked (once per call), as py-lmdb needs.
         """
         limit = mem.shape[0]
+        seen = np.full(64, -1, dtype=np.int64)  # the page fully checked at each depth
         for i in range(keys.shape[0]):
             k = keys[i]
             pg = root
             offs[i] = -1
             done = False
-            for _ in range(64):  # deeper than any B-tree of 2^64 keys: a cycle means damage
+            lb, has_lb, ub, has_ub = np.uint64(0), False, np.uint64(0), False  # the page's range
+            for depth in range(64):  # deeper than any B-tree of 2^64 keys: a cycle: damage
                 base = pg * psize
                 if base + psize > limit:
                     return 1
@@ -65,50 +142,103 @@ if HAVE_NUMBA:
                 for j in range(8):
                     own |= np.uint64(mem[base + j]) << np.uint64(8 * j)
                 if own != np.uint64(pg):
-                    return 2
+                    info[0], info[1] = pg, 1
+                    return 3
                 flags = _u16(mem, base + 10) & 0x3FEF  # without P_DIRTY, P_LOOSE, P_KEEP
                 lower = _u16(mem, base + 12)
-                if lower < 16 or lower > psize:
-                    return 2
+                upper = _u16(mem, base + 14)
+                if lower < 18 or lower > upper or upper > psize or (lower & 1):
+                    info[0], info[1] = pg, 3
+                    return 3
                 n = (lower - 16) >> 1
-                if n == 0:
-                    return 2
-                if flags == 1:  # a branch page
+                if flags == 1:  # a branch page: node 0 (key-less, 8 bytes), then 16-byte nodes
+                    if psize - upper != 8 + 16 * (n - 1):
+                        info[0], info[1] = pg, 4
+                        return 3
+                    if full and seen[depth] != pg:
+                        st = _whole_page(mem, base, psize, upper, n, False, 0, lb, has_lb, ub,
+                                         has_ub, info, pg)
+                        if st != 0:
+                            return st
+                        seen[depth] = pg
                     lo, hi = 0, n - 1  # the last node whose key <= k; node 0's key is -infinity
+                    clb, has_clb = lb, has_lb
                     while lo < hi:
                         mid = (lo + hi + 1) >> 1
-                        node = base + _u16(mem, base + 16 + 2 * mid)
-                        if node + 16 > base + psize or _u16(mem, node + 6) != 8:
-                            return 2
-                        if _key(mem, node + 8) <= k:
+                        node = _node_key(mem, base, psize, upper, 0, mid, info, pg)
+                        if node < 0:
+                            return 3
+                        key = _key(mem, node + 8)
+                        if (has_lb and key < lb) or (has_ub and key >= ub):
+                            info[0], info[1] = pg, 6
+                            return 3
+                        if key <= k:
                             lo = mid
+                            clb, has_clb = key, True
+                            lb, has_lb = key + np.uint64(1), True
                         else:
                             hi = mid - 1
+                            ub, has_ub = key, True
                     node = base + _u16(mem, base + 16 + 2 * lo)
-                    if node + 8 > base + psize:
-                        return 2
+                    if node < base + upper or node + 8 > base + psize:
+                        info[0], info[1] = pg, 5
+                        return 3
+                    lb, has_lb = clb, has_clb  # the child's range: [its key, the next key)
                     pg = _u16(mem, node) | (_u16(mem, node + 2) << 16) | (_u16(mem, node + 4) << 32)
-                elif flags == 2:  # a leaf page (not LEAF2, not a sub-page)
+                elif flags == 2:  # a leaf page (not LEAF2, not a sub-page): equal-sized nodes
+                    first = base + _u16(mem, base + 16)
+                    if first < base + upper or first + 16 > base + psize:
+                        info[0], info[1] = pg, 5
+                        return 3
+                    big = (_u16(mem, first + 4) & 1) != 0
+                    body = 8 if big else (_u16(mem, first) | (_u16(mem, first + 2) << 16))
+                    align = (8 + _u16(mem, first + 6) + body + 1) & ~1
+                    if psize - upper != n * align:
+                        info[0], info[1] = pg, 4
+                        return 3
+                    if full and seen[depth] != pg:
+                        st = _whole_page(mem, base, psize, upper, n, True, align, lb, has_lb, ub,
+                                         has_ub, info, pg)
+                        if st != 0:
+                            return st
+                        seen[depth] = pg
                     lo, hi = 0, n - 1
                     while lo <= hi:
                         mid = (lo + hi) >> 1
-                        node = base + _u16(mem, base + 16 + 2 * mid)
-                        if node + 16 > base + psize or _u16(mem, node + 6) != 8:
-                            return 2
+                        node = _node_key(mem, base, psize, upper, align, mid, info, pg)
+                        if node < 0:
+                            return 3
                         key = _key(mem, node + 8)
+                        if (has_lb and key < lb) or (has_ub and key >= ub):
+                            info[0], info[1] = pg, 6
+                            return 3
                         if key == k:
                             if _u16(mem, node + 4) != 0:  # overflow or sub-database data
                                 return 2
                             dsize = _u16(mem, node) | (_u16(mem, node + 2) << 16)
                             if node + 16 + dsize > base + psize:
-                                return 2
+                                info[0], info[1] = pg, 4
+                                return 3
                             offs[i] = node + 16
                             lens[i] = dsize
                             break
                         if key < k:
                             lo = mid + 1
+                            lb, has_lb = key + np.uint64(1), True
                         else:
                             hi = mid - 1
+                            ub, has_ub = key, True
+                    if offs[i] < 0:  # a miss: the keys beside its place are in order too
+                        for a, b in ((hi - 1, hi), (lo, lo + 1)):
+                            if a < 0 or b >= n:
+                                continue
+                            na = _node_key(mem, base, psize, upper, align, a, info, pg)
+                            nb = _node_key(mem, base, psize, upper, align, b, info, pg)
+                            if na < 0 or nb < 0:
+                                return 3
+                            if _key(mem, na + 8) >= _key(mem, nb + 8):
+                                info[0], info[1] = pg, 6
+                                return 3
                     done = True
                     break
                 else:
@@ -125,14 +255,15 @@ if HAVE_NUMBA:
             o = offs[pick[j]]
             out[j, :] = mem[o : o + size]
 
-    def find_values(mem, psize, root, keys, out, found):
+    def find_values(mem, psize, root, keys, out, found, info):
         """Copy each key's value (all of out.shape[1] bytes) into out[i]; found[i] when present.
 
-        Returns OK, SHORT_MAP or UNEXPECTED (also when a value has another size).
+        Returns OK, SHORT_MAP, UNEXPECTED (also when a value has another size) or CORRUPT
+        (info: the page and the reason).
         """
         offs = np.empty(len(keys), dtype=np.int64)
         lens = np.empty(len(keys), dtype=np.int64)
-        status = find_spans(mem, psize, root, keys, offs, lens)
+        status = find_spans(mem, psize, root, keys, offs, lens, info)
         if status != OK:
             return status
         hit = offs >= 0
@@ -147,7 +278,12 @@ if HAVE_NUMBA:
 
 
 class PageReader:
-    """A read-only mapping of one LMDB data file and the compiled lookup over its pages."""
+    """A read-only mapping of one LMDB data file and the compiled lookup over its pages.
+
+    The file is opened once, when the reader is made (right after the environment it serves),
+    and mapped through that descriptor: a compaction that renames a new file in is never mixed
+    with the old environment's snapshots (the environment's owner makes a new reader).
+    """
 
     def __init__(self, path: str | os.PathLike, psize: int) -> None:
         self.path = Path(path)
@@ -155,24 +291,36 @@ class PageReader:
         self._lock = threading.Lock()
         self._mem: np.ndarray | None = None
         self._mm: mmap.mmap | None = None
-        self._ino: tuple[int, int] | None = None
+        self._size = -1
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            self._fd = None
+
+    def __del__(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _mapping(self, remap: bool = False) -> np.ndarray | None:
-        """The file's mapping; remapped when asked or when the file was replaced."""
+        """The file's mapping; remapped when asked and the file has grown."""
         with self._lock:
+            if self._fd is None:
+                return None
             try:
-                st = os.stat(self.path)
+                size = os.fstat(self._fd).st_size
             except OSError:
                 return None
-            ino = (st.st_dev, st.st_ino)
-            if self._mem is None or remap or ino != self._ino:
-                if st.st_size == 0:
+            if self._mem is None or (remap and size != self._size):
+                if size == 0:
                     return None
-                with open(self.path, "rb") as f:
-                    mm = mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ)
+                mm = mmap.mmap(self._fd, size, prot=mmap.PROT_READ)
                 self._mm = mm
                 self._mem = np.frombuffer(mm, dtype=np.uint8)  # the array keeps the map alive
-                self._ino = ino
+                self._size = size
             return self._mem
 
     def drop(self) -> int:
@@ -195,13 +343,44 @@ class PageReader:
         root = _DB_RECORD.unpack(record)[-1]
         if root == P_INVALID:
             return out, found
+        info = np.zeros(2, dtype=np.int64)
         for remap in (False, True):
             mem = self._mapping(remap)
             if mem is None:
                 return None
-            status = find_values(mem, self.psize, root, keys, out, found)
+            status = find_values(mem, self.psize, root, keys, out, found, info)
             if status == OK:
                 return out, found
+            if status == CORRUPT:
+                self._corrupt(info)
             if status != SHORT_MAP:
                 return None
         return None
+
+    def check_paths(self, record: bytes | None, keys: np.ndarray) -> None:
+        """Check every node of every page on the search paths of sorted uint64 `keys` before
+        py-lmdb walks them (in the caller's read transaction, whose main-DB record of the table
+        is `record`): StoreCorruptError naming a damaged page. LMDB trusts its pages: a flipped
+        byte in a node pointer or `mp_lower` hides keys silently or reads past the file (SIGBUS)."""
+        if len(keys) == 0 or record is None or len(record) != _DB_RECORD.size:
+            return
+        root = _DB_RECORD.unpack(record)[-1]
+        if root == P_INVALID:
+            return
+        offs = np.empty(len(keys), dtype=np.int64)
+        lens = np.empty(len(keys), dtype=np.int64)
+        info = np.zeros(2, dtype=np.int64)
+        for remap in (False, True):
+            mem = self._mapping(remap)
+            if mem is None:
+                return
+            status = find_spans(mem, self.psize, root, keys, offs, lens, info, True)
+            if status == CORRUPT:
+                self._corrupt(info)
+            if status != SHORT_MAP:
+                return
+        raise StoreCorruptError(f"{self.path}: a page on a row's path lies past the file's end")
+
+    def _corrupt(self, info: np.ndarray) -> None:
+        raise StoreCorruptError(f"{self.path}: page {int(info[0])} is damaged: "
+                                f"{REASONS.get(int(info[1]), 'bad structure')}")

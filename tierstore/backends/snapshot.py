@@ -33,9 +33,11 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from .._kernels import HAVE_NUMBA
 from ..errors import StoreCorruptError, TierstoreError
 from .lmdb_backend import DATA_NAME, META_DB, encode_keys
 from .lmdb_meta import check_file_size
+from .pages import PageReader
 from .publish import PUBLISH_DB, PUBLISHED, UNDO_PREFIX, parse_marker
 from .record import open_values
 from .writers import live_writer
@@ -156,6 +158,7 @@ class SnapshotReader:
         self._txn = None
         self._dbs: dict[str, object] = {}
         self._undo: dict[str, object] = {}
+        self._pages: PageReader | None = None  # checks the search paths of misses
         self._attach()
 
     # environment -------------------------------------------------------------------------
@@ -166,6 +169,7 @@ class SnapshotReader:
     def _attach(self) -> None:
         """Borrow the in-process writer's environment, or join (opening) the shared one."""
         self._backend = live_writer(self.path)
+        self._pages = None  # made for the environment attached now (pages.py: pinned to its file)
         if self._backend is not None:
             self.env = self._backend.env
             return
@@ -319,6 +323,7 @@ class SnapshotReader:
                 db = self._dbs.get(table)
                 if n == 0 or db is None:
                     return out, found
+                self._check_paths(table, rows[order])
                 vals = self._read(db, self._undo.get(table), keys)
         except lmdb.Error as exc:
             self.reopens += 1
@@ -327,6 +332,18 @@ class SnapshotReader:
         hit = np.fromiter(map(operator.truth, vals), dtype=bool, count=n)  # None and b"": absent
         open_values(table, rows, order, vals, hit, out, found, f"store {self.path}, ")
         return out, found
+
+    def _check_paths(self, table: str, srt: np.ndarray) -> None:
+        """Check the pages on the rows' search paths before py-lmdb walks them (pages.py)."""
+        if not HAVE_NUMBA:
+            return
+        if self._pages is None:  # opened while our snapshot is held: unless a compaction swapped
+            # the file in between (its new inode), this is the file the snapshot's pages are in
+            pages = PageReader(self.path / DATA_NAME, self.env.stat()["psize"])
+            if self._share is not None and _ino(self.path / DATA_NAME) != self._share.inos[0]:
+                return
+            self._pages = pages
+        self._pages.check_paths(self._txn.get(b"t:" + table.encode()), srt.astype(np.uint64))
 
     def _read(self, db, undo, keys: list[bytes]) -> list:
         """Values of sorted keys: the undo value where one exists, else the table's."""

@@ -26,7 +26,7 @@ from ..backends.writeback import WriteBehind
 from ..bagpaths import BagPaths
 from ..cascade import TierCascade
 from ..config import StoreConfig, TableSpec, parse_capacity, parse_map_limit, resolve_device
-from ..errors import ConfigError
+from ..errors import ConfigError, LogCorruptError
 from ..initializers import name_key
 from ..pinned import PinnedSteps
 from ..stats import PrefetchStats, SsdStats
@@ -145,6 +145,15 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self.io_seconds = {"training": 0.0, "background": 0.0}
         try:  # a write-behind log left by a crash: fold it into the tables before anything reads
             replay_and_convert(self.backend)  # them (and a format-2 store becomes format 3)
+        except LogCorruptError:
+            try:
+                if cfg.damaged_log != "last_flush":
+                    raise
+                self.backend.drop_log_env()  # asked for: open without the log's rows
+                replay_and_convert(self.backend)
+            except BaseException:
+                self.backend.close()
+                raise
         except BaseException:
             self.backend.close()
             raise

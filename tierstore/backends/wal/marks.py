@@ -6,7 +6,7 @@ import uuid
 
 import numpy as np
 
-from ...errors import StoreCorruptError
+from ...errors import LogCorruptError, StoreCorruptError
 from ..lmdb_log import DROP_HINT
 
 MERGED_KEY = "log"  # metadata record of the tables: {"merged_through": int, "store": 32 hex digits}
@@ -59,7 +59,7 @@ def check_owner(backend, mine: str | None) -> None:
     """StoreCorruptError when the log's environment names another store than the tables'."""
     owner = backend.log_owner()
     if owner is not None and mine is not None and owner != mine:
-        raise StoreCorruptError(f"write-behind log of {backend.path}: it belongs to another store "
+        raise LogCorruptError(f"write-behind log of {backend.path}: it belongs to another store "
                                 f"(store {owner}; these tables are store {mine})"
                                 f"{DROP_HINT.format(backend.log_path)}")
 
@@ -82,10 +82,10 @@ def check_continues(backend, chunks: np.ndarray, done: int) -> None:
     ends = chunks[:, 0] + chunks[:, 1]
     gap = np.flatnonzero(chunks[1:, 0] != ends[:-1])
     if gap.size:
-        raise StoreCorruptError(f"{where}: entries {int(ends[gap[0]])} to "
+        raise LogCorruptError(f"{where}: entries {int(ends[gap[0]])} to "
                                 f"{int(chunks[gap[0] + 1, 0]) - 1} are missing (damaged log){hint}")
     if int(chunks[0, 0]) > done + 1:
-        raise StoreCorruptError(
+        raise LogCorruptError(
             f"{where}: it starts at entry {int(chunks[0, 0])}, but the tables hold the log only "
             f"through entry {done}: the entries in between were merged into another tables "
             f"file (data.mdb replaced by an older copy, or its writes lost in an OS crash){hint}")

@@ -6,8 +6,8 @@ import lmdb
 import numpy as np
 
 from ...config import TableSpec
-from ...errors import StoreCorruptError
-from ..lmdb_log import LOG_DB
+from ...errors import LogCorruptError, StoreCorruptError
+from ..lmdb_log import DROP_HINT, LOG_DB
 from ..record import open_records
 from .chunks import CHUNK_MAGIC, _chunk_entries, _chunk_table, _last_versions, parse_entries, table_id
 from .marks import check_continues, check_owner, merged_record, record_merged
@@ -30,17 +30,24 @@ def replay(backend, names: list[str], row_dims: list[int]) -> int:
         return total
     done, mine = merged_record(backend)
     check_owner(backend, mine)
-    chunks = _chunk_table(backend, backend.log_env(), db)
-    if chunks is None:
-        raise StoreCorruptError(f"write-behind log of {backend.path}: a value is not a chunk "
-                                "(damaged log)")
-    chunks = chunks[chunks[:, 0] + chunks[:, 1] - 1 > done]  # wholly merged: skipped
-    check_continues(backend, chunks, done)
+    hint = DROP_HINT.format(backend.log_path)
+    try:
+        chunks = _chunk_table(backend, backend.log_env(), db)
+        if chunks is None:
+            raise LogCorruptError(f"write-behind log of {backend.path}: a value is not a chunk "
+                                  f"(damaged log){hint}")
+        chunks = chunks[chunks[:, 0] + chunks[:, 1] - 1 > done]  # wholly merged: skipped
+        check_continues(backend, chunks, done)
+        if len(chunks):  # (the tables change only once every chunk read back checked)
+            _, rows, _ = fold(backend, db, chunks, names, row_dims, ids,
+                              lambda tabs, rows, seqs: (_last_versions(tabs, rows, seqs)
+                                                        & (seqs > done), seqs))
+            total += rows
+    except LogCorruptError:
+        raise
+    except StoreCorruptError as exc:  # a chunk or a row record of the log: the log is damaged
+        raise LogCorruptError(f"{exc}{hint}") from exc
     if len(chunks):
-        _, rows, _ = fold(backend, db, chunks, names, row_dims, ids,
-                          lambda tabs, rows, seqs: (_last_versions(tabs, rows, seqs) & (seqs > done),
-                                                    seqs))
-        total += rows
         record_merged(backend, int(chunks[-1, 0] + chunks[-1, 1] - 1), mine)
         backend.sync()
     backend.drop_log_env()
