@@ -206,3 +206,26 @@ def test_flipped_leaf_pointer_or_lower_is_corrupt_not_lazy_init(tmp_path, page_r
         assert torch.equal(got, want), f"page {pg} byte {at - b}: rows silently wrong"
         outcomes["exact"] += 1
     assert outcomes["error"] >= 6, outcomes  # the damage is seen, not only harmless
+
+
+def test_verify_cli_finds_a_damaged_page_and_passes_a_sound_store(tmp_path, capsys):
+    from tierstore.cli import main
+
+    store = _store(tmp_path / "s")
+    ids = torch.arange(3000) * 7
+    store.apply("t", ids, torch.ones(3000, 8))
+    record = store.table_specs["t"].row_dim * 4 + 4
+    with pytest.raises(ts.StoreLockedError):  # a live writer's file may change under the scan
+        from tierstore.verify import verify_store
+
+        verify_store(tmp_path / "s")
+    store.close()
+    assert main(["verify", str(tmp_path / "s"), "--no-progress"]) == 0
+    assert "3000 rows in 1 tables" in capsys.readouterr().out
+    data = tmp_path / "s" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    pg = _table_leaves(data, record)[3]
+    raw[pg * 4096 + 16] ^= 0x10  # one node pointer
+    data.write_bytes(bytes(raw))
+    assert main(["verify", str(tmp_path / "s"), "--no-progress"]) == 2
+    assert f"page {pg}" in capsys.readouterr().err
