@@ -154,7 +154,7 @@ def run_distributed(cfg, sharding: str | dict = "row", timeout_s: float = 300.0,
             _checkpoint(run_dir / "ckpt", step, store, model, opt, cfg, rank)
             checkpoints.append(step)
         if rank == 0 and cfg.progress and step % 10 == 0:
-            print(f"step {step}: loss {float(loss):.4f}", file=sys.stderr, flush=True)
+            print(f"step {step}: loss {loss.detach().item():.4f}", file=sys.stderr, flush=True)
     train_s = time.perf_counter() - t0
     # held-out AUC over every rank's logits
     model.eval()

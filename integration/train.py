@@ -30,54 +30,78 @@ DEMO = dict(tables="criteo", steps=300, batch=4096, eval_interval=100, eval_batc
 DEMO_MIN_AUC = 0.70  # the README's bar for the demo's held-out AUC
 
 
+def _default(d: TrainConfig, name: str) -> str:
+    """'(default: X)' from TrainConfig, with --demo's value where the preset changes it."""
+    base = getattr(d, name)
+    base = "none" if base is None else base
+    demo = DEMO.get(name)
+    return f"(default: {base}; --demo: {demo})" if demo is not None and demo != base else \
+        f"(default: {base})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command-line options (defaults from TrainConfig)."""
+    """The command-line options (defaults from TrainConfig; the --demo preset's where it differs)."""
     d = TrainConfig()
-    ap = argparse.ArgumentParser(prog="python -m integration.train", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m integration.train", description=__doc__.split(":")[0] + ".",
+        epilog="Every option's default comes from integration.config.TrainConfig; --demo fills the "
+               "options not given from its preset (integration.train.DEMO).")
+
+    def opt(flag: str, text: str, **kw) -> None:
+        name = flag.lstrip("-").replace("-", "_")
+        kw.setdefault("default", getattr(d, name))
+        ap.add_argument(flag, help=f"{text} {_default(d, name)}", **kw)
+
     ap.add_argument("--demo", action="store_true",
                     help="the README's preset: 26 tables, 1.1e11 rows, ~2 minutes on 2 cores")
-    ap.add_argument("--run-dir", default=None, help=f"run directory (default {d.run_dir})")
-    ap.add_argument("--data", default=d.data, help="'synthetic' or a Criteo TSV/CSV file (.gz ok)")
-    ap.add_argument("--tables", default=None,
-                    help="'criteo' (1.1e11 rows), 'kaggle', 'uniform:N' or 26 comma-separated row counts")
-    ap.add_argument("--dim", type=int, default=d.dim)
-    ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--alpha", type=float, default=d.alpha, help="Zipf exponent of synthetic ids")
-    ap.add_argument("--hot", type=int, default=d.hot, help="distinct ids per synthetic feature")
-    ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--lr", type=float, default=d.lr, help="row-wise Adagrad lr of the embeddings")
-    ap.add_argument("--dense-lr", type=float, default=d.dense_lr, help="Adam lr of the MLPs")
-    ap.add_argument("--bottom", default=d.bottom)
-    ap.add_argument("--top", default=d.top)
-    ap.add_argument("--device-capacity", default=None)
-    ap.add_argument("--host-capacity", default=None)
-    ap.add_argument("--policy", default=d.policy)
-    ap.add_argument("--prefetch", type=int, default=None, help="look-ahead depth in batches (default 0)")
-    ap.add_argument("--eval-interval", type=int, default=None)
-    ap.add_argument("--eval-batches", type=int, default=None)
-    ap.add_argument("--checkpoint-interval", type=int, default=None)
-    ap.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    ap.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
-    ap.add_argument("--threads", type=int, default=d.threads,
-                    help="torch threads (0: torch default; 1 is fastest on a busy 2-core machine)")
-    ap.add_argument("--device", default=d.device)
-    ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--json", default=None, help="write the summary to this JSON file")
+    opt("--run-dir", "run directory: the store, checkpoints, the final dense weights", default=None)
+    opt("--data", "'synthetic' (planted-label ids, a pure function of the step) or a Criteo "
+        "TSV/CSV file (.gz ok)")
+    opt("--tables", "row counts of the 26 tables: 'criteo' (1.1e11 rows in all), 'kaggle', "
+        "'uniform:N' or 26 comma-separated counts", default=None)
+    opt("--dim", "embedding dimension of every table", type=int)
+    opt("--seed", "seed of the lazy row init, the dense weights and the synthetic data", type=int)
+    opt("--alpha", "Zipf exponent of synthetic ids", type=float)
+    opt("--hot", "distinct ids per synthetic feature", type=int)
+    opt("--batch", "samples per step", type=int, default=None)
+    opt("--steps", "training steps (the run's total, also when resuming)", type=int, default=None)
+    opt("--lr", "row-wise Adagrad learning rate of the embeddings", type=float)
+    opt("--dense-lr", "Adam learning rate of the MLPs", type=float)
+    opt("--bottom", "bottom MLP widths, comma-separated")
+    opt("--top", "top MLP widths, comma-separated")
+    opt("--device-capacity", "device cache tier: rows or a size like 64MiB", default=None)
+    opt("--host-capacity", "host cache tier: rows or a size like 512MiB", default=None)
+    opt("--policy", "cache policy of both tiers (lru, lfu, hlfu, s3fifo, ...; docs/policies.md)")
+    opt("--prefetch", "look-ahead depth in batches of the Prefetcher (0: off)", type=int, default=None)
+    opt("--eval-interval", "held-out evaluation every N steps (0: only at the end)", type=int,
+        default=None)
+    opt("--eval-batches", "held-out batches per evaluation", type=int, default=None)
+    opt("--checkpoint-interval", "checkpoint (store + dense) every N steps (0: never)", type=int,
+        default=None)
+    opt("--keep-checkpoints", "checkpoints kept under RUN_DIR/ckpt", type=int)
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in --run-dir from its latest checkpoint")
+    opt("--threads", "torch threads (0: torch's default; 1 is fastest on a busy 2-core machine)",
+        type=int)
+    opt("--device", "torch device of the device tier and the model (cpu, cuda)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--json", default=None, help="write the summary to this JSON file "
+                    "(default: print it only)")
     ap.add_argument("--distributed", action="store_true",
                     help="shard the tables over torchrun's ranks (see integration/distributed.py)")
     ap.add_argument("--sharding", default="row", choices=("row", "table", "column", "data", "auto"),
-                    help="with --distributed: how the tables are sharded (docs/distributed.md)")
+                    help="with --distributed: how the tables are sharded (docs/distributed.md) "
+                         "(default: row)")
     ap.add_argument("--comm-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
-                    help="with --distributed: pooled bags and gradients on the wire")
+                    help="with --distributed: pooled bags and gradients on the wire (default: float32)")
     ap.add_argument("--exact", action="store_true",
                     help="with --distributed: exact row-wise (bit-identical to one process)")
-    ap.add_argument("--admission", default=None,
-                    help="feature admission of every table, e.g. 'count:2' (docs/admission.md)")
-    ap.add_argument("--ttl", type=int, default=None,
-                    help="expire rows not updated for this many steps (docs/admission.md)")
+    opt("--admission", "feature admission of every table, e.g. 'count:2' (docs/admission.md)",
+        default=None)
+    opt("--ttl", "expire rows not updated for this many steps (the store clock advances once "
+        "per step; docs/admission.md)", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=300.0,
-                    help="with --distributed: seconds before a dead rank is reported")
+                    help="with --distributed: seconds before a dead rank is reported (default: 300)")
     return ap
 
 

@@ -234,3 +234,18 @@ def test_demo_bad_option_is_a_clear_error(tmp_path, capsys):
     assert main(["demo", "--policy", "nope", "--path", str(tmp_path / "d"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tierstore demo: error:") and "nope" in err
+
+
+def test_bench_policies_warns_when_a_tier_capacity_is_below_the_batch(tmp_path, capsys):
+    """Issue 39 row 8: in tier mode a capacity below the batch size gets a warning and a flag."""
+    out = tmp_path / "r.json"
+    assert main(["bench-policies", "--trace", TRACE, "--policy", "lru,lfu", "--capacity", "50,400",
+                 "--mode", "tier", "--batch-size", "100", "--no-progress", "--no-sizing",
+                 "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "capacities [50] below the batch size 100" in err
+    recs = json.loads(out.read_text())
+    assert {(r["capacity"], r["capacity_below_batch"]) for r in recs} == {(50, True), (400, False)}
+    assert main(["bench-policies", "--trace", TRACE, "--policy", "lru", "--capacity", "400",
+                 "--mode", "tier", "--batch-size", "100", "--no-progress", "--no-sizing"]) == 0
+    assert "below the batch size" not in capsys.readouterr().err

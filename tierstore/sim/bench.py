@@ -239,6 +239,12 @@ def _run(args: argparse.Namespace) -> int:
     jobs = [(m, p, c) for m in modes for p in policies for c in caps
             if not (m == "exact" and p not in EXACT)]
     skipped = sorted({p for p in policies if p not in EXACT}) if "exact" in modes else []
+    small = sorted({c for m, _, c in jobs if m == "tier" and c < args.batch_size})
+    if small:  # a tier that cannot hold one batch: every policy keeps the same (last) rows
+        print(f"warning: tier mode with capacities {small} below the batch size "
+              f"{args.batch_size}: a tier cannot hold one batch's distinct keys, so the policies "
+              f"barely differ there (repeats inside a batch are free); use a --batch-size below "
+              f"the capacity, or --mode exact", file=sys.stderr, flush=True)
     warn = tier_warning(n, args.batch_size, sum(1 for j in jobs if j[0] == "tier"))
     if warn:
         print(warn, file=sys.stderr, flush=True)
@@ -263,6 +269,7 @@ def _run(args: argparse.Namespace) -> int:
             rec.update(adm.fields(int(misses)))
         if mode == "tier":
             rec["batch_size"] = args.batch_size
+            rec["capacity_below_batch"] = cap < args.batch_size
             if POLICIES[pol.partition(":")[0]].name == "lookahead":
                 rec["window"] = args.window
         records.append(rec)
