@@ -249,3 +249,26 @@ def test_bench_policies_warns_when_a_tier_capacity_is_below_the_batch(tmp_path, 
     assert main(["bench-policies", "--trace", TRACE, "--policy", "lru", "--capacity", "400",
                  "--mode", "tier", "--batch-size", "100", "--no-progress", "--no-sizing"]) == 0
     assert "below the batch size" not in capsys.readouterr().err
+
+
+def test_export_import_compact_expire_show_progress_bars(tmp_path, capsys):
+    """Issue 39 row 6: the long commands draw a tqdm bar of rows on stderr (--no-progress: none)."""
+    path = tmp_path / "s"
+    with ts.TierStore(path, [ts.TableSpec("t", 10**9, 4)], device="cpu", device_capacity=0,
+                      host_capacity=0) as s:
+        s.apply("t", torch.arange(3000), torch.ones(3000, 4))
+        s.advance(5)
+        s.apply("t", torch.arange(100), torch.ones(100, 4))
+        want = s.read("t", torch.tensor([5, 2999]))
+    steps = [(["export", str(path), str(tmp_path / "e")], "export"),
+             (["import", str(tmp_path / "e"), str(tmp_path / "i")], "import"),
+             (["compact", str(path)], "compact"),
+             (["expire", str(path), "--older-than", "2"], "expire, then compact")]
+    for argv, desc in steps:
+        assert main(argv) == 0
+        err = capsys.readouterr().err
+        assert f"{desc}:" in err and "row" in err, (argv, err)
+    assert main(["compact", "--no-progress", str(tmp_path / "i")]) == 0
+    assert "compact:" not in capsys.readouterr().err
+    with ts.TierStore.open(tmp_path / "i", device="cpu", host_capacity=64) as again:
+        assert torch.equal(again.read("t", torch.tensor([5, 2999])), want)  # the rows came back

@@ -7,6 +7,7 @@ without it (see `_TORCH_FREE`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -87,6 +88,29 @@ def _upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _bar(args: argparse.Namespace, desc: str, total: int | None = None):
+    """A tqdm progress bar on stderr (rows); yields its update function, or None with
+    --no-progress."""
+    if getattr(args, "no_progress", True):
+        yield None
+        return
+    from tqdm import tqdm  # here: the help and `info` do not pay for it
+
+    with tqdm(total=total, desc=desc, unit="row", unit_scale=True, file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        yield bar.update
+
+
+def _rows_in(path: str) -> int | None:
+    """Rows stored in a store or checkpoint directory (for a bar's total), None if unknown."""
+    try:
+        rows = sum(read_meta(path)["rows"].values())
+    except (TierstoreError, OSError):
+        return None
+    return rows or None  # none yet in the tables: rows may still be in the write-behind log
+
+
 def _export(args: argparse.Namespace) -> int:
     from .distributed.repartition import export_sharded, sharded_plan_of
     from .export import export_store
@@ -103,9 +127,13 @@ def _export(args: argparse.Namespace) -> int:
         return 0
 
     sharded = sharded_plan_of(args.src) is not None  # every shard of a sharded store/checkpoint
-    m = (export_sharded if sharded else export_store)(
-        args.src, args.dest, level=args.level, shuffle=not args.no_shuffle,
-        shard_bytes=args.shard_size, overwrite=args.overwrite)
+    opts = dict(level=args.level, shuffle=not args.no_shuffle, shard_bytes=args.shard_size,
+                overwrite=args.overwrite)
+    if sharded:
+        m = export_sharded(args.src, args.dest, **opts)
+    else:
+        with _bar(args, "export", _rows_in(args.src)) as progress:
+            m = export_store(args.src, args.dest, **opts, progress=progress)
     rows = sum(t["rows"] for t in m["tables"])
     print(f"exported {rows} rows of {len(m['tables'])} tables to {args.dest}: "
           f"{m['raw_bytes'] / 2**20:.1f} MiB raw -> {m['bytes'] / 2**20:.1f} MiB "
@@ -114,7 +142,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from .export import import_store
+    from .export import import_store, read_export_manifest
 
     if args.world_size is not None:  # re-partitioned into one shard store per rank
         from .distributed.repartition import import_sharded
@@ -122,7 +150,12 @@ def _import(args: argparse.Namespace) -> int:
         m = import_sharded(args.src, args.path, args.world_size, sharding=args.sharding,
                            map_limit=args.map_limit)
     else:
-        m = import_store(args.src, args.path, map_limit=args.map_limit)
+        try:
+            total = sum(int(t["rows"]) for t in read_export_manifest(args.src)["tables"])
+        except (TierstoreError, KeyError, TypeError, ValueError):
+            total = None  # import_store reports what is wrong with the export
+        with _bar(args, "import", total) as progress:
+            m = import_store(args.src, args.path, map_limit=args.map_limit, progress=progress)
     rows = sum(t["rows"] for t in m["tables"])
     print(f"imported {rows} rows of {len(m['tables'])} tables into {args.path} "
           f"in {m['import_seconds']:.1f} s")
@@ -157,7 +190,8 @@ def _verify(args: argparse.Namespace) -> int:
 def _expire(args: argparse.Namespace) -> int:
     from .offline import expire_path
 
-    r = expire_path(args.path, args.older_than, args.table)
+    with _bar(args, "expire, then compact", _rows_in(args.path)) as progress:
+        r = expire_path(args.path, args.older_than, args.table, progress=progress)
     print(f"expired {sum(r['deleted'].values())} rows last updated more than {r['older_than']} "
           f"steps before clock {r['clock']} ({r['deleted']}); disk {r['bytes_before'] / 2**20:.1f} "
           f"MiB -> {r['bytes_after'] / 2**20:.1f} MiB after compaction")
@@ -167,7 +201,8 @@ def _expire(args: argparse.Namespace) -> int:
 def _compact(args: argparse.Namespace) -> int:
     from .persistence import compact
 
-    r = compact(args.path)
+    with _bar(args, "compact", _rows_in(args.path)) as progress:
+        r = compact(args.path, progress=progress)
     print(f"compacted {r['path']}: {r['bytes_before'] / 2**20:.1f} MiB -> "
           f"{r['bytes_after'] / 2**20:.1f} MiB in {r['seconds']:.1f} s")
     return 0

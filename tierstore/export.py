@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,8 +117,11 @@ def _source(src: TierStore | str | os.PathLike) -> Iterator[tuple[LmdbBackend, A
 
 def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *, level: int = 1,
                  shuffle: bool = True, shard_bytes: int | str = DEFAULT_SHARD_BYTES,
-                 overwrite: bool = False) -> dict:
-    """Dump every table of a store (or checkpoint) to `dest` as compressed shards; the manifest."""
+                 overwrite: bool = False, progress: Callable[[int], None] | None = None) -> dict:
+    """Dump every table of a store (or checkpoint) to `dest` as compressed shards; the manifest.
+
+    `progress` gets the rows read after each chunk (the `tierstore export` progress bar).
+    """
 
     dest = Path(dest)
     shard_bytes = parse_size(shard_bytes)
@@ -152,6 +155,8 @@ def export_store(src: TierStore | str | os.PathLike, dest: str | os.PathLike, *,
                 chunk = max(1, shard_bytes // (8 + 4 * spec.row_dim))
                 shards = []
                 for ids, payload in backend.iter_rows(spec.name, spec.row_dim, txn, chunk):
+                    if progress is not None:
+                        progress(len(ids))
                     if spec.name in cutoffs:  # expired, not yet deleted by the ttl deleter
                         live = payload[:, spec.stamp_col].view(np.int32) >= cutoffs[spec.name]
                         ids, payload = ids[live], payload[live]
@@ -249,8 +254,11 @@ def _read_shard(src: Path, shard: dict, spec: TableSpec, shuffle: bool,
 
 
 def import_store(src: str | os.PathLike, path: str | os.PathLike, *,
-                 map_limit: int | str | None = None) -> dict:
+                 map_limit: int | str | None = None,
+                 progress: Callable[[int], None] | None = None) -> dict:
     """Build a new store at `path` from the export `src`; returns the export's manifest.
+
+    `progress` gets the rows written after each shard (the `tierstore import` progress bar).
 
     The store is assembled beside `path` and renamed into place only once every shard has been
     verified and written, so a bad export or a full disk leaves `path` as it was.
@@ -278,6 +286,8 @@ def import_store(src: str | os.PathLike, path: str | os.PathLike, *,
                     ids, payload = _read_shard(src, shard, spec, shuffle, dctx)
                     if len(ids):
                         store.backend.put({spec.name: (ids, payload)})
+                    if progress is not None:
+                        progress(len(ids))
         finally:
             store.close()
         publish_dir(staging / "store", path)

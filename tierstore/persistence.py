@@ -22,7 +22,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -589,8 +589,10 @@ def restore_files(dest: str | os.PathLike, path: str | os.PathLike, *, seed: int
 
 
 # compaction ------------------------------------------------------------------------------------
-def compact(path: str | os.PathLike) -> dict:
+def compact(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> dict:
     """Rewrite a closed store's file in key order (full pages, no free pages); returns sizes.
+
+    `progress` gets the rows copied after each chunk (the `tierstore compact` progress bar).
 
     Takes the store's writer lock (`StoreLockedError` while it is open elsewhere). The new file
     is written beside the old one and renamed over it, so a crash leaves one or the other.
@@ -606,7 +608,7 @@ def compact(path: str | os.PathLike) -> dict:
     backend = LmdbBackend(path)
     try:
         replay_stored(backend)  # a write-behind log left by a crash is folded in first
-        before, after = backend.compact(reopen=False)
+        before, after = backend.compact(reopen=False, progress=progress)
     finally:
         backend.close()
     return {"path": str(path), "bytes_before": before, "bytes_after": after,

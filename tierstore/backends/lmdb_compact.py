@@ -64,13 +64,15 @@ class Compaction:
                 pages += min(have, leaves + math.ceil(leaves / 100) + st["depth"])
         return pages * psize
 
-    def compact(self, *, reopen: bool = True) -> tuple[int, int]:
+    def compact(self, *, reopen: bool = True,
+                progress: Callable[[int], None] | None = None) -> tuple[int, int]:
         """Rewrite the file in key order (full pages, no free pages) and swap it in atomically.
 
         The new file is written next to the old one, fsynced, and renamed over it; a crash at
         any point leaves the old file or the new one, both complete. Returns (bytes before,
         bytes after): before is the file once the write-behind ring is drained and the log
-        merged (an earlier size would leave out rows still in the ring).
+        merged (an earlier size would leave out rows still in the ring). `progress` gets the
+        rows copied after each chunk.
         """
         if self.readonly:
             raise TierstoreError(f"store {self.path} is open read-only; cannot compact it")
@@ -85,7 +87,8 @@ class Compaction:
             try:
                 txn = self.env.begin()
                 try:
-                    write_compact(txn, dbs, tmp, progress=self._note_touch)
+                    write_compact(txn, dbs, tmp, progress=self._note_touch if progress is None
+                                  else _both(self._note_touch, progress))
                 finally:
                     txn.abort()
                 self.trim_map()
@@ -109,6 +112,13 @@ class Compaction:
                     self._open_env()
                     self.open_tables(tables)
         return before, self.data_bytes()
+
+
+def _both(a: Callable[[int], None], b: Callable[[int], None]) -> Callable[[int], None]:
+    def call(n: int) -> None:
+        a(n)
+        b(n)
+    return call
 
 
 def fsync_path(path: Path) -> None:
