@@ -250,3 +250,22 @@ def test_data_and_column_rowwise_with_prefetch_and_tiny_caches(tmp_path):
     ref = _reference(tmp_path / "ref", 2, "rowwise", "sum", 3, 1)
     for name, *_ in configs:
         _check({r: res[r][name][0] for r in range(2)}, 2, ref, exact=True)
+
+
+def _plans_with_rank_lookups(rank, world, root):
+    """Each rank measured other lookups: every rank must still train under rank 0's plan."""
+    looks = {"users": 10.0 ** (rank * 3), "items": 10.0 ** (3 - 3 * rank)}
+    out = []
+    for name, sharding in (("t", "table"), ("a", "auto")):
+        store = ShardedTierStore(f"{root}/{name}", specs("adagrad"), sharding=sharding,
+                                 lookups=looks, timeout=20)
+        ebc = ShardedEmbeddingBagCollection(store, FEATURES)
+        _train(ebc, store.read, rank, world, -1, 1)
+        out.append((store.plan.to_config(), store.report))
+        store.close()
+    return out
+
+
+def test_ranks_with_different_lookups_agree_on_rank0s_plan(tmp_path):
+    res = run_local(2, _plans_with_rank_lookups, str(tmp_path), timeout_s=120, preload=[__name__])
+    assert res[0] == res[1]

@@ -119,6 +119,18 @@ class Comm:
             raise DistributedError(f"rank {self.rank}: '{what}' failed on rank(s) {bad}; "
                                    "see their errors")
 
+    def broadcast_object(self, what: str, obj: object, src: int = 0) -> object:
+        """Collective: rank `src`'s picklable `obj` on every rank."""
+        box = [obj]
+        t0 = time.perf_counter()
+        if self.world > 1:
+            try:
+                dist.broadcast_object_list(box, src=src, group=self.group)
+            except (RuntimeError, dist.DistError) as exc:
+                raise self._fail(what, exc) from exc
+        self._count(what, 0, t0)
+        return box[0]
+
     def barrier(self, what: str) -> None:
         """Collective barrier under the timeout."""
         self.all_gather_int(what, [0])

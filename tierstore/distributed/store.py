@@ -126,6 +126,8 @@ class ShardedTierStore:
         else:
             self.plan = guarded(self.comm, "plan",
                                 lambda: make_plan(tables, self.world_size, sharding, lookups))
+        # every rank plans; rank 0's plan (and report) is the job's: ranks may measure other lookups
+        self.plan, self.report = self.comm.broadcast_object("plan:agree", (self.plan, self.report))
         self.local: TierStore = guarded(self.comm, "open", lambda: self._open(tables, store_kwargs))
         self.step_seconds = 0.0
         self._closed = False
