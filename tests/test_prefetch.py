@@ -376,7 +376,7 @@ def test_stress_many_trials(tmp_path, trial):
 def test_staging_moves_rows_up_and_pins_them(tmp_path):
     spec = ts.TableSpec("a", 1000, 4, optimizer=ts.SGD(0.1))
     with ts.TierStore(tmp_path / "s", [spec], device_capacity=20, host_capacity=100,
-                      device="cpu") as store:
+                      policy="lru", device="cpu") as store:  # named: two tiers as given
         store.apply("a", torch.arange(200), torch.ones(200, 4))
         store.flush()
         batches = [{"a": torch.arange(100, 110)}, {"a": torch.arange(120, 130)},
@@ -495,7 +495,8 @@ def test_a_warm_only_backward_updates_the_rows_its_forward_read_unless_the_table
     feats = {"f1": "a", "f3": "b"}  # a table each: the backward of one leaves the other's copy
 
     def run(path, reuse):
-        store = ts.TierStore(path, _specs(), device_capacity=3, host_capacity=4, device="cpu")
+        store = ts.TierStore(path, _specs(), device_capacity=3, host_capacity=4, policy="lru",
+                             device="cpu")  # named: two tiers and no staging slots, warm-only
         ebc = ts.TieredEmbeddingBagCollection(store, feats)
         torch.manual_seed(0)
         dense = torch.nn.Linear(8, 1)

@@ -180,7 +180,7 @@ def test_capacities_as_sizes_and_stats(tmp_path):
     # payload 32 floats + the last-update stamp column = 33 floats = 132 B per cached row
     spec = ts.TableSpec("t", 10**6, 16, optimizer=ts.Adagrad())
     with ts.TierStore(tmp_path / "s", [spec], device_capacity="4KiB", host_capacity="1MiB",
-                      device="cpu") as s:
+                      device="cpu", policy="lru") as s:  # a named policy: two tiers as given
         st = s.stats()
         assert st["device"]["capacity"] == 4096 // 132 == 31 and st["host"]["capacity"] == 2**20 // 132
         s.read("t", torch.arange(100))
@@ -341,7 +341,7 @@ def test_apply_fast_path_matches_the_reference_and_handles_repeats(tmp_path):
 
 def test_clean_rows_leave_the_cache_without_a_write_and_dirty_ones_are_written_once(tmp_path):
     spec = ts.TableSpec("t", 10**6, 4, optimizer=ts.SGD(0.1))
-    with _open(tmp_path / "s", [spec], dev=8, host=8) as s:
+    with _open(tmp_path / "s", [spec], dev=8, host=8, policy="lru") as s:
         for lo in range(0, 400, 40):  # clean rows cascade device -> host -> dropped
             s.read("t", torch.arange(lo, lo + 40))
         st = s.stats()

@@ -45,8 +45,13 @@ def advise_huge(t: torch.Tensor) -> bool:
 
 
 def full(shape: tuple[int, ...] | int, value: float | int, dtype: torch.dtype,
-         device: torch.device | str = "cpu") -> torch.Tensor:
-    """`torch.full`, on huge pages when the tensor is large and on the CPU."""
+         device: torch.device | str = "cpu", rows: int | None = None) -> torch.Tensor:
+    """`torch.full`, on huge pages when the tensor is large and on the CPU. With `rows`, only
+    the first `rows` rows are filled: the rest is left unwritten (a reserve whose pages cost
+    no memory until the caller writes them)."""
     t = torch.empty(shape, dtype=dtype, device=device)
     advise_huge(t)
+    if rows is not None and rows < t.shape[0]:
+        t[:rows].fill_(value)
+        return t
     return t.fill_(value)

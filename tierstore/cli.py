@@ -12,7 +12,7 @@ import json
 import sys
 
 from . import __version__
-from .backends.lmdb_meta import LAST_OPEN, read_meta
+from .backends.lmdb_meta import LAST_LAYOUT, LAST_OPEN, read_meta
 from .errors import TierstoreError
 
 # library keyword arguments named in error messages -> this command's flags
@@ -37,6 +37,13 @@ def _info(args: argparse.Namespace) -> int:
             last = t["last_open"]
             print(f"  {'':{len(t['name'])}}  last opened with: optimizer {_kv(last['optimizer'])}; "
                   f"init {_kv(last['init'])}")
+    layout = report.get("layout")
+    if layout:
+        print(f"\nlayout at the latest open: device tier {layout['device_rows']} rows, host tier "
+              f"{layout['host_rows']} rows, policy {layout['policy']}, staging slots "
+              f"{layout['staging_rows']}{' (automatic reserve)' if layout['staging_auto'] else ''}")
+        for reason in layout["reasons"]:
+            print(f"  - {reason}")
     print(f"\nopen it with: TierStore.open({str(report['path'])!r})  "
           f"(= TierStore(path, tables, seed={report['seed']}) with the stored specs)")
     return 0
@@ -58,6 +65,7 @@ def store_info(path: str) -> dict:
         "seed": store.get("seed"),
         "disk_bytes": raw["disk_bytes"],
         "map_used_bytes": raw["map_used_bytes"],
+        "layout": meta.get(LAST_LAYOUT),  # what the latest open resolved, and why
         "tables": [],
     }
     for key in sorted(meta):

@@ -139,11 +139,13 @@ class StoreConfig:
     what an open does with a damaged write-behind log left by a crash: "raise" a
     `LogCorruptError`, or "last_flush": drop the log and open as the tables hold the rows (the
     rows written back after the last flush, which the log held, are lost).
+    `policy` / `staging_capacity` None: the store resolves them and the tier split
+    (`tierstore.resolve`).
     """
 
     device_capacity: int | str = "64MiB"
     host_capacity: int | str = "512MiB"
-    policy: str = "lru"
+    policy: str | None = None  # None: resolved for the device (tierstore.resolve)
     seed: int = 0
     device: object = None  # torch.device | str | None: CUDA when available, else the CPU
     map_limit: int | str | None = None
@@ -151,7 +153,7 @@ class StoreConfig:
     add_tables: bool = False
     write_buffer: int | str | None = None
     write_log: int | str | None = None
-    staging_capacity: int | str = 0
+    staging_capacity: int | str | None = None  # None: automatic where the layout uses them
     kernels: str = "auto"
     damaged_log: str = "raise"  # a damaged crash-left log: "raise", or "last_flush" (drop it)
 
@@ -160,7 +162,7 @@ class StoreConfig:
             raise ConfigError(f"seed must be a non-negative int, got {self.seed!r}")
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
-        if not isinstance(self.policy, str):
+        if self.policy is not None and not isinstance(self.policy, str):
             raise ConfigError(f"policy must be a policy name, got {self.policy!r}")
         if not isinstance(self.add_tables, bool):
             raise ConfigError(f"add_tables must be a bool, got {self.add_tables!r}")

@@ -164,11 +164,14 @@ class PinnedSteps:
         cannot be evicted, and staging must leave the running step room. With staging slots
         (`staging_capacity`), rows the device policy refuses wait there instead of displacing
         cached ones, so the window fits when the cache and the staging slots hold it once (the
-        store has them only with a selective policy and no host tier).
+        store has them only with a selective policy and no host tier). Automatic staging slots
+        (`Layout.staging_auto`) are activated here as windows grow, up to the reserve.
         """
         dev = self.device_tier
-        if dev.staging:
-            return rows <= dev.capacity + dev.staging
+        if dev.staging:  # automatic slots: activate what the window needs, if the reserve holds it
+            if self.layout.staging_auto and dev.capacity + dev.scratch_slots < rows <= dev.slots:
+                dev.grow_staging(rows - dev.capacity)
+            return rows <= dev.capacity + dev.scratch_slots
         return 2 * rows <= dev.capacity + self.host_tier.capacity
 
     def stage_many(self, items: list[tuple[_Table, torch.Tensor]]

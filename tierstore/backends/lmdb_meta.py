@@ -19,6 +19,7 @@ META_DB = b"__tierstore_meta__"
 DATA_NAME = "data.mdb"
 LOG_DIR = "wlog"  # the write-behind log's environment, inside the store's directory
 LAST_OPEN = "last_open"  # metadata record: the table specs of the latest open, per table
+LAST_LAYOUT = "last_layout"  # metadata record: the cache layout the latest open resolved, and why
 
 
 def _allocated(path: Path) -> int:

@@ -67,16 +67,20 @@ class SlabTier:
 
     def __init__(self, name: str, capacity: int, width: int, policy: str,
                  device: torch.device | str = "cpu", pin_memory: bool = False,
-                 staging: int = 0) -> None:
+                 staging: int = 0, staging_active: int | None = None) -> None:
         self.name = name
         self.capacity = int(capacity)
         self.width = int(width)
         self.device = torch.device(device)
         # `staging` extra slots past the cache's `capacity` form its scratch pad (CPU only):
-        # the policy never sees them (slots >= capacity), and the cache keeps all its slots
+        # the policy never sees them (slots >= capacity), and the cache keeps all its slots.
+        # The first `staging_active` of them (all by default) are in use from the start; the
+        # rest are a reserve that `grow_staging` activates, whose rows are never written before
         self.staging = int(staging) if self.device.type == "cpu" else 0
         self.slots = self.capacity + self.staging  # every slot: the cache's, then the pad's
-        self.slab = _memory.full((self.slots, self.width), 0.0, torch.float32, self.device)
+        active = self.staging if staging_active is None else min(int(staging_active), self.staging)
+        self.slab = _memory.full((self.slots, self.width), 0.0, torch.float32, self.device,
+                                 rows=self.capacity + active)
         if pin_memory and self.device.type == "cpu":
             self.slab = self.slab.pin_memory()
         self.index = HashIndex(self.slots, self.device)
@@ -101,16 +105,32 @@ class SlabTier:
         # the scratch pad (`reserve_scratch`): slots set aside for staged rows the policy did
         # not admit; such a row is pinned, unknown to the policy, and leaves at its last unpin
         self.transient = np.zeros(self.slots, dtype=np.bool_)
-        # free pad slots, a stack: the staging slots from the start, else none until reserved
-        self._scratch = np.arange(self.slots - 1, self.capacity - 1, -1, dtype=np.int64)
-        self.scratch_slots = self.staging  # slots set aside so far (free or holding a row)
+        # free pad slots, a stack: the active staging slots from the start, else none until reserved
+        self._scratch = np.arange(self.capacity + active - 1, self.capacity - 1, -1, dtype=np.int64)
+        self.scratch_slots = active  # slots set aside so far (free or holding a row)
         self._expired: list[np.ndarray] = []  # pad slots whose pins reached zero
         self._pad_marks: np.ndarray | None = None  # scratch of `_distinct_pad`, per staging slot
 
     @property
     def size(self) -> int:
         """Number of occupied slots (scratch-pad rows included)."""
-        return self.slots - self._nfree - len(self._scratch)
+        return self.usable - self._nfree - len(self._scratch)
+
+    @property
+    def usable(self) -> int:
+        """Slots in use or free to use: the cache's and the active staging slots."""
+        return self.capacity + self.scratch_slots if self.staging else self.slots
+
+    def grow_staging(self, n: int) -> int:
+        """Activate staging slots from the reserve until `n` are active (at most `staging`);
+        returns how many are active. The new slots go to the bottom of the pad's stack."""
+        n = min(int(n), self.staging)
+        if n > self.scratch_slots:
+            new = np.arange(self.capacity + n - 1, self.capacity + self.scratch_slots - 1, -1,
+                            dtype=np.int64)
+            self._scratch = np.concatenate([new, self._scratch])
+            self.scratch_slots = n
+        return self.scratch_slots
 
     def lookup(self, tabs: torch.Tensor, rows: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Slots holding the keys (-1 where absent); counts lookups, hits and misses."""
@@ -404,7 +424,7 @@ class SlabTier:
         self.index.check()
         assert self.index.live == int(self.occupied.sum())
         free = self._free_buf[: self._nfree]
-        assert self._nfree + len(self._scratch) + self.index.live == self.slots
+        assert self._nfree + len(self._scratch) + self.index.live == self.usable
         if free.numel():
             assert not bool(self.occupied[free].any())
             assert free.unique().numel() == free.numel()

@@ -20,6 +20,7 @@ from ..config import TableSpec
 from ..errors import ConfigError, ConfigMismatchError, StoreCorruptError, UnknownTableError
 from ..initializers import ColumnSlice
 from ..persistence import check_apart
+from ..resolve import DEFAULT_POLICY
 from ..store import TierStore
 from .comm import Comm, guarded, timeout_seconds
 from .plan import ShardingPlan, column_widths, make_plan
@@ -159,6 +160,11 @@ class ShardedTierStore:
             self.plan.check_same(before, f"sharded store {self.path}")
         else:
             write_json(plan_path, want, f"r{self.rank}")
+        # the sharded pipeline stages by its own rule and unpins by lookup: it keeps the layout
+        # as given (LRU unless named) rather than the resolved one-tier layout (tierstore.resolve)
+        cfg = store_kwargs.get("config")
+        if "policy" not in store_kwargs and getattr(cfg, "policy", None) is None:
+            store_kwargs = {**store_kwargs, "policy": DEFAULT_POLICY}
         return TierStore(self.path / shard_dir(self.rank, self.world_size),
                          local_specs(tables, self.plan, self.rank), **store_kwargs)
 

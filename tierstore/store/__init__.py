@@ -11,6 +11,7 @@ from .core import (
     CLOCK_MAX,
     FLUSH_CHUNK,
     FORMAT_VERSION,
+    LAST_LAYOUT,
     LAST_OPEN,
     LOG_MAX_ROWS,
     LOG_RINGS,
@@ -26,7 +27,7 @@ from .opening import _mismatch, _open_readonly, old_format_message, open_tables,
 
 __all__ = [
     "TierStore", "Gathered", "HAVE_NUMBA", "FORMAT_VERSION", "ROW_FORMATS", "CLOCK_MAX", "WB_SLOT_OVERHEAD",
-    "FLUSH_CHUNK", "LOG_RINGS", "LOG_MAX_ROWS", "LAST_OPEN", "_OPEN_STORES", "_Table", "_locked",
-    "_mismatch", "_open_readonly", "_weak_context", "_proc_status",
+    "FLUSH_CHUNK", "LOG_RINGS", "LOG_MAX_ROWS", "LAST_OPEN", "LAST_LAYOUT", "_OPEN_STORES", "_Table",
+    "_locked", "_mismatch", "_open_readonly", "_weak_context", "_proc_status",
     "_close_open_stores", "old_format_message", "stored_config", "open_tables",
 ]

@@ -12,7 +12,7 @@ import torch
 from ..backends.format import FORMAT_VERSION as FORMAT_VERSION  # re-exported
 from ..backends.format import ROW_FORMATS as ROW_FORMATS  # re-exported
 from ..backends.lmdb_backend import lmdb_error
-from ..backends.lmdb_meta import LAST_OPEN  # noqa: F401 (re-exported)
+from ..backends.lmdb_meta import LAST_LAYOUT, LAST_OPEN  # noqa: F401 (re-exported)
 from ..config import TableSpec
 
 CLOCK_MAX = 2**31 - 1  # stamps are int32 bits in a float32 payload column

@@ -29,6 +29,7 @@ from ..config import StoreConfig, TableSpec, parse_capacity, parse_map_limit, re
 from ..errors import ConfigError, LogCorruptError
 from ..initializers import name_key
 from ..pinned import PinnedSteps
+from ..resolve import resolve_layout
 from ..stats import PrefetchStats, SsdStats
 from ..stored_rows import StoredRows
 from .clock import StoreClock
@@ -66,9 +67,14 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self.seed = seed
         self.device = resolve_device(cfg.device)
         width = max(t.row_dim for t in tables)
-        dcap = parse_capacity(device_capacity, width * 4)
-        hcap = parse_capacity(host_capacity, width * 4)
-        scap = parse_capacity(staging_capacity, width * 4)
+        # the layout: the fastest measured one for the device, unless the user named a choice
+        self.layout = resolve_layout(
+            self.device.type, parse_capacity(device_capacity, width * 4),
+            parse_capacity(host_capacity, width * 4), policy,
+            None if staging_capacity is None else parse_capacity(staging_capacity, width * 4),
+            width * 4, sum(t.num_rows for t in tables))
+        dcap, hcap, policy = self.layout.device_rows, self.layout.host_rows, self.layout.policy
+        scap = self.layout.staging_rows
         if write_buffer is None:  # 64 MiB with its indexes
             wcap = (64 << 20) // (width * 4 + WB_SLOT_OVERHEAD)
         else:
@@ -112,7 +118,8 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         from ..policies import make_policy
 
         probe = make_policy(policy, 0)  # an unknown policy is refused before the store is touched
-        if scap and (self.device.type != "cpu" or hcap or not probe.selective):
+        if scap and not self.layout.staging_auto and (
+                self.device.type != "cpu" or hcap or not probe.selective):
             raise ConfigError(
                 f"staging_capacity holds the staged rows a selective device policy refuses: it "
                 f"needs a CPU device tier, host_capacity=0 and policy='hlfu' (got device="
@@ -121,7 +128,8 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         try:
             self._check_config(tables, cfg.add_tables)
             self.backend.open_tables(names)
-            self.device_tier = SlabTier("device", dcap, width, policy, self.device, staging=scap)
+            self.device_tier = SlabTier("device", dcap, width, policy, self.device, staging=scap,
+                                        staging_active=0 if self.layout.staging_auto else None)
             self.host_tier = SlabTier("host", hcap, width, policy, "cpu",
                                       pin_memory=self.device.type == "cuda")
             self.host_tier.policy.follow(self.device_tier.policy)  # device victims move down

@@ -15,7 +15,9 @@ class StoreMetrics:
         out = {"device": self.device_tier.stats.as_dict(), "host": self.host_tier.stats.as_dict(),
                "ssd": self.ssd_stats.as_dict()}
         out["device"].update(capacity=self.device_tier.capacity, resident=self.device_tier.size,
-                             staging=self.device_tier.staging)
+                             staging=self.device_tier.staging,
+                             staging_active=self.device_tier.scratch_slots if self.device_tier.staging else 0)
+        out["layout"] = self.layout.as_dict()  # what the store resolved its capacities into, and why
         out["host"].update(capacity=self.host_tier.capacity, resident=self.host_tier.size)
         out["prefetch"] = self.prefetch_stats.as_dict()
         log = self.log
@@ -39,8 +41,8 @@ class StoreMetrics:
         """
         budget = 0
         for tier in (self.device_tier, self.host_tier):
-            if tier.device.type == "cpu":
-                budget += tier.slab.nbytes
+            if tier.device.type == "cpu":  # reserved staging slots are unwritten until active
+                budget += tier.usable * tier.width * tier.slab.element_size()
             budget += tier.index.table.nbytes + tier.slots * 64  # index + bookkeeping bound
         wb = self.writeback
         budget += wb.payload.nbytes + wb.index.table.nbytes + wb.capacity * 40

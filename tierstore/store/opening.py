@@ -12,8 +12,9 @@ import torch
 from ..backends.lmdb_backend import DATA_NAME, LmdbBackend, check_unlocked
 from ..config import StoreConfig, TableSpec
 from ..errors import ConfigMismatchError, StoreCorruptError, StoreNotFoundError, UnknownTableError
+from ..resolve import DEFAULT_POLICY
 from ..serving import ReadOnlyStore
-from .core import FORMAT_VERSION, LAST_OPEN, ROW_FORMATS
+from .core import FORMAT_VERSION, LAST_LAYOUT, LAST_OPEN, ROW_FORMATS
 
 if TYPE_CHECKING:
     from .handle import TierStore
@@ -60,6 +61,9 @@ class StoreOpening:
         last = {**old, **{t.name: t.to_config() for t in tables}}
         if last != old:
             new[LAST_OPEN] = last
+        layout = self.layout.as_dict()  # what this open resolved, for `tierstore info`
+        if self.backend.get_meta(LAST_LAYOUT) != layout:
+            new[LAST_LAYOUT] = layout
         if new:
             self.backend.put_meta(new)
             self.backend.sync()
@@ -72,14 +76,16 @@ class StoreOpening:
         `config` / `options` are `StoreConfig` fields (the seed is the stored one). `readonly=True`
         returns a `tierstore.serving.ReadOnlyStore` (any process, while a writer has the store
         open; only `host_capacity`, `policy` and `device` apply). `host_capacity` defaults to
-        512MiB for a writer and 64MiB (weights only) for a read-only handle.
+        512MiB for a writer and 64MiB (weights only) for a read-only handle. A writer's cache
+        layout is resolved as `TierStore`'s is (`tierstore.resolve`).
         """
         host = options.pop("host_capacity", None)
         if host is None and config is not None:
             host = config.host_capacity
         if readonly:  # a serving handle on the writer's last flush: docs/serving.md
             cfg = StoreConfig.build(config, **options)
-            return _open_readonly(path, "64MiB" if host is None else host, cfg.policy, cfg.device)
+            return _open_readonly(path, "64MiB" if host is None else host,
+                                  DEFAULT_POLICY if cfg.policy is None else cfg.policy, cfg.device)
         specs, seed = stored_config(path)
         options.pop("seed", None)  # the stored seed: a store's lazy rows depend on it
         cfg = StoreConfig.build(config, **options, host_capacity="512MiB" if host is None else host,

@@ -1,0 +1,101 @@
+"""The cache layout a store runs with, resolved from what the user gave and the device.
+
+A pure function: the capacities (rows), the policy and staging slots the user named (None: not
+named) and the device type in, a `Layout` with the reason for each choice out. The store calls
+it once in its constructor; `stats()["layout"]` and `tierstore info` report the result.
+
+What it picks, and why (BENCHMARKS.md, sessions 8, 11, 17, and issue 36):
+- On a CPU device the device and host tiers are the same memory, and a second tier only moves
+  each missed row twice. Unless the user names a policy, the two capacities become one device
+  tier of their sum (`host_rows=0`): the fastest layout measured (1.12-1.19x on the training
+  benchmark with the same policy).
+- With it the policy is `hlfu` (a count that outlives the slot, TinyLFU admission): with one
+  tier and staging slots it ran cache10 at 0.64-0.70x and cache1 at 0.31-0.35x of all-resident,
+  against 0.35x / 0.17x for LRU over two tiers.
+- Staging slots: hlfu refuses most staged misses, and a staged row must stay pinned in a
+  device slot. Unless the user gives `staging_capacity`, the store reserves slots past the
+  cache (`staging_reserve`) and the prefetch pipeline activates as many as its window needs
+  (`stats()["prefetch"]["window_rows"]`). The reserve is at most 64 MiB and four times the
+  cache (cache1 on the training benchmark staged 2.5x its cache); only active slots' rows are
+  written, so a reserved slot costs its bookkeeping (~56 B) until the window needs it.
+- On CUDA the tiers stay distinct (HBM and pinned DDR), with LRU unless a policy is named.
+- An explicit choice always wins: a named policy keeps the capacities as given and gets no
+  automatic staging slots (`staging_capacity` names them); named staging slots keep their
+  number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .policies import make_policy
+
+CPU_POLICY = "hlfu"  # the training benchmark's winner on a CPU device (one tier, staging slots)
+DEFAULT_POLICY = "lru"  # a CUDA device's default, and the read-only handles'
+# automatic staging slots: at most this many bytes of rows and bookkeeping (the default write
+# buffer's size), at most STAGING_CACHE_TIMES the cache's rows, never more than the tables declare
+STAGING_RESERVE_BYTES = 64 << 20
+STAGING_SLOT_BYTES = 56  # a reserved slot's index entry and bookkeeping, written at creation
+STAGING_CACHE_TIMES = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The resolved cache layout: tier capacities (rows), policy, staging slots, and why."""
+
+    device_rows: int
+    host_rows: int
+    policy: str
+    staging_rows: int  # slots past the device tier's cache: fixed, or the automatic reserve
+    staging_auto: bool  # True: activated from the prefetch window, up to `staging_rows`
+    reasons: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        """The layout as plain values (for `stats()` and the store's metadata)."""
+        return {"device_rows": self.device_rows, "host_rows": self.host_rows, "policy": self.policy,
+                "staging_rows": self.staging_rows, "staging_auto": self.staging_auto,
+                "reasons": list(self.reasons)}
+
+
+def staging_reserve(cache_rows: int, row_bytes: int, table_rows: int) -> int:
+    """Automatic staging slots for a cache of `cache_rows`: 64 MiB of slots, at most four times
+    the cache and the rows the tables declare."""
+    rows = STAGING_RESERVE_BYTES // (max(1, row_bytes) + STAGING_SLOT_BYTES)
+    return max(0, min(rows, STAGING_CACHE_TIMES * cache_rows, table_rows))
+
+
+def resolve_layout(device_type: str, device_rows: int, host_rows: int, policy: str | None,
+                   staging_rows: int | None, row_bytes: int, table_rows: int) -> Layout:
+    """The layout for these choices (None: not named) on a device of `device_type`.
+
+    Raises `ConfigError` (from the policy registry) for an unknown policy; whether explicit
+    staging slots suit the layout is the store's check.
+    """
+    reasons = []
+    cpu = device_type == "cpu"
+    named = policy is not None
+    if not named:
+        policy = CPU_POLICY if cpu else DEFAULT_POLICY
+        reasons.append(f"policy {policy}: the default on a {'CPU' if cpu else device_type} device"
+                       + (" (it won the training benchmark with one tier and staging slots)"
+                          if cpu else ""))
+        if cpu and host_rows:
+            reasons.append(f"one cache tier of {device_rows + host_rows} rows (device "
+                           f"{device_rows} + host {host_rows}): on a CPU device both tiers are "
+                           "host memory, and a second tier moves each miss twice")
+            device_rows, host_rows = device_rows + host_rows, 0
+    else:
+        reasons.append(f"policy {policy}: named; capacities kept as given")
+    if not cpu:
+        reasons.append(f"{device_type} device: the device tier and the host tier stay distinct")
+    selective = make_policy(policy, 0).selective
+    if staging_rows is not None:
+        if staging_rows:
+            reasons.append(f"staging slots: {staging_rows}, named")
+        return Layout(device_rows, host_rows, policy, staging_rows, False, tuple(reasons))
+    if cpu and not named and selective and not host_rows and device_rows:
+        reserve = staging_reserve(device_rows, row_bytes, table_rows)
+        reasons.append(f"staging slots: automatic, activated as the prefetch window needs, up to "
+                       f"{reserve} rows (64 MiB, at most {STAGING_CACHE_TIMES}x the cache)")
+        return Layout(device_rows, host_rows, policy, reserve, True, tuple(reasons))
+    return Layout(device_rows, host_rows, policy, 0, False, tuple(reasons))
