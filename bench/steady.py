@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, sec in cpu1.items():
         threads[key[1]] = threads.get(key[1], 0.0) + (sec - cpu0.get(key, 0.0)) * per
     record = {"config": args.config, "steps": args.steps, "warmup": args.warmup,
-              "capacity": runner.capacity, "policy": args.policy,
+              "capacity": runner.capacity, "policy": runner.store.layout.policy,
               "write_log": args.write_log, "ms_per_step": wall * per,
               "disk_mb_per_step": (wb1 - wb0) / args.steps / 1e6,
               "cpu_ms_per_step": {k: v for k, v in sorted(threads.items(), key=lambda x: -x[1]) if v > 0},

@@ -42,6 +42,7 @@ from torch import nn
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore, _parallel
 from tierstore.prefetch import Prefetcher
 
+from .cold import disk_iops, drop_cache, store_files
 from .common import OUT_DIR, bar_plot, num_threads, save, table, thread_settings
 from .cpu_calls import thread_cpu
 
@@ -106,7 +107,8 @@ class TierstoreRunner(Runner):
 
     def __init__(self, wl: Workload, name: str, work: Path, frac: float | None, init: str,
                  depth: int = 2, log=print, write_log: int | str | None = None,
-                 split: str = "even", policy: str = "lru", staging: float = 0.0) -> None:
+                 split: str = "even", policy: str | None = None,
+                 staging: float | None = None) -> None:
         self.name, self.wl = name, wl
         self.depth = depth
         total = wl.tables * wl.rows
@@ -118,7 +120,8 @@ class TierstoreRunner(Runner):
             dcap, hcap = max(1, int(total * frac)), 0
         else:
             dcap = hcap = max(1, int(total * frac / 2))
-        scap = int(total * staging) if frac is not None else 0
+        # None: the store resolves the policy, the tier split and staging slots (tierstore.resolve)
+        scap = None if staging is None else int(total * staging) if frac is not None else 0
         self.capacity = {"device": dcap, "host": hcap, "staging": scap}
         self.path = work / name
         self.store = TierStore(self.path, specs, device_capacity=dcap, host_capacity=hcap,
@@ -200,6 +203,15 @@ class TierstoreRunner(Runner):
                 "rows_read": pf.rows_read_ahead_from_ssd + read_fg, "rows_read_fg": read_fg,
                 "rows_written": wb.rows_written,
                 "rows_merged": st.log.rows_merged}
+
+    cold = False  # --cold: the store's files leave the page cache before each timed block
+
+    def before_block(self) -> None:
+        """With --cold: let the background work finish, then drop the store's files from the
+        page cache (the window already staged for the block's first steps stays warm)."""
+        if self.cold:
+            self.quiesce()
+            drop_cache(store_files(self.path))
 
     def quiesce(self, timeout: float = 5.0) -> None:
         """Wait until this runner's background work is idle (its window staged, its write-behind
@@ -328,6 +340,8 @@ def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, bloc
                     other.quiesce()
             i = pos[id(r)]
             n_ids = sum(wl.ids_per_step(j) for j in range(i, i + steps))
+            if hasattr(r, "before_block"):
+                r.before_block()
             before = r.counters() if hasattr(r, "counters") else None
             t0 = time.perf_counter()
             run_block(r)
@@ -382,6 +396,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=2, help="prefetch depth of the tierstore configs")
     add_cache_options(p)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--cold", action="store_true",
+                   help="the cold regime: drop the stores' files from the page cache before each "
+                        "timed block, and measure the disk's 4 KiB random-read IOPS (QD1, QD32)")
+    p.add_argument("--iops-seconds", type=float, default=2.0, help="--cold: seconds per IOPS case")
     p.add_argument("--quick", action="store_true", help="a short run: 8 x 100k rows, batch 512")
     args = p.parse_args(argv)
     if args.quick:
@@ -414,15 +432,45 @@ def add_cache_options(p: argparse.ArgumentParser) -> None:
                    help="how a cacheN config splits its rows: half device tier, half host tier "
                         "(even), or all in the device tier, host tier empty (device: on a "
                         "CPU-only machine both tiers are host memory, and each miss then moves "
-                        "once instead of twice)")
-    p.add_argument("--policy", default="lru", help="the cache policy of both tiers")
+                        "once instead of twice; without --policy the store folds them itself)")
+    p.add_argument("--policy", default=None,
+                   help="the cache policy of both tiers; default: the store's resolved layout "
+                        "(on a CPU device one hlfu tier with automatic staging slots)")
     p.add_argument("--write-log", default=None, type=lambda v: int(v) if v.isdigit() else v,
                    help="TierStore(write_log=...): rows (or a size) of the write-behind log; "
                         "default: the store's")
-    p.add_argument("--staging", type=float, default=0.0,
+    p.add_argument("--staging", type=float, default=None,
                    help="TierStore(staging_capacity=...) of a cacheN config, as a fraction of all "
                         "rows (e.g. 0.025): slots beyond the caches for the staged rows the "
-                        "policy refuses (needs --split device --policy hlfu)")
+                        "policy refuses (with --policy: needs --split device --policy hlfu); "
+                        "default: the store's (automatic without --policy)")
+
+
+def print_cold(records: list[dict], iops: dict[str, list[dict]]) -> None:
+    """The cold regime: rows read below the caches per second against the disk's 4 KiB random
+    read IOPS (queue depth 1 and 32, before and after the blocks), and the step's disk floor."""
+    rows = []
+    for r in records:
+        if r["config"] not in iops or "per_step" not in r:
+            continue
+        qd1 = min(m["qd1"]["iops"] for m in iops[r["config"]])
+        qd32 = min(m["qd32"]["iops"] for m in iops[r["config"]])
+        read = r["per_step"]["rows_read"]
+        floor_ms = 1000 * read / qd32  # one random page a row: the step's reads at QD32
+        r["cold"] = {"rows_read_per_s": read / (r["ms_per_step"] / 1000), "iops_qd1": qd1,
+                     "iops_qd32": qd32, "disk_floor_ms": floor_ms,
+                     "direct": all(m["qd32"]["direct"] for m in iops[r["config"]])}
+        r["cold"]["vs_qd32"] = r["cold"]["rows_read_per_s"] / qd32
+        r["cold"]["vs_floor"] = r["ms_per_step"] / floor_ms if floor_ms else None
+        rows.append({"config": r["config"], "threads": r["threads"], "ms": r["ms_per_step"],
+                     "train_ms": r["per_step"].get("cpu_training_ms", 0.0), **r["cold"]})
+    print("cold regime: files dropped from the page cache before each block; rows read/s against "
+          "the disk's 4 KiB random-read IOPS (same run; the lower of before/after)")
+    print(table(rows, [("config", "config", "s"), ("threads", "thr", "d"), ("ms", "ms/step", ".1f"),
+                       ("train_ms", "train cpu ms", ".1f"), ("rows_read_per_s", "rows read/s", ",.0f"),
+                       ("iops_qd1", "IOPS qd1", ",.0f"), ("iops_qd32", "IOPS qd32", ",.0f"),
+                       ("vs_qd32", "vs qd32", ".2f"), ("disk_floor_ms", "floor ms", ".1f"),
+                       ("vs_floor", "step/floor", ".2f"), ("direct", "O_DIRECT", "")]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -460,18 +508,28 @@ def main(argv: list[str] | None = None) -> int:
                                                staging=args.staging))
             else:
                 raise SystemExit(f"unknown config {name!r}")
+        cold_runners = [r for r in runners if isinstance(r, TierstoreRunner) and r.capacity["device"]
+                        < args.tables * args.rows] if args.cold else []
+        iops: dict[str, list[dict]] = {}
+        for r in cold_runners:  # the disk's floor, measured on the store's file in this run
+            r.cold = True
+            r.quiesce()
+            iops[r.name] = [disk_iops(r.path / "data.mdb", args.iops_seconds)]
         for n in threads:
             with num_threads(n):
                 recs = measure(runners, wl, n, args.warmup, args.blocks, args.steps, prof)
             for runner, rec in zip(runners, recs):
                 if isinstance(runner, TierstoreRunner):
-                    rec.update(capacity=runner.capacity, policy=args.policy,
+                    rec.update(capacity=runner.capacity, policy=runner.store.layout.policy,
+                               layout=runner.store.layout.as_dict(),
                                init=runner.init, setup_s=runner.setup_s,
                                depth=runner.depth, stats=runner.store.stats(),
                                memory=runner.store.memory())
                 records.append(rec)
                 print(f"{rec['config']} threads={n}: {rec['samples_per_s']:,.0f} samples/s, "
                       f"{rec['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
+        for r in cold_runners:  # and again after the timed blocks
+            iops[r.name].append(disk_iops(r.path / "data.mdb", args.iops_seconds))
     finally:
         for runner in runners:
             runner.close()
@@ -511,12 +569,15 @@ def main(argv: list[str] | None = None) -> int:
         print(table(cpu_rows, [("config", "config", "s"), ("threads", "thr", "d"),
                                *[(role, role, ".1f") for role in CPU_ROLES],
                                ("sum", "sum", ".1f"), ("cores", "cores", ".2f")]))
+    if iops:
+        print_cold(records, iops)
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     meta = {"bench": "training", "argv": sys.argv[1:] if argv is None else argv,
             "tables": args.tables, "rows": args.rows, "dim": args.dim, "batch": args.batch,
             "max_len": args.max_len, "alpha": args.alpha, "pool": args.pool, "init": args.init,
-            "threads": threads, "quick": args.quick, "skipped": skipped,
+            "threads": threads, "quick": args.quick, "skipped": skipped, "cold": args.cold,
+            "iops": iops,
             "targets": {"tierstore_resident vs fbgemm_cpu": 1.0, "tierstore_cache1 vs resident": 0.5}}
     path = save("training", records, meta, out_dir)
     print(f"wrote {path}")

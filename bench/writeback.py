@@ -19,7 +19,13 @@ One store of `--tables` x `--rows` populated rows (dim 64 + row-wise Adagrad: 66
 - `get_pylmdb` / `get_pages`: sorted random reads of stored rows through py-lmdb's `txn.get`
   and through the compiled page reader (`backends/pages.py`), both verifying checksums;
 - `get2_pylmdb` / `get2_pages`: the same reads split over two reader threads (what the prefetch
-  pipeline does): py-lmdb's per-row Python work holds the GIL, the page reader's loop does not.
+  pipeline does): py-lmdb's per-row Python work holds the GIL, the page reader's loop does not;
+- `floor_<N>_into_<T>`: the page-write floor of a merge. py-lmdb alone (heap pages written with
+  `pwrite` at commit, as the store's environment does), one key-sorted transaction of `N`
+  distinct random rows into a table of `T` rows: the bytes its commit wrote (`wchar` of
+  /proc/self/io) in 4 KiB pages, pages per row, rows/s, and the model `L (1 - exp(-N / L))` for a
+  table of `L` leaves. `--floor-tables` sets the `T`s, `--merge-sizes` the `N`s; the steady cases
+  print, beside their rate, the floor of the store's own merge (half its log into its tables).
 """
 
 from __future__ import annotations
@@ -90,6 +96,56 @@ def raw_cases(work: Path, rows: int, n: int, seed: int) -> list[dict]:
     env.close()
     return [{"case": "raw_append", "rows": n, "rows_per_s": _rate(n, t1 - t0)},
             {"case": "raw_update", "rows": n, "rows_per_s": _rate(n, t2 - t1)}]
+
+
+def _wchar() -> int:
+    """Bytes this process passed to write calls so far (/proc/self/io; 0 where absent)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def floor_cases(work: Path, table_rows: list[int], sizes: list[int], seed: int) -> list[dict]:
+    """Leaf pages a merge of `n` sorted rows rewrites into a `t`-row table, measured by the bytes
+    its commit writes (no writable map: LMDB `pwrite`s each dirty page once)."""
+    rng = np.random.default_rng(seed)
+    w = DIM + 2
+    out = []
+    for t in table_rows:
+        env = lmdb.open(str(work / f"floor_{t}"), map_size=max(1 << 30, t * 1200), max_dbs=2,
+                        sync=False, metasync=False, readahead=False)
+        table = env.open_db(b"t")
+        for lo in range(0, t, 1 << 18):
+            ids = np.arange(lo, min(lo + (1 << 18), t), dtype=np.int64)
+            vals = seal(ids, rng.standard_normal((len(ids), w), dtype=np.float32))
+            with env.begin(write=True, db=table) as txn:
+                txn.cursor().putmulti(zip(encode_keys(ids), vals.view(f"V{vals.shape[1]}").ravel().tolist()),
+                                      append=True)
+        with env.begin(db=table) as txn:
+            leaves = txn.stat(table)["leaf_pages"]
+        for n in sizes:
+            if n > t:
+                continue
+            ids = np.sort(rng.choice(t, n, replace=False))
+            vals = seal(ids, rng.standard_normal((n, w), dtype=np.float32))
+            items = list(zip(encode_keys(ids), vals.view(f"V{vals.shape[1]}").ravel().tolist()))
+            b0, t0 = _wchar(), time.perf_counter()
+            with env.begin(write=True, db=table) as txn:
+                txn.cursor().putmulti(items)
+            sec, pages = time.perf_counter() - t0, (_wchar() - b0) / 4096
+            model = leaves * (1 - np.exp(-n / leaves))
+            out.append({"case": f"floor_{n}_into_{t}", "rows": n, "rows_per_s": _rate(n, sec),
+                        "table_rows": t, "leaf_pages": leaves, "pages_written": pages,
+                        "pages_per_row": pages / n, "model_pages": model,
+                        "rows_per_leaf": n / leaves})
+        env.close()
+        shutil.rmtree(work / f"floor_{t}", ignore_errors=True)
+    return out
 
 
 def writer_case(store: TierStore, name: str, n: int, batch: int, alpha: float | None,
@@ -180,6 +236,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=50_000, help="rows per writer batch")
     ap.add_argument("--merge-sizes", default="131072,524288,2000000",
                     help="rows per merge case (at most the log's capacity)")
+    ap.add_argument("--floor-tables", default="1000000,8000000",
+                    help="table sizes (rows) of the page-write floor cases; '' skips them")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
@@ -188,7 +246,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.tables, args.rows, args.rows_per_case, args.steady, args.batch = 2, 50_000, 20_000, 60_000, 5_000
-        args.merge_sizes = "5000,20000"
+        args.merge_sizes, args.floor_tables = "5000,20000", "50000"
     return args
 
 
@@ -197,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_writeback_", dir=args.workdir))
     try:
         recs = raw_cases(work, args.rows, args.rows_per_case, args.seed)
+        sizes = [int(v) for v in args.merge_sizes.split(",") if v]
+        store_rows = args.tables * args.rows
+        floors = floor_cases(work, [int(v) for v in args.floor_tables.split(",") if v], sizes,
+                             args.seed + 4)
         store = _store(work, args.tables, args.rows, args.seed)
         try:
             store.writeback.drain()
@@ -210,19 +272,27 @@ def main(argv: list[str] | None = None) -> int:
             log_capacity = store.log.capacity
         finally:
             store.close()
+        # the floor beside the steady state: the store's own merge (half its log into its tables)
+        recs += floors + floor_cases(work, [store_rows], [min(log_capacity // 2, store_rows)],
+                                     args.seed + 5)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = {r["case"]: r["rows_per_s"] for r in recs}
+    own = recs[-1]["case"]  # the store's own merge geometry, for the steady cases
     for r in recs:
-        floor = "raw_append" if r["case"] in ("log_append",) else \
-            "raw_update" if r["case"].startswith(("steady", "merge")) else "get_pylmdb"
+        if r["case"].startswith("floor"):
+            r["vs_floor"] = r["floor"] = None
+            continue
+        floor = "raw_append" if r["case"] in ("log_append",) else own if r["case"].startswith(
+            "steady") else "raw_update" if r["case"].startswith("merge") else "get_pylmdb"
         r["vs_floor"] = r["rows_per_s"] / base[floor] if r["case"] not in ("raw_append", "raw_update") \
             else None
         r["floor"] = floor if r["vs_floor"] is not None else None
     print(table(recs, [("case", "case", ""), ("rows", "rows", ",d"), ("rows_per_s", "rows/s", ",.0f"),
                        ("floor", "floor", ""), ("vs_floor", "vs floor", ".2f"),
                        ("merged", "merged", ",d"), ("rows_per_leaf", "rows/leaf", ".2f"),
-                       ("cpu_us_per_row", "cpu us/row", ".2f")]))
+                       ("cpu_us_per_row", "cpu us/row", ".2f"), ("pages_per_row", "pages/row", ".3f"),
+                       ("model_pages", "model pages", ",.0f"), ("pages_written", "pages", ",.0f")]))
     meta = {"bench": "writeback", "argv": sys.argv[1:] if argv is None else argv, "tables": args.tables,
             "rows": args.rows, "record_bytes": (DIM + 2) * 4 + 4, "log_capacity": log_capacity}
     path = save("writeback", recs, meta, args.out)

@@ -1,0 +1,100 @@
+"""The cold regime's tools: drop a store's files from the page cache, and the disk's 4 KiB
+random-read IOPS measured in the same run (fio-style, `os.preadv` from threads).
+
+`bench.training --cold` drops `data.mdb` and the write-behind log's file before each timed block
+(`posix_fadvise(DONTNEED)`, after `fdatasync` so dirty pages can go), and measures the disk's
+IOPS at queue depth 1 and 32 on the store's own `data.mdb` before and after the blocks. Reads use
+`O_DIRECT` where the file system allows it (no page cache at all); elsewhere the file is dropped
+from the page cache first and reads are buffered (`direct` says which).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+PAGE = 4096
+
+
+def store_files(path: Path) -> list[Path]:
+    """A store's LMDB files: the tables' `data.mdb` and the write-behind log's, where present."""
+    return [p for p in (path / "data.mdb", path / "wlog" / "data.mdb") if p.exists()]
+
+
+def drop_cache(paths: Iterable[Path]) -> int:
+    """Write back and drop these files' pages from the page cache; returns the bytes advised."""
+    total = 0
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            size = os.fstat(fd).st_size
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += size
+        finally:
+            os.close(fd)
+    return total
+
+
+def _open_direct(path: Path) -> tuple[int, bool]:
+    flag = getattr(os, "O_DIRECT", 0)
+    if flag:
+        try:
+            fd = os.open(path, os.O_RDONLY | flag)
+            buf = mmap.mmap(-1, PAGE)  # page-aligned, as O_DIRECT needs
+            try:
+                os.preadv(fd, [buf], 0)
+                return fd, True
+            except OSError:
+                os.close(fd)
+            finally:
+                buf.close()
+        except OSError:
+            pass
+    drop_cache([path])
+    return os.open(path, os.O_RDONLY), False
+
+
+def random_read_iops(path: Path, depth: int, seconds: float = 2.0, seed: int = 0) -> dict:
+    """4 KiB reads at random page offsets of `path` from `depth` threads (queue depth) for
+    `seconds`: {"iops", "depth", "reads", "direct"}."""
+    size = os.path.getsize(path) // PAGE
+    fd, direct = _open_direct(path)
+    counts = [0] * depth
+    stop = time.perf_counter() + seconds
+
+    def worker(i: int) -> None:
+        buf = mmap.mmap(-1, PAGE)
+        rng = np.random.default_rng(seed * 1000 + i)
+        offsets = rng.integers(0, max(1, size), 1 << 16) * PAGE
+        n = 0
+        try:
+            while time.perf_counter() < stop:
+                os.preadv(fd, [buf], int(offsets[n & 0xFFFF]))
+                n += 1
+        finally:
+            buf.close()
+        counts[i] = n
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(depth)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    os.close(fd)
+    reads = sum(counts)
+    return {"iops": reads / elapsed if elapsed > 0 else float("nan"), "depth": depth,
+            "reads": reads, "direct": direct, "file_bytes": size * PAGE}
+
+
+def disk_iops(path: Path, seconds: float = 2.0) -> dict[str, dict]:
+    """The disk's random-read IOPS at queue depth 1 and 32 on `path` (a store's data.mdb)."""
+    return {f"qd{d}": random_read_iops(path, d, seconds) for d in (1, 32)}

@@ -1,0 +1,25 @@
+"""bench.cold: dropping a store's files from the page cache, and the disk's random-read IOPS."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import tierstore as ts
+from bench.cold import disk_iops, drop_cache, random_read_iops, store_files
+
+
+def test_a_store_s_files_are_dropped_and_its_disk_measured(tmp_path):
+    with ts.TierStore(tmp_path / "s", [ts.TableSpec("t", 10**6, 16)], device_capacity=8,
+                      host_capacity=8, device="cpu") as s:
+        s.apply("t", torch.arange(5000), torch.ones(5000, 16))
+        s.flush()
+        files = store_files(tmp_path / "s")
+        assert tmp_path / "s" / "data.mdb" in files
+        assert drop_cache(files) == sum(os.path.getsize(p) for p in files) > 0
+        one = random_read_iops(tmp_path / "s" / "data.mdb", 4, seconds=0.05)
+        assert one["depth"] == 4 and one["reads"] > 0 and one["iops"] > 0
+        both = disk_iops(tmp_path / "s" / "data.mdb", seconds=0.02)
+        assert set(both) == {"qd1", "qd32"} and both["qd32"]["depth"] == 32
+        assert torch.equal(s.read("t", torch.arange(3)), s.read("t", torch.arange(3)))
