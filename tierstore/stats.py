@@ -94,6 +94,8 @@ class PrefetchStats:
     rows_read_ahead_from_ssd: int = 0  # rows the pipeline's threads read from LMDB ahead of use
     rows_read_ahead: int = 0  # rows served to the store from the pipeline's read-ahead buffers
     read_seconds: float = 0.0  # pipeline threads reading LMDB (off the training thread)
+    # batches read with many reads in flight (the reads before them waited on the disk)
+    cold_read_batches: int = 0
     stage_seconds: float = 0.0  # staging time spent holding the store lock
     lock_free_bags: int = 0  # bag lookups (and their updates) served from pinned slots, lock-free
     # the most rows a window held with the batch being read (unique rows, summed per batch): a

@@ -7,7 +7,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import lmdb
@@ -20,7 +19,7 @@ from ..errors import ConfigError, ShapeError, TierstoreError
 from ..index import sorted_unique
 from ..jagged import JaggedBatch, is_keyed_jagged
 from ..store import TierStore
-from .reads import StoredReads
+from .reads import ReaderPool, StoredReads
 
 _END = object()
 # reader threads of a pipeline: more than one per CPU only queue for cores. On the 2-core VM, 2
@@ -99,8 +98,7 @@ class Prefetcher:
         self._stop = threading.Event()
         self._ready: queue.Queue = queue.Queue()
         self._permits = threading.Semaphore(depth + 1)
-        self._pool = ThreadPoolExecutor(readers, thread_name_prefix="tierstore-read") \
-            if depth > 0 else None
+        self._pool = ReaderPool(readers) if depth > 0 else None
         self._thread: threading.Thread | None = None
         # Lifecycle: the threads hold no strong reference to this object (the staging loop
         # takes one through a weakref only while it stages), so an abandoned Prefetcher is
@@ -290,7 +288,8 @@ class Prefetcher:
                 cold = {t: uniq[self._uncached(tabs[t], uniq)] for t, uniq in per_table.items()}
         # read them ahead, in parallel and without the store lock (page reads hold no GIL)
         reads = StoredReads(store, {t: (tabs[t], rows.numpy()) for t, rows in cold.items()},
-                            self._pool.submit, READ_CHUNK)
+                            self._pool.submit,
+                            self._pool.part_rows(sum(c.numel() for c in cold.values()), READ_CHUNK))
         return per_table, tabs, since, warm_only, ringed, cold, reads
 
     def finish_batch(self, step: int, prep: tuple) -> None:
@@ -300,6 +299,8 @@ class Prefetcher:
         batch_rows = sum(u.numel() for u in per_table.values())
         got, seconds = reads.result()
         stats = store.prefetch_stats
+        stats.cold_read_batches += self._pool.cold  # this batch's reads: as the last one decided
+        self._pool.observe(sum(c.numel() for c in cold.values()), seconds, reads.cpu_seconds)
         stats.read_seconds += seconds
         if self.delay is not None:
             time.sleep(self.delay())
@@ -448,7 +449,7 @@ def _unpin_all(store: TierStore, window: dict) -> None:
 
 
 def _shutdown(store: TierStore, window: dict, stop: threading.Event,
-              permits: threading.Semaphore, depth: int, pool: ThreadPoolExecutor | None,
+              permits: threading.Semaphore, depth: int, pool: ReaderPool | None,
               thread: threading.Thread | None, in_source: threading.Event) -> None:
     """Stop a pipeline: wake and join its threads (bounded), then unpin its window."""
     stop.set()

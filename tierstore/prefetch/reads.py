@@ -4,17 +4,70 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
+# reads that wait on the disk: a task's rows took more than COLD_ROW_S of wall time each, and its
+# thread ran for less than COLD_CPU_SHARE of it. Page-cached reads take ~1-2 us a row and run
+# on the CPU throughout; a 4 KiB random read from an SSD takes 50-500 us
+COLD_ROW_S = 20e-6
+COLD_CPU_SHARE = 0.5
+# reader threads while reads are cold: enough reads in flight for a disk's queue depth (the
+# page reader and py-lmdb release the GIL while they wait on a page fault)
+COLD_READERS = 32
+COLD_PART_ROWS = 256  # rows per task while cold, at least: each task is one read in flight
 
-def _timed(fn: Callable, *args: Any) -> tuple[Any, float]:
-    """(fn(*args), seconds it took): reader threads time their own work."""
-    t0 = time.perf_counter()
-    return fn(*args), time.perf_counter() - t0
+
+def _timed(fn: Callable, *args: Any) -> tuple[Any, float, float]:
+    """(fn(*args), seconds it took, its thread's CPU seconds): reader threads time their work."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    out = fn(*args)
+    return out, time.perf_counter() - t0, time.thread_time() - c0
+
+
+class ReaderPool:
+    """The pipeline's reader threads: `readers` of them while reads hit the page cache (more only
+    queue for cores), and up to `COLD_READERS` while reads wait on the disk, with each batch's
+    rows split into as many tasks, so enough reads are in flight to use the disk's queue depth.
+    Which it is follows the last batch's reads (`observe`); the cold threads start on first use.
+    """
+
+    def __init__(self, readers: int, cold_readers: int = COLD_READERS) -> None:
+        self.readers = readers
+        self.cold_readers = max(readers, cold_readers)
+        self._warm = ThreadPoolExecutor(readers, thread_name_prefix="tierstore-read")
+        self._cold = ThreadPoolExecutor(self.cold_readers, thread_name_prefix="tierstore-read-cold") \
+            if self.cold_readers > readers else None
+        self.cold = False  # the last batch's reads waited on the disk
+        self.cold_batches = 0  # batches read on the cold threads
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        """Run `fn(*args)` on a reader thread (the cold ones while reads are cold)."""
+        pool = self._cold if self.cold and self._cold is not None else self._warm
+        return pool.submit(fn, *args)
+
+    def part_rows(self, rows: int, warm_part: int) -> int:
+        """Rows per task for a batch of `rows` cold rows: `warm_part` while reads hit the page
+        cache, else small enough that every cold thread has a task."""
+        if not self.cold or self._cold is None:
+            return warm_part
+        return max(COLD_PART_ROWS, -(-rows // self.cold_readers))
+
+    def observe(self, rows: int, seconds: float, cpu_seconds: float) -> None:
+        """Learn from a batch's reads (`rows` rows, their tasks' wall and CPU seconds in all)."""
+        if rows <= 0 or seconds <= 0:
+            return
+        self.cold = seconds / rows > COLD_ROW_S and cpu_seconds < COLD_CPU_SHARE * seconds
+        self.cold_batches += self.cold
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        """Stop both sets of threads."""
+        self._warm.shutdown(wait=wait, cancel_futures=cancel_futures)
+        if self._cold is not None:
+            self._cold.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 class StoredReads:
@@ -32,6 +85,7 @@ class StoredReads:
     def __init__(self, store: Any, cold: dict[Any, tuple[Any, np.ndarray]],
                  submit: Callable[..., Future], part_rows: int) -> None:
         self.cold = cold
+        self.cpu_seconds = 0.0  # the readers' CPU seconds, set by `result`
         self._keys = list(cold)  # a log part's entries name their table by position in this list
         self._table_parts: list[tuple[Any, np.ndarray, Future]] = []
         self._log_parts: list[tuple[np.ndarray, np.ndarray, Future]] = []
@@ -66,20 +120,24 @@ class StoredReads:
                      submit(_timed, store.read_log_entries, tabs[sel], rows[sel], seqs[sel], width)))
 
     def result(self) -> tuple[dict[Any, tuple[np.ndarray, np.ndarray]], float]:
-        """({key: (rows [n, row_dim], found [n])} in the order asked, reader seconds in all)."""
+        """({key: (rows [n, row_dim], found [n])} in the order asked, reader seconds in all);
+        the readers' CPU seconds go to `cpu_seconds`."""
         out = {}
         for key, (tab, rows) in self.cold.items():
             w = tab.spec.row_dim
             out[key] = (np.zeros((len(rows), w), dtype=np.float32), np.zeros(len(rows), dtype=bool))
         seconds = 0.0
+        self.cpu_seconds = 0.0
         for key, pos, fut in self._table_parts:
-            (data, found), sec = fut.result()
+            (data, found), sec, cpu = fut.result()
             out[key][0][pos] = data
             out[key][1][pos] = found
             seconds += sec
+            self.cpu_seconds += cpu
         for which, pos, fut in self._log_parts:
-            (data, found), sec = fut.result()
+            (data, found), sec, cpu = fut.result()
             seconds += sec
+            self.cpu_seconds += cpu
             for k in np.unique(which).tolist():
                 sel = np.flatnonzero(which == k)
                 dst_data, dst_found = out[self._keys[k]]
