@@ -35,9 +35,9 @@ class ReaderPool:
     Which it is follows the last batch's reads (`observe`); the cold threads start on first use.
     """
 
-    def __init__(self, readers: int, cold_readers: int = COLD_READERS) -> None:
+    def __init__(self, readers: int, cold_readers: int | None = None) -> None:
         self.readers = readers
-        self.cold_readers = max(readers, cold_readers)
+        self.cold_readers = max(readers, COLD_READERS if cold_readers is None else cold_readers)
         self._warm = ThreadPoolExecutor(readers, thread_name_prefix="tierstore-read")
         self._cold = ThreadPoolExecutor(self.cold_readers, thread_name_prefix="tierstore-read-cold") \
             if self.cold_readers > readers else None
