@@ -20,10 +20,13 @@ FEATS = {"f1": "a", "f2": "a", "f3": "b"}
        rows=st.integers(1, 10**12))
 def test_a_cpu_default_is_one_hlfu_tier_of_both_capacities_with_automatic_staging(dev, host, row,
                                                                                  rows):
+    # (one LRU tier without slots when the caches hold every declared row)
     lay = resolve_layout("cpu", dev, host, None, None, row, rows)
-    assert (lay.device_rows, lay.host_rows, lay.policy) == (dev + host, 0, CPU_POLICY)
-    assert lay.staging_auto == bool(dev + host) and lay.staging_rows == (
-        staging_reserve(dev + host, row, rows) if dev + host else 0)
+    resident = dev + host >= rows  # nothing is ever evicted: LRU's bookkeeping, no slots
+    assert (lay.device_rows, lay.host_rows) == (dev + host, 0)
+    assert lay.policy == (DEFAULT_POLICY if resident else CPU_POLICY)
+    assert lay.staging_auto == (bool(dev + host) and not resident) and lay.staging_rows == (
+        staging_reserve(dev + host, row, rows) if lay.staging_auto else 0)
     # the reserve: at most 64 MiB of slots, four times the cache and the declared rows
     assert lay.staging_rows * (row + 56) <= 64 << 20
     assert lay.staging_rows <= min(4 * (dev + host), rows)

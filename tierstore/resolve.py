@@ -19,6 +19,8 @@ What it picks, and why (BENCHMARKS.md, sessions 8, 11, 17, and issue 36):
   cache (cache1 on the training benchmark staged 2.5x its cache); only active slots' rows are
   written, so a reserved slot costs its bookkeeping (~56 B) until the window needs it.
 - On CUDA the tiers stay distinct (HBM and pinned DDR), with LRU unless a policy is named.
+- Caches that hold every declared row evict nothing: LRU (the cheapest bookkeeping; hlfu's
+  made an all-resident step slower) and no staging slots, still one tier on a CPU.
 - An explicit choice always wins: a named policy keeps the capacities as given and gets no
   automatic staging slots (`staging_capacity` names them); named staging slots keep their
   number.
@@ -74,18 +76,23 @@ def resolve_layout(device_type: str, device_rows: int, host_rows: int, policy: s
     reasons = []
     cpu = device_type == "cpu"
     named = policy is not None
-    if not named:
+    resident = device_rows + host_rows >= table_rows  # the caches hold every declared row
+    if not named and resident:
+        policy = DEFAULT_POLICY
+        reasons.append(f"policy {policy}: the caches hold every declared row, so nothing is "
+                       "evicted and the cheapest bookkeeping wins (no staging slots)")
+    elif not named:
         policy = CPU_POLICY if cpu else DEFAULT_POLICY
         reasons.append(f"policy {policy}: the default on a {'CPU' if cpu else device_type} device"
                        + (" (it won the training benchmark with one tier and staging slots)"
                           if cpu else ""))
-        if cpu and host_rows:
-            reasons.append(f"one cache tier of {device_rows + host_rows} rows (device "
-                           f"{device_rows} + host {host_rows}): on a CPU device both tiers are "
-                           "host memory, and a second tier moves each miss twice")
-            device_rows, host_rows = device_rows + host_rows, 0
     else:
         reasons.append(f"policy {policy}: named; capacities kept as given")
+    if not named and cpu and host_rows:
+        reasons.append(f"one cache tier of {device_rows + host_rows} rows (device "
+                       f"{device_rows} + host {host_rows}): on a CPU device both tiers are "
+                       "host memory, and a second tier moves each miss twice")
+        device_rows, host_rows = device_rows + host_rows, 0
     if not cpu:
         reasons.append(f"{device_type} device: the device tier and the host tier stay distinct")
     selective = make_policy(policy, 0).selective
@@ -93,7 +100,7 @@ def resolve_layout(device_type: str, device_rows: int, host_rows: int, policy: s
         if staging_rows:
             reasons.append(f"staging slots: {staging_rows}, named")
         return Layout(device_rows, host_rows, policy, staging_rows, False, tuple(reasons))
-    if cpu and not named and selective and not host_rows and device_rows:
+    if cpu and not named and not resident and selective and not host_rows and device_rows:
         reserve = staging_reserve(device_rows, row_bytes, table_rows)
         reasons.append(f"staging slots: automatic, activated as the prefetch window needs, up to "
                        f"{reserve} rows (64 MiB, at most {STAGING_CACHE_TIMES}x the cache)")
