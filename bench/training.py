@@ -171,8 +171,9 @@ class TierstoreRunner(Runner):
         pf = self.pf
         if pf._thread is not None:
             roles[pf._thread.native_id] = "staging"
-        for t in getattr(pf._pool, "_threads", ()):
-            roles[t.native_id] = "readers"
+        for t in threading.enumerate():  # reader threads (warm and cold ones), by name: other
+            if t.name.startswith("tierstore-read"):  # runners' readers idle during this block
+                roles[t.native_id] = "readers"
         roles[self.store.writeback._thread.native_id] = "writer"
         merger = getattr(self.store.log, "_merger", None)
         if merger is not None:
