@@ -16,8 +16,9 @@ import torch
 COLD_ROW_S = 20e-6
 COLD_CPU_SHARE = 0.5
 # reader threads while reads are cold: enough reads in flight for a disk's queue depth (the
-# page reader and py-lmdb release the GIL while they wait on a page fault)
-COLD_READERS = 32
+# page reader and py-lmdb release the GIL while they wait on a page fault). 0: off, the default
+# until an A/B on a quiet machine shows a gain (BENCHMARKS.md: one run 1.56x slower, one faster)
+COLD_READERS = 0
 COLD_PART_ROWS = 256  # rows per task while cold, at least: each task is one read in flight
 
 
