@@ -22,12 +22,12 @@ from tierstore.backends.lmdb_log import LogIO
 from tierstore.backends.lmdb_tables import TableRows
 from tierstore.backends.slab import SlabTier
 from tierstore.backends.wal.writelog import WriteLog
-from tierstore.cascade import TierCascade
+from tierstore.cascade import Cascade
 from tierstore.index import HashIndex
 from tierstore.pinned import PinnedSteps
 from tierstore.policies.base import Policy, QueuePolicy
 from tierstore.prefetch.pipeline import Prefetcher
-from tierstore.stored_rows import StoredRows
+from tierstore.stored_rows import RowLoader
 
 # (class, method) pairs: the pipeline's two phases, staging, the cascade's miss path, the
 # tiers' operations and the policy calls they make; the writer's log appends, the merges (the
@@ -37,9 +37,9 @@ TARGETS: tuple[tuple[type, str], ...] = (
     (PinnedSteps, "stage_many"), (PinnedSteps, "pool_pinned"), (PinnedSteps, "apply_pinned"),
     (PinnedSteps, "drain_hits"), (PinnedSteps, "drain_unpins"), (PinnedSteps, "pin"),
     (PinnedSteps, "_expire_scratch"),
-    (TierCascade, "_access"), (TierCascade, "_read_in_place"), (TierCascade, "_fetch_misses"),
-    (TierCascade, "_place"), (TierCascade, "uncached"), (TierCascade, "_write_down"),
-    (StoredRows, "load"), (StoredRows, "_read_stored"),
+    (Cascade, "access"), (Cascade, "_read_in_place"), (Cascade, "_fetch_misses"),
+    (Cascade, "place"), (Cascade, "uncached"), (Cascade, "write_down"),
+    (RowLoader, "load"), (RowLoader, "read_stored"),
     (SlabTier, "lookup"), (SlabTier, "touch"), (SlabTier, "pin"), (SlabTier, "insert"),
     (SlabTier, "remove"), (SlabTier, "_evict"), (SlabTier, "_fill"), (SlabTier, "_take"),
     (SlabTier, "_release"), (SlabTier, "admit"),

@@ -145,14 +145,14 @@ def test_bench_steady_times_the_miss_path_per_method_and_unwraps_after(tmp_path)
     (rec,) = _load(tmp_path / "steady_tierstore_cache10.json")
     calls = {(c["thread"], c["method"]): c for c in rec["calls"]}
     # the training thread's misses go through the cascade; staging runs on the prefetch thread
-    assert calls[("MainThread", "TierCascade._access")]["calls_per_step"] > 0
+    assert calls[("MainThread", "Cascade.access")]["calls_per_step"] > 0
     assert any(t != "MainThread" and m == "Prefetcher.prepare_batch" for t, m in calls)
     inserts = {m for _, m in calls if m.startswith("SlabTier.insert[")}
     assert inserts <= {"SlabTier.insert[device]", "SlabTier.insert[host]"} and inserts
     for c in rec["calls"]:
         assert c["cpu_ms_per_step"] >= 0 and c["calls_per_step"] > 0
     # inclusive: a caller's time holds its callees'
-    place = sum(c["cpu_ms_per_step"] for (t, m), c in calls.items() if m == "TierCascade._place")
+    place = sum(c["cpu_ms_per_step"] for (t, m), c in calls.items() if m == "Cascade.place")
     inner = sum(c["cpu_ms_per_step"] for (t, m), c in calls.items() if m == "SlabTier.insert[device]")
     assert place >= inner
     # the writer thread appends to the log; it is named after the store

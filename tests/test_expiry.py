@@ -254,8 +254,8 @@ def test_expire_reaches_rows_in_the_ring_the_log_and_read_ahead(tmp_path):
     store.writeback.delay = lambda: 0.2
     store.apply("t", ids[40:], torch.ones(20, 4))  # pending in the ring
     with store.lock:  # a read-ahead buffer holding the table's copies (as the Prefetcher makes)
-        data, found = store._read_stored(store.tables["t"], ids[:20].numpy())
-        store.add_read_ahead("t", store.writeback.tail, ids[:20].numpy(), data, found, keep=2)
+        data, found = store.loader.read_stored(store.tables["t"], ids[:20].numpy())
+        store.loader.add_read_ahead("t", store.writeback.tail, ids[:20].numpy(), data, found, keep=2)
     store.advance(2)
     store.writeback.delay = None
     assert store.expire(older_than=1) == {"t": 60}

@@ -111,8 +111,8 @@ def _train(path, caps, policy, steps, opt, reopen_at=None, mode="sum"):
         loss.backward()
         dopt.step()
     ids_a = torch.arange(30) * 7919
-    result = {"a": store._access(store.tables["a"], ids_a, None).clone(),
-              "b": store._access(store.tables["b"], torch.arange(40), None).clone(),
+    result = {"a": store.cascade.access(store.tables["a"], ids_a, None).clone(),
+              "b": store.cascade.access(store.tables["b"], torch.arange(40), None).clone(),
               "dense": dense.weight.detach().clone()}
     store.close()
     return result
@@ -265,7 +265,7 @@ def test_fused_kernels_match_the_torch_path(tmp_path, opt, mode):
                 target = torch.randn(6, DIM, generator=gen)
                 ((bag(ids, offsets, per_sample_weights=psw) - target) ** 2).sum().backward()
                 store.apply("t", ids, torch.randn(ids.numel(), DIM, generator=gen) * 0.1)
-            results.append(store._access(store.tables["t"], torch.arange(N), None).clone())
+            results.append(store.cascade.access(store.tables["t"], torch.arange(N), None).clone())
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
 
 

@@ -35,7 +35,7 @@ def full_payloads(store):
     for name, (ids, _) in dump_backend(store.backend).items():
         tab = store.tables[name]
         uniq = torch.from_numpy(ids)
-        out[name] = store._access(tab, uniq, None)[:, : tab.spec.payload_dim].cpu().clone()
+        out[name] = store.cascade.access(tab, uniq, None)[:, : tab.spec.payload_dim].cpu().clone()
     return out
 
 

@@ -54,8 +54,8 @@ def _train(path, depth, caps=(2, 3), policy="lru", steps=30, delay=None, side=No
             dopt.step()
     store.check()
     stats = store.stats()
-    result = {"a": store._access(store.tables["a"], torch.arange(40) * 7919, None).clone(),
-              "b": store._access(store.tables["b"], torch.arange(40), None).clone(),
+    result = {"a": store.cascade.access(store.tables["a"], torch.arange(40) * 7919, None).clone(),
+              "b": store.cascade.access(store.tables["b"], torch.arange(40), None).clone(),
               "dense": dense.weight.detach().clone()}
     store.close()
     return result, stats
@@ -490,7 +490,7 @@ def test_a_warm_only_backward_updates_the_rows_its_forward_read_unless_the_table
     may change the table's rows in between (an update, a second forward's backward, the clock)
     makes the backward fetch them again. Either way the bits equal a run that always fetches."""
     from tierstore.bagpaths import BagPaths
-    from tierstore.cascade import TierCascade
+    from tierstore.cascade import Cascade
 
     feats = {"f1": "a", "f3": "b"}  # a table each: the backward of one leaves the other's copy
 
@@ -502,7 +502,7 @@ def test_a_warm_only_backward_updates_the_rows_its_forward_read_unless_the_table
         dense = torch.nn.Linear(8, 1)
         counts = {"reused": 0, "loaded": 0}
         phase = ["forward"]
-        cold, apply_bags = TierCascade._cold, BagPaths._apply_bags
+        cold, apply_bags = Cascade._cold, BagPaths.apply_bag_grads
 
         def counted_cold(self, tab, rows, idx, known):
             if phase[0] == "backward" and threading.current_thread() is threading.main_thread():
@@ -513,7 +513,7 @@ def test_a_warm_only_backward_updates_the_rows_its_forward_read_unless_the_table
             return apply_bags(self, tab, dataclasses.replace(g, payload=None), *a)
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(TierCascade, "_cold", counted_cold)
+            mp.setattr(Cascade, "_cold", counted_cold)
             if not reuse:
                 mp.setattr(BagPaths, "apply_bag_grads", fetching)
             batches = _two_table_batches(20)

@@ -92,8 +92,8 @@ def _train_collection(path, caps, policy, steps, opt, prefetch=False):
                        for j in out.values())
             loss.backward()
         store.flush()
-        pa = store._access(store.table_record("a"), torch.arange(40), None, count=False)
-        pb = store._access(store.table_record("b"), torch.arange(30), None, count=False)
+        pa = store.cascade.access(store.table_record("a"), torch.arange(40), None, count=False)
+        pb = store.cascade.access(store.table_record("b"), torch.arange(30), None, count=False)
         return pa[:, : specs[0].payload_dim].clone(), pb[:, : specs[1].payload_dim].clone()
 
 

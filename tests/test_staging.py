@@ -126,8 +126,8 @@ def test_unpin_by_slot_falls_back_to_lookups_when_the_epoch_moved(tmp_path):
             # a pinned row leaves the device (the epoch moves): the slots no longer name the rows
             moved = dev.remove(slots[:2])
             assert dev.pin_epoch != epoch
-            store._access(tab, torch.tensor([10, 11]), None)  # other rows take the freed slots
-            store._place(moved, protect=slots[2:])  # back in, at other slots
+            store.cascade.access(tab, torch.tensor([10, 11]), None)  # other rows take the freed slots
+            store.cascade.place(moved, protect=slots[2:])  # back in, at other slots
             assert not torch.equal(dev.lookup(tab.tix, uniq, count=False), slots)
             store.pending_unpins.append(("a", uniq, slots, epoch))
             store.drain_unpins()

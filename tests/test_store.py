@@ -90,7 +90,7 @@ def test_max_row_count_table(tmp_path):
 
 
 def _snapshot(store, specs, ids):
-    return {sp.name: store._access(store.tables[sp.name], ids, None).clone() for sp in specs}
+    return {sp.name: store.cascade.access(store.tables[sp.name], ids, None).clone() for sp in specs}
 
 
 @pytest.mark.parametrize("bad_call", [
@@ -325,17 +325,18 @@ def test_apply_fast_path_matches_the_reference_and_handles_repeats(tmp_path):
             g = torch.randn(batch.numel(), 6, generator=gen)
             s.apply("t", batch, g)
             model.apply("t", batch, g)
-            assert s._last_sources == (batch.unique().numel(), 0, 0)  # no row moved
+            assert s.cascade.last_sources == (batch.unique().numel(), 0, 0)  # no row moved
         st = s.stats()
         assert st["device"]["lookups"] - lookups == 5 + 5 + 3 + 2 and st["device"]["misses"] == 5
-        got = s._access(s.tables["t"], ids.sort().values, None)[:, : spec.payload_dim]
+        got = s.cascade.access(s.tables["t"], ids.sort().values, None)[:, : spec.payload_dim]
         assert torch.equal(got, model.payloads("t", ids.sort().values))
         # bad input on a resident batch raises and changes nothing
         with pytest.raises(ts.ShapeError):
             s.apply("t", ids, torch.ones(5, 7))
         with pytest.raises(ts.InvalidIdsError):
             s.apply("t", torch.tensor([4, -2]), torch.ones(2, 6))
-        assert torch.equal(s._access(s.tables["t"], ids.sort().values, None)[:, : spec.payload_dim], got)
+        rows = s.cascade.access(s.tables["t"], ids.sort().values, None)
+        assert torch.equal(rows[:, : spec.payload_dim], got)
         s.check()
 
 

@@ -112,7 +112,7 @@ class StoreVsDict(RuleBasedStateMachine):
             self.store.close()
             with self._open(2, 2, "lru") as s:
                 for (table, row), payload in self.model.rows.items():
-                    gath = s._access(s.tables[table], torch.tensor([row]), None)
+                    gath = s.cascade.access(s.tables[table], torch.tensor([row]), None)
                     spec = self.model.specs[table]
                     pd = spec.payload_dim
                     assert torch.equal(gath[0, :pd], payload), (table, row)

@@ -795,9 +795,9 @@ def test_read_ahead_outlives_a_ring_wrap_but_never_serves_a_row_written_after_it
         want = torch.arange(10, 20)
         tab = s.table_record("t")
         with s.lock:
-            mark = s.read_ahead_mark()
-            data, found = s._read_stored(tab, want.numpy())
-            s.add_read_ahead("t", mark, want.numpy(), data, found, keep=2)
+            mark = s.loader.read_ahead_mark()
+            data, found = s.loader.read_stored(tab, want.numpy())
+            s.loader.add_read_ahead("t", mark, want.numpy(), data, found, keep=2)
         # 12 and 15 get newer versions, then batches of other rows evict them through the ring
         for i, ids in enumerate([torch.tensor([12, 15])] + list(torch.arange(100, 140).split(2))):
             s.apply("t", ids, _grads(len(ids), 10 + i))
@@ -858,7 +858,7 @@ def test_one_log_read_for_all_tables_returns_each_rows_newest_version(tmp_path, 
         tabs = {spec.name: s.table_record(spec.name) for spec in specs}
         cold = {name: (tab, np.sort(rng.choice(2000, 400, replace=False)).astype(np.int64))
                 for name, tab in tabs.items()}  # a few never written
-        alone = {name: s._read_stored(tab, rows) for name, (tab, rows) in cold.items()}
+        alone = {name: s.loader.read_stored(tab, rows) for name, (tab, rows) in cold.items()}
         with ThreadPoolExecutor(2) as pool:
             reads = StoredReads(s, cold, pool.submit, part_rows)
             with s.writeback.cv:

@@ -30,8 +30,8 @@ class BagPaths:
             empty = torch.empty(0, dtype=torch.int64)
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
         uniq, inv = sort_unique(*dedup(ids))
-        payload = self._access(tab, uniq, None, promote=self._promoting())
-        return Gathered(uniq, inv, tab.spec.codec.decode(payload, tab.spec.dim), self._last_dslots,
+        payload = self.cascade.access(tab, uniq, None, promote=self._promoting())
+        return Gathered(uniq, inv, tab.spec.codec.decode(payload, tab.spec.dim), self.cascade.last_dslots,
                         self.device_tier.generation)
 
     def pool_forward(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
@@ -57,7 +57,7 @@ class BagPaths:
             return torch.zeros(offsets.numel(), dim), self.gather_rows(tab, ids)
         uniq, inv = dedup(ids)
         psw = None if psw is None else psw.detach().to("cpu", torch.float32)
-        dslots = self._resident_slots(tab, uniq)
+        dslots = self.cascade.resident_slots(tab, uniq)
         codec = tab.spec.codec
         if dslots is not None:  # `uniq` may stay unsorted: only these slots are touched
             if codec.packed:  # 16-bit weights: pool their float32 values
@@ -69,11 +69,11 @@ class BagPaths:
             return out, Gathered(uniq, inv, weights, dslots, dev.generation)
         uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
         promote = self._promoting()
-        payload = self._access(tab, uniq, None, promote=promote)
+        payload = self.cascade.access(tab, uniq, None, promote=promote)
         weights = codec.decode(payload, dim).contiguous() if codec.packed else payload
         out = fused_pool(weights, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
         kept = None if promote else payload  # a warm-only read: no row moved up
-        return out, Gathered(uniq, inv, weights[:, :dim], self._last_dslots, dev.generation,
+        return out, Gathered(uniq, inv, weights[:, :dim], self.cascade.last_dslots, dev.generation,
                              payload=kept, writes=tab.writes)
 
     def apply_bag_grads(self, tab: _Table, g: Gathered, offsets: torch.Tensor, grad_out: torch.Tensor,
@@ -116,4 +116,4 @@ class BagPaths:
             self._stamp(tab, dev.slab, g.slots)
             dev.dirty[g.slots] = True
             return
-        self._access(tab, unique, update, promote=self._promoting(), known=known)
+        self.cascade.access(tab, unique, update, promote=self._promoting(), known=known)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,13 +13,39 @@ from .fused import BatchUpdate
 from .index import absent_from
 
 if TYPE_CHECKING:
+    from .backends.slab import SlabTier
+    from .backends.writeback import WriteBehind
+    from .stats import SsdStats
     from .store import _Table
+    from .stored_rows import RowLoader
 
 
-class TierCascade:
-    """Rows move up to the device tier on use; victims cascade to the host tier and the write-behind ring."""
+class Cascade:
+    """Rows move up to the device tier on use; victims cascade to the host tier and the write-behind ring.
 
-    def _resident_slots(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor | None:
+    Built by the store from its parts: the two cache tiers, the loader of rows cached nowhere,
+    the write-behind ring, and the clock's `stamp` / `clock_value` (an update records the clock
+    in its rows). `last_sources` is (device hits, host hits, loads) of the latest access.
+    """
+
+    def __init__(self, device_tier: SlabTier, host_tier: SlabTier, loader: RowLoader,
+                 writeback: WriteBehind, ssd_stats: SsdStats, width: int, device: torch.device,
+                 stamp: Callable[[_Table, torch.Tensor, torch.Tensor], None],
+                 clock_value: Callable[[], torch.Tensor]) -> None:
+        self.device_tier = device_tier
+        self.host_tier = host_tier
+        self.loader = loader
+        self.writeback = writeback
+        self.ssd_stats = ssd_stats
+        self.width = width
+        self.device = device
+        self.stamp = stamp
+        self.clock_value = clock_value
+        self.last_sources = (0, 0, 0)
+        self.last_dslots: torch.Tensor | None = None  # device slots of the latest all-resident access
+        self.marks: np.ndarray | None = None  # scratch for `distinct_resident`, one per device slot
+
+    def resident_slots(self, tab: _Table, ids: torch.Tensor) -> torch.Tensor | None:
         """Device slots of `ids` if every one is device-resident (counted as hits), else None."""
         dev = self.device_tier
         if ids.numel() == 0 or dev.capacity == 0:
@@ -32,7 +58,7 @@ class TierCascade:
         dev.touch(slots)
         return slots
 
-    def _access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
+    def access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
                 count: bool = True, dslots: torch.Tensor | None = None,
                 promote: bool = True, known: torch.Tensor | None = None) -> torch.Tensor | None:
         """Locate sorted unique rows, optionally update them, and promote them to the device tier.
@@ -42,7 +68,7 @@ class TierCascade:
         `promote=False` (a warm-only step) a read moves no row (`_read_in_place`), and an update
         brings up from below only the rows the device policy admits (`Policy.admit`), handing
         the others to the write-behind ring. (Prefetch staging, which pins rows instead, is
-        `PinnedSteps._stage_many`.) `known` are the rows' payloads [u, width] as a read that
+        `PinnedSteps.stage_many`.) `known` are the rows' payloads [u, width] as a read that
         moved nothing found them, with no update since: an update takes the rows cached nowhere
         from there instead of loading them again.
         """
@@ -59,16 +85,16 @@ class TierCascade:
         if count:
             dev.count_lookups(n, nd)
         if nd == n:
-            self._last_sources = (n, 0, 0)
-            self._last_dslots = dslots
+            self.last_sources = (n, 0, 0)
+            self.last_dslots = dslots
             dev.touch(dslots)
             if update is None:
                 return dev.read(dslots)
             update.apply(dev.slab, dslots)  # in place in the device slab
-            self._stamp(tab, dev.slab, dslots)
+            self.stamp(tab, dev.slab, dslots)
             dev.mark_dirty(dslots)
             return None
-        self._last_dslots = None
+        self.last_dslots = None
         if nd:
             hit_idx = torch.nonzero(dhit).flatten()
             hit_slots = dslots.index_select(0, hit_idx)
@@ -84,7 +110,7 @@ class TierCascade:
             known = part.clone() if part is known else part  # copied once, not again in `_cold`
         mpay, mdirty, mpins, hhit = self._fetch_misses(tab, miss_rows, count, known=known)
         nh = int(hhit.sum())
-        self._last_sources = (nd, nh, m - nh)
+        self.last_sources = (nd, nh, m - nh)
         if nd:  # assemble the whole batch: device hits and the rows fetched from below
             payload = torch.empty((n, self.width), dtype=torch.float32)
             payload.index_copy_(0, hit_idx, dev.read(hit_slots).cpu())
@@ -94,7 +120,7 @@ class TierCascade:
             payload = mpay
         if update is not None:
             update.apply(payload, torch.arange(n))
-            payload[:, tab.spec.stamp_col] = self._clock_value()
+            payload[:, tab.spec.stamp_col] = self.clock_value()
             tab.writes += 1  # as `_stamp` counts an update in place
             if nd:
                 dev.write(hit_slots, payload.index_select(0, hit_idx))
@@ -108,9 +134,9 @@ class TierCascade:
             if admit is not None:
                 keep = hhit.clone()
                 keep[below] = admit
-                self._write_down(moving.take(~keep))
+                self.write_down(moving.take(~keep))
                 moving = moving.take(keep)
-        self._place(moving, protect=hit_slots)
+        self.place(moving, protect=hit_slots)
         return None if update is not None else payload.to(self.device, non_blocking=True)
 
     def _read_in_place(self, tab: _Table, uniq: torch.Tensor, dslots: torch.Tensor,
@@ -119,7 +145,7 @@ class TierCascade:
 
         A warm-only batch's forward reads this way: the caches cannot hold its rows until the
         backward, so rows it promoted would only be evicted by later tables' forwards and
-        fetched again. The backward's `_access` moves each row up once, after its update, and
+        fetched again. The backward's `access` moves each row up once, after its update, and
         tells the policies of the access then (so it is reported once, not here).
         """
         dev = self.device_tier
@@ -138,8 +164,8 @@ class TierCascade:
             payload.index_copy_(0, miss, mpay)
             miss_n = miss.numel()
         nh = int(hhit.sum())
-        self._last_sources = (nd, nh, miss_n - nh)
-        self._last_dslots = None
+        self.last_sources = (nd, nh, miss_n - nh)
+        self.last_dslots = None
         return payload.to(self.device, non_blocking=True)
 
     def _fetch_misses(self, tab: _Table, rows: torch.Tensor, count: bool, take: bool = True,
@@ -167,7 +193,7 @@ class TierCascade:
             payload.index_copy_(0, hidx, host.read(hslots.index_select(0, hidx)))
             if nh < m:
                 cidx = torch.nonzero(~hhit).flatten()
-                payload.index_copy_(0, cidx, self.load(tab, rows.index_select(0, cidx)))
+                payload.index_copy_(0, cidx, self.loader.load(tab, rows.index_select(0, cidx)))
             return payload, torch.zeros(m, dtype=torch.bool), None, hhit
         if nh == m:
             moved = host.remove(hslots)
@@ -188,7 +214,7 @@ class TierCascade:
         copy, updated in place), else `_load`."""
         if known is not None:
             return known if idx is None else known.index_select(0, idx)
-        return self.load(tab, rows if idx is None else rows.index_select(0, idx))
+        return self.loader.load(tab, rows if idx is None else rows.index_select(0, idx))
 
     def uncached(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
         """Mask of rows in no cache tier and not in the write-behind ring (store lock held)."""
@@ -196,7 +222,7 @@ class TierCascade:
         with self.writeback.cv:
             return absent_from(indexes, tab.index, rows)
 
-    def _distinct_resident(self, slots: torch.Tensor) -> torch.Tensor | None:
+    def distinct_resident(self, slots: torch.Tensor) -> torch.Tensor | None:
         """`arange(n)` when every device lookup hit and no slot repeats (no id repeated), else None."""
         n = slots.numel()
         if slots.device.type != "cpu":
@@ -207,13 +233,13 @@ class TierCascade:
         if s.min() < 0:
             return None
         # a mark per device slot: each position writes its number; a repeated slot keeps one
-        if self._marks is None:
-            self._marks = np.empty(self.device_tier.slots, dtype=np.int32)
+        if self.marks is None:
+            self.marks = np.empty(self.device_tier.slots, dtype=np.int32)
         pos = np.arange(n)
-        self._marks[s] = pos
-        return torch.from_numpy(pos) if np.array_equal(self._marks[s], pos) else None
+        self.marks[s] = pos
+        return torch.from_numpy(pos) if np.array_equal(self.marks[s], pos) else None
 
-    def _place(self, moving: Rows, protect: torch.Tensor, overflow_first: bool = False) -> int:
+    def place(self, moving: Rows, protect: torch.Tensor, overflow_first: bool = False) -> int:
         """Insert rows into the device tier; victims and overflow cascade to host, then LMDB.
 
         Returns k: the first k rows landed in the device tier (at `device_tier.last_slots`).
@@ -239,33 +265,12 @@ class TierCascade:
             if bool(rest.dirty.any()):
                 parts.append(rest.take(rest.dirty))
         if parts:
-            self._write_down(Rows.cat(parts))
+            self.write_down(Rows.cat(parts))
         return k
 
-    def _write_down(self, rows: Rows) -> None:
+    def write_down(self, rows: Rows) -> None:
         """Hand dirty rows (any tables) to the write-behind ring; its writer thread writes them to LMDB."""
         if len(rows) == 0:
             return
         self.writeback.put(rows)
         self.ssd_stats.writebacks += len(rows)
-
-    def _write_rows(self, tabs: np.ndarray, rows: np.ndarray, payload: np.ndarray) -> int:
-        """The writer thread's sink: append rows to the write-behind log; wake the merger when large."""
-        log = self.log
-        written = log.append(tabs, rows, payload)  # merges inline only when the log is full
-        if log.wants_merge():  # the merger folds the older half into the tables, sorted
-            log.request_merge()
-        self.ssd_stats.bytes_written += written
-        return written
-
-    def _add_written(self, nbytes: int) -> None:
-        """Count bytes the background merger wrote."""
-        self.ssd_stats.bytes_written += nbytes
-
-    @contextlib.contextmanager
-    def quiesce_writer(self):
-        """Drain the write-behind ring, merge the log, and keep the writer idle inside the block."""
-        self.writeback.drain()
-        with self.log.merging, self.writeback.cv:  # no background merge runs meanwhile
-            self.ssd_stats.bytes_written += self.log.merge()
-            yield

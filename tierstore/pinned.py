@@ -79,7 +79,7 @@ class PinnedSteps:
         ones; a clean one's newest version is below the caches already). Store lock held."""
         rows = self.device_tier.take_expired()
         if rows is not None and bool(rows.dirty.any()):
-            self._write_down(rows.take(rows.dirty))
+            self.cascade.write_down(rows.take(rows.dirty))
 
     def drain_hits(self) -> None:
         """Count the hits of lock-free gathers and report the use to the policy (store lock held).
@@ -182,7 +182,7 @@ class PinnedSteps:
 
         The keys of all tables go through each step together: one device lookup, one pin of the
         hits, one host lookup and removal of the misses it holds, the rest loaded table by
-        table (`_load`: ring, read-ahead buffers, LMDB), and one `_place` of every miss. So the
+        table (`loader.load`: ring, read-ahead buffers, LMDB), and one `cascade.place` of every miss. So the
         per-call work of each step (index probes, victim choice, policy and index updates, the
         hand-off to the write-behind ring) is done once a batch instead of once a table. Which
         rows land where may differ from staging table by table (victims are chosen once, with
@@ -226,7 +226,7 @@ class PinnedSteps:
             cseg = mseg[cold]
             for i in torch.unique(cseg).tolist():  # loaded table by table, in key order
                 at = cold[cseg == i]
-                payload.index_copy_(0, at, self.load(items[i][0], mrows[at]))
+                payload.index_copy_(0, at, self.loader.load(items[i][0], mrows[at]))
             moving, placed = Rows(mtabs, mrows, payload, dirty, pins), miss
             pad = self._refused(cold, mtabs, mrows)
             if pad is not None:  # refused by the policy: to the scratch pad while it has room
@@ -239,7 +239,7 @@ class PinnedSteps:
             if dev.staging:  # one cache tier, whose staging slots take what it cannot
                 self._place_staged(moving, placed, staged, hit_slots)
             else:
-                k = self._place(moving, protect=hit_slots, overflow_first=True)
+                k = self.cascade.place(moving, protect=hit_slots, overflow_first=True)
                 if k:  # the first k misses, in order, landed on the device
                     staged.index_copy_(0, placed[:k].to(staged.device), dev.last_slots[:k])
         nd_of = torch.bincount(seg[dhit.cpu()], minlength=len(items))
@@ -261,7 +261,7 @@ class PinnedSteps:
         if k:  # the first k misses, in order, landed in the cache
             staged.index_copy_(0, placed[:k], dev.last_slots[:k])
         if evicted is not None and len(evicted):  # only dirty victims are kept
-            self._write_down(evicted)
+            self.cascade.write_down(evicted)
         if k == len(moving):
             return
         rest = moving.take(slice(k, None))
@@ -271,7 +271,7 @@ class PinnedSteps:
         if kp < len(rest):
             left = rest.take(slice(kp, None))
             if bool(left.dirty.any()):
-                self._write_down(left.take(left.dirty))
+                self.cascade.write_down(left.take(left.dirty))
 
     def _refused(self, cold: torch.Tensor, tabs: torch.Tensor, rows: torch.Tensor
                  ) -> torch.Tensor | None:

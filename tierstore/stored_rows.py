@@ -4,17 +4,45 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from .backends.lmdb_backend import LmdbBackend
+    from .backends.wal import WriteLog
+    from .backends.writeback import WriteBehind
+    from .expiry import Expiry
+    from .stats import PrefetchStats, SsdStats
     from .store import _Table
 
 
-class StoredRows:
-    """The read path below the caches (any thread for `_read_stored`; the rest with the store lock)."""
+class RowLoader:
+    """The read path below the caches (any thread for `read_stored`; the rest with the store lock).
+
+    It reads through the write-behind ring (`writeback`), the prefetch pipeline's read-ahead
+    buffers, the write-behind log and the LMDB tables (`backend`); rows stamped before their
+    table's expiry cutoff (`expiry`) read as missing, and rows stored nowhere as their lazy init.
+    """
+
+    def __init__(self, backend: LmdbBackend, writeback: WriteBehind, log: WriteLog, expiry: Expiry,
+                 width: int, ssd_stats: SsdStats, prefetch_stats: PrefetchStats) -> None:
+        self.backend = backend
+        self.writeback = writeback
+        self.log = log
+        self.expiry = expiry
+        self.width = width
+        self.ssd_stats = ssd_stats
+        self.prefetch_stats = prefetch_stats
+        # read-ahead buffers of the prefetch pipeline: table -> [(mark at read, rows, payload, found)]
+        self.readahead: dict[str, list[tuple[Any, np.ndarray, np.ndarray, np.ndarray]]] = {}
+        # seconds spent reading LMDB inside the store, on the main (training) thread and on others
+        self.io_seconds = {"training": 0.0, "background": 0.0}
+
+    def clear_read_ahead(self) -> None:
+        """Drop every read-ahead buffer (the store closes)."""
+        self.readahead.clear()
 
     def load(self, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
         """Rows cached nowhere: from the write-behind ring, a read-ahead buffer, or LMDB; [n, width].
@@ -37,7 +65,7 @@ class StoredRows:
                 data[h] = wdata[:, : spec.row_dim].numpy()
                 found |= h
                 known |= h
-        ahead = self._readahead.get(spec.name)
+        ahead = self.readahead.get(spec.name)
         if ahead and not known.all():
             self._read_ahead(tab, ahead, rows_np, data, found, known)
         need = ~known
@@ -45,7 +73,7 @@ class StoredRows:
         if nneed:
             t0 = time.perf_counter()
             part = rows_np if nneed == n else rows_np[need]
-            got, gfound = self._read_stored(tab, part)
+            got, gfound = self.read_stored(tab, part)
             side = "training" if threading.current_thread() is threading.main_thread() else "background"
             self.io_seconds[side] += time.perf_counter() - t0
             if nneed == n:
@@ -123,11 +151,11 @@ class StoredRows:
     def add_read_ahead(self, table: str, since: int | tuple[int, int], rows: np.ndarray,
                         data: np.ndarray, found: np.ndarray, keep: int) -> None:
         """Register rows the prefetch pipeline read from LMDB (sorted); keeps the newest `keep` buffers."""
-        bufs = self._readahead.setdefault(table, [])
+        bufs = self.readahead.setdefault(table, [])
         bufs.append((since, rows, data, found))
         del bufs[:-keep]
 
-    def _read_stored(self, tab: _Table, rows_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def read_stored(self, tab: _Table, rows_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Stored rows (log first, then the table): (rows [n, row_dim], found [n]); any thread."""
         spec = tab.spec
         seqs = self.log.lookup(tab.index, torch.from_numpy(rows_np))

@@ -262,7 +262,7 @@ class Prefetcher:
             # LMDB holds now stays its newest stored value while every row written back from here
             # on is still in the ring or in the log past this mark, so a copy read now may serve a
             # later miss (store._read_ahead)
-            since = store.read_ahead_mark()
+            since = store.loader.read_ahead_mark()
             window_rows = sum(u.numel() for w in self._window.values() for u in w.values())
             batch_rows = sum(u.numel() for u in per_table.values())
             # the window cannot stay cached: staging would only evict rows the running step needs,
@@ -319,10 +319,10 @@ class Prefetcher:
                     if t in ringed:  # the ring's rows come after the sorted cold ones: sort all
                         rows_np = np.concatenate(rows)
                         order = np.argsort(rows_np, kind="stable")
-                        store.add_read_ahead(t, since, rows_np[order], np.concatenate(data)[order],
+                        store.loader.add_read_ahead(t, since, rows_np[order], np.concatenate(data)[order],
                                               np.concatenate(found)[order], keep=self.depth + 2)
                     else:  # the cold rows, in sorted chunks read in order: sorted already
-                        store.add_read_ahead(t, since, rows[0], np.concatenate(data),
+                        store.loader.add_read_ahead(t, since, rows[0], np.concatenate(data),
                                               np.concatenate(found), keep=self.depth + 2)
             stats.rows_read_ahead_from_ssd += sum(len(c) for c in cold.values())
             if warm_only:  # its misses are served from the read-ahead buffers
@@ -365,7 +365,7 @@ class Prefetcher:
 
     def _uncached(self, tab: Any, uniq: torch.Tensor) -> torch.Tensor:
         """Mask of rows not in the write-behind ring and in no cache tier."""
-        return self.store.uncached(tab, uniq)
+        return self.store.cascade.uncached(tab, uniq)
 
 
 # lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------

@@ -80,7 +80,7 @@ class StoredReads:
     and each table's other rows are read from LMDB in parts of `part_rows` rows. An entry merged
     into its table meanwhile is read from the table by the same task. `result()` waits for the
     tasks and gives each table's rows in the order they were asked for. Start it after the
-    read-ahead mark (`store.read_ahead_mark`), like any read the pipeline keeps.
+    read-ahead mark (`store.loader.read_ahead_mark`), like any read the pipeline keeps.
     """
 
     def __init__(self, store: Any, cold: dict[Any, tuple[Any, np.ndarray]],
@@ -101,7 +101,7 @@ class StoredReads:
             for pos in np.array_split(rest, max(1, len(rest) // part_rows)):
                 if len(pos):
                     self._table_parts.append(
-                        (key, pos, submit(_timed, store.read_table, tab, rows[pos])))
+                        (key, pos, submit(_timed, store.loader.read_table, tab, rows[pos])))
             if inlog.any():
                 at = np.flatnonzero(inlog)
                 lkeys.append(np.full(len(at), k, dtype=np.int64))
@@ -118,7 +118,7 @@ class StoredReads:
             for sel in np.array_split(np.arange(len(seqs)), max(1, len(seqs) // part_rows)):
                 self._log_parts.append(
                     (which[sel], pos[sel],
-                     submit(_timed, store.read_log_entries, tabs[sel], rows[sel], seqs[sel], width)))
+                     submit(_timed, store.loader.read_log_entries, tabs[sel], rows[sel], seqs[sel], width)))
 
     def result(self) -> tuple[dict[Any, tuple[np.ndarray, np.ndarray]], float]:
         """({key: (rows [n, row_dim], found [n])} in the order asked, reader seconds in all);

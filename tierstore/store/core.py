@@ -33,7 +33,7 @@ class _Table:
     index: int
     key: int  # lazy-init key derived from (seed, name)
     tix: torch.Tensor = dataclasses.field(init=False, repr=False)  # `index` as a 0-d int64 tensor (tier key)
-    # bumped by every update of the table's rows (`_stamp`, `_access`), and by whatever may change
+    # bumped by every update of the table's rows (`_stamp`, `Cascade.access`), and by whatever may change
     # how a row reads (the clock, expiry): a warm-only forward's copy is current while it holds
     writes: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
     # 16-bit tables: update calls so far, the stochastic-rounding salt (saved with the clock)

@@ -24,14 +24,14 @@ from ..backends.upgrade import replay_and_convert
 from ..backends.wal import HEADER, WriteLog
 from ..backends.writeback import WriteBehind
 from ..bagpaths import BagPaths
-from ..cascade import TierCascade
+from ..cascade import Cascade
 from ..config import StoreConfig, TableSpec, parse_capacity, parse_map_limit, resolve_device
 from ..errors import ConfigError, LogCorruptError
 from ..initializers import name_key
 from ..pinned import PinnedSteps
 from ..resolve import resolve_layout
 from ..stats import PrefetchStats, SsdStats
-from ..stored_rows import StoredRows
+from ..stored_rows import RowLoader
 from .clock import StoreClock
 from .core import LOG_MAX_ROWS, LOG_RINGS, WB_SLOT_OVERHEAD, _Table
 from .lifecycle import _OPEN_STORES, StoreLifecycle, _weak_context
@@ -41,7 +41,7 @@ from .rows import RowApi
 
 
 class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
-                PinnedSteps, BagPaths, TierCascade, StoredRows):
+                PinnedSteps, BagPaths):
     """Embedding rows over three tiers (device cache, host cache, LMDB) with fused optimizers.
 
     Upper tiers are exclusive write-back caches: a row lives in at most one cache tier, with a
@@ -100,7 +100,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         # {table: (sorted rows, device slots)}); its rows stay pinned until the pipeline's release
         self.staged: tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], int] = (0, {}, -1)
         # the consumer thread whose batch is warm-only (0: none): its forward reads missed rows
-        # where they are, and its backward moves them up once (`_access`'s `promote`)
+        # where they are, and its backward moves them up once (`Cascade.access`'s `promote`)
         self.deferring = 0
         # batches released by the pipeline without the lock: their pins drop at the next locked
         # section (staging or any store call), after their hits are told
@@ -108,8 +108,6 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         # device hits of lock-free gathers, not yet told (a deque: append and popleft are atomic)
         self._pending_hits: collections.deque[torch.Tensor] = collections.deque()
         self.prefetch_stats = PrefetchStats()
-        self._last_sources = (0, 0, 0)
-        self._marks: np.ndarray | None = None  # scratch for `_distinct_resident`, one per device slot
         # feature name -> table, registered by TieredEmbeddingBagCollection (None: ambiguous);
         # lets a Prefetcher over the store read jagged batches keyed by feature
         self.feature_tables: dict[str, str | None] = {}
@@ -147,10 +145,6 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
             self.backend.close()
             raise
         self.ssd_stats = SsdStats()
-        # read-ahead buffers of the prefetch pipeline: table -> [(tail at read, rows, payload, found)]
-        self._readahead: dict[str, list[tuple[Any, np.ndarray, np.ndarray, np.ndarray]]] = {}
-        # seconds spent reading LMDB inside the store, on the main (training) thread and on others
-        self.io_seconds = {"training": 0.0, "background": 0.0}
         try:  # a write-behind log left by a crash: fold it into the tables before anything reads
             replay_and_convert(self.backend)  # them (and a format-2 store becomes format 3)
         except LogCorruptError:
@@ -170,6 +164,13 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         try:  # a failure from here on stops the threads started so far and frees the lock
             self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], log_rows,
                                 self.writeback.cv)
+            # the store's parts: rows cached nowhere come from the loader; the cascade moves rows
+            # between the tiers and hands victims to the write-behind ring
+            self.loader = RowLoader(self.backend, self.writeback, self.log, self.expiry, width,
+                                    self.ssd_stats, self.prefetch_stats)
+            self.io_seconds = self.loader.io_seconds  # LMDB read seconds: training thread, others
+            self.cascade = Cascade(self.device_tier, self.host_tier, self.loader, self.writeback,
+                                   self.ssd_stats, width, self.device, self._stamp, self._clock_value)
             self.backend.quiesce = _weak_context(self.quiesce_writer)  # the merger holds the backend
             self.log.start_merger(self._add_written)
             # the logical clock (store.advance, stamped on updates) and the tables' update counts

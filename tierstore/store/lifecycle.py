@@ -9,6 +9,7 @@ import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 import tierstore._switch as _switch
@@ -45,7 +46,7 @@ class StoreLifecycle:
         self.check_live()
         for tier in (self.device_tier, self.host_tier):
             for slots, rows in tier.dirty_chunks(FLUSH_CHUNK):
-                self._write_down(rows.to(torch.device("cpu")))
+                self.cascade.write_down(rows.to(torch.device("cpu")))
                 tier.dirty[slots] = False
         with self.quiesce_writer():  # drain the ring, fold the whole log into the tables
             self.backend.publish()  # readers (tierstore.serving) now see this flush
@@ -72,7 +73,7 @@ class StoreLifecycle:
             _switch.STORES.release(self)
             self.log.stop_merger()
             self.writeback.close()
-            self._readahead.clear()
+            self.loader.clear_read_ahead()
             self.backend.close()
             if self._recorder is not None:
                 self._recorder.close()
@@ -106,6 +107,27 @@ class StoreLifecycle:
         tables, seed = persistence.restore_files(dest, path, seed=open_kwargs.pop("seed", None),
                                                  tables=open_kwargs.pop("tables", None))
         return cls(path, tables, seed=seed, **open_kwargs)
+
+    def _write_rows(self, tabs: np.ndarray, rows: np.ndarray, payload: np.ndarray) -> int:
+        """The writer thread's sink: append rows to the write-behind log; wake the merger when large."""
+        log = self.log
+        written = log.append(tabs, rows, payload)  # merges inline only when the log is full
+        if log.wants_merge():  # the merger folds the older half into the tables, sorted
+            log.request_merge()
+        self.ssd_stats.bytes_written += written
+        return written
+
+    def _add_written(self, nbytes: int) -> None:
+        """Count bytes the background merger wrote."""
+        self.ssd_stats.bytes_written += nbytes
+
+    @contextlib.contextmanager
+    def quiesce_writer(self):
+        """Drain the write-behind ring, merge the log, and keep the writer idle inside the block."""
+        self.writeback.drain()
+        with self.log.merging, self.writeback.cv:  # no background merge runs meanwhile
+            self.ssd_stats.bytes_written += self.log.merge()
+            yield
 
 
 def _weak_context(method):

@@ -60,7 +60,7 @@ class RowApi:
         # probe one id first: a batch that misses the device tier skips the full lookup
         probe = ids[:1].to(dev.device)
         if ids.numel() and dev.size and int(dev.lookup(tab.tix.to(dev.device), probe, count=False)) >= 0:
-            slots = self._resident_slots(tab, ids)
+            slots = self.cascade.resident_slots(tab, ids)
             if slots is not None:  # fast path: one lookup and one gather
                 return tab.spec.codec.gather(dev.slab, slots, tab.spec.dim)
         g = self.gather_rows(tab, ids)
@@ -96,11 +96,11 @@ class RowApi:
         dev = self.device_tier
         n = ids.numel()
         slots = dev.lookup(tab.tix.to(dev.device), ids.to(dev.device), count=False)
-        iota = self._distinct_resident(slots)
+        iota = self.cascade.distinct_resident(slots)
         if iota is not None:
             # fast path: every row device-resident, none repeated: update in place, input order
             dev.count_lookups(n, n)
-            self._last_sources = (n, 0, 0)
+            self.cascade.last_sources = (n, 0, 0)
             dev.touch(slots)
             BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, iota, grads, use_kernel=self.fused,
                         dtype=tab.spec.dtype, update_count=self._count_update(tab),
@@ -111,7 +111,7 @@ class RowApi:
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
         # the device slots of the unique rows, from the lookup above (repeats carry equal slots)
         uslots = torch.empty_like(slots[: uniq.numel()]).index_copy_(0, inv.to(slots.device), slots)
-        self._access(tab, uniq, BatchUpdate(tab.spec.optimizer, tab.spec.dim, uniq.numel(), inv,
+        self.cascade.access(tab, uniq, BatchUpdate(tab.spec.optimizer, tab.spec.dim, uniq.numel(), inv,
                                             grads, use_kernel=self.fused, dtype=tab.spec.dtype,
                                             update_count=self._count_update(tab), keys=uniq),
                      dslots=uslots)
@@ -130,7 +130,7 @@ class RowApi:
             unique, grads = unique[keep], grads[keep]
         if unique.numel():
             n = unique.numel()
-            self._access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, torch.arange(n),
+            self.cascade.access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, torch.arange(n),
                                                   grads.cpu(), use_kernel=self.fused,
                                                   dtype=tab.spec.dtype, update_count=self._count_update(tab),
                                                   keys=unique))
