@@ -78,6 +78,9 @@ def format_summary(s: dict) -> str:
         f"{s['train_s']:.1f} s",
         f"{'time split':<22} " + ", ".join(f"{k} {v:.1f}s" for k, v in s["times"].items()),
         f"{'stall (data + lookup)':<22} {s['stall_s']:.1f} s" + _prefetch_line(s),
+        f"{'kernel compilation':<22} {s['times'].get('compile', 0.0):.1f} s "
+        + ("(first use: numba caches the kernels for later runs; not counted as stall)"
+           if s["times"].get("compile", 0.0) > 0 else "(none: kernels came from numba's cache)"),
         f"{'held-out AUC':<22} {s['final_auc']:.4f}  (log loss {s['final_logloss']:.4f}, "
         f"CTR {s['eval_ctr']:.3f})",
         f"{'resident memory':<22} {s['rss_bytes'] / mib:,.0f} MiB now ({s['rss_anon_bytes'] / mib:,.0f} "

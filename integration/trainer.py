@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore
 from tierstore.admission import fit_sketch, parse_admission
+from tierstore.compile_watch import CompileWatch, watch_compilation
 from tierstore.prefetch import Prefetcher
 from tierstore.stats import progress_line
 
@@ -64,7 +65,10 @@ class Trainer:
         except BaseException:
             self.close()
             raise
-        self.times = dict(data=0.0, lookup=0.0, compute=0.0, eval=0.0, checkpoint=0.0)
+        # "compile": numba compiling kernels at their first use, counted apart from the phase
+        # (data, lookup, compute) it happened in, so it never shows as stall
+        self.times = dict(data=0.0, lookup=0.0, compute=0.0, eval=0.0, checkpoint=0.0, compile=0.0)
+        self.compile_watch: CompileWatch | None = None
         self.evals: list[dict] = []
         self.checkpoints: list[int] = []
         self.rows_stored_start = 0
@@ -124,12 +128,22 @@ class Trainer:
         self.times["eval"] += time.perf_counter() - t0
         return out
 
+    def _compiled(self) -> float:
+        return self.compile_watch.seconds if self.compile_watch is not None else 0.0
+
+    def _account(self, phase: str, seconds: float, compiled: float) -> None:
+        """Add a phase's wall time, less the kernel compilation inside it (counted apart)."""
+        c = min(max(compiled, 0.0), seconds)
+        self.times[phase] += seconds - c
+        self.times["compile"] += c
+
     def train_step(self, b: Batch) -> float:
         """One step: forward, loss, backward (embedding rows updated in the store), dense update."""
+        c0 = self._compiled()
         t0 = time.perf_counter()
         keys, values, lengths = b.jagged()
         emb = self.model.embeddings(keys, values, lengths)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), self._compiled()
         x = self.model.bottom(b.dense)
         logit = self.model.top(self.model.interact(x, emb)).squeeze(1)
         loss = F.binary_cross_entropy_with_logits(logit, b.labels)
@@ -137,8 +151,8 @@ class Trainer:
         loss.backward()
         self.opt.step()
         t2 = time.perf_counter()
-        self.times["lookup"] += t1 - t0
-        self.times["compute"] += t2 - t1
+        self._account("lookup", t1 - t0, c1 - c0)
+        self._account("compute", t2 - t1, self._compiled() - c1)
         return float(loss.detach())
 
     def run(self) -> dict:
@@ -157,8 +171,11 @@ class Trainer:
         it: Iterator[Batch] = (Prefetcher(self.store, source, depth=cfg.prefetch, extract=Batch.jagged)
                                if cfg.prefetch else source)
         try:
-            self._loop(it, bar, t_start, start_step, held_out)
+            with watch_compilation(lambda text: bar.write(text, file=sys.stderr)) as watch:
+                self.compile_watch = watch
+                self._loop(it, bar, t_start, start_step, held_out)
         finally:
+            self.compile_watch = None
             if cfg.prefetch:
                 it.close()  # type: ignore[attr-defined]
             bar.close()
@@ -175,9 +192,9 @@ class Trainer:
         cfg = self.cfg
         loss_ema = math.nan
         while self.step < cfg.steps:
-            t0 = time.perf_counter()
+            c0, t0 = self._compiled(), time.perf_counter()
             b = next(it)
-            self.times["data"] += time.perf_counter() - t0
+            self._account("data", time.perf_counter() - t0, self._compiled() - c0)
             loss = self.train_step(b)
             loss_ema = loss if math.isnan(loss_ema) else 0.98 * loss_ema + 0.02 * loss
             self.step += 1
