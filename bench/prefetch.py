@@ -39,7 +39,8 @@ def run(runner: TierstoreRunner, wl: Workload, depth: int, start: int, blocks: i
         with Prefetcher(store, batches, depth=depth, features={n: n for n in wl.names},
                         extract=lambda b: (wl.names, b[0], b[1])) as pf:
             for values, lengths in pf:
-                runner.ebc(wl.names, values, lengths).backward(wl.grad_out)
+                out = runner.ebc(wl.names, values, lengths)
+                out.backward(wl.grad_out.to(out.device))
         dt = time.perf_counter() - t0
         rates.append(wl.batch * steps / dt)
         stalls.append((store.prefetch_stats.stall_seconds - before) / steps * 1000)

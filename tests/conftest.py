@@ -1,7 +1,9 @@
-"""Shared fixtures and the run's settings: hypothesis profile, CI's data check, one thread."""
+"""Shared fixtures and the run's settings: hypothesis profile, CI's data check, one thread, devices."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,12 @@ from tests import profiles
 PROFILE = profiles.load()
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+# subprocess workers (crash trials, CLI runs, readers) import what this interpreter imports: its
+# whole sys.path, with the checkout first, whatever site or --target path holds the dependencies
+os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(REPO), *(p for p in sys.path if p)]))
+# the devices a test runs on: the CPU always, CUDA too where there is one
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def pytest_report_header(config):
@@ -31,3 +39,9 @@ def pytest_sessionstart(session):
 def store_path(tmp_path):
     """A fresh directory for a store."""
     return tmp_path / "store"
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """Each device a store can run on here: the CPU, and CUDA where available."""
+    return torch.device(request.param)

@@ -374,7 +374,7 @@ def test_kill9_with_admission_keeps_rows_and_sketch_at_a_flush_point(tmp_path, a
             [sys.executable, str(repo / "tests" / "admission_crash_worker.py"), str(tmp_path / "s"),
              str(tmp_path / "ck"), "1000000", "2", "5", str(big), str(big)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo,
-            env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
             assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
             seen = [proc.stdout.readline().split() for _ in range(acks)]

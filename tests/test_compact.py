@@ -214,7 +214,7 @@ def test_kill9_during_compaction(tmp_path, trial):
     path = tmp_path / "s"
     bloated_store(path, n=150_000, chunk=30_000)
     want = dump(path)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = dict(os.environ)
     proc = subprocess.Popen([sys.executable, "-c", COMPACT_WORKER, str(path)], env=env,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "go"

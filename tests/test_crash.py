@@ -131,7 +131,7 @@ def run_trial(tmp: Path, ref: Reference, model: PayloadModel, rng: random.Random
               caps: tuple[int, int], kill_after_acks: int | None = None) -> dict:
     """Start the worker, SIGKILL it, then check the live store and the last checkpoint."""
     store, ckroot = tmp / "store", tmp / "ckpts"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "crash_worker.py"), str(store), str(ckroot),
          "1000000", str(FLUSH_EVERY), str(CKPT_EVERY), str(caps[0]), str(caps[1])],

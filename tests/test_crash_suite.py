@@ -100,7 +100,7 @@ class Zygote:
     """The forking worker process (see crash_suite_worker.py)."""
 
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
                "TIERSTORE_COMPACT_ON_CLOSE": "1.0"}
         self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "crash_suite_worker.py")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

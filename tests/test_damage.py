@@ -28,7 +28,7 @@ KINDS = {P_META: "meta", P_BRANCH: "branch", P_LEAF: "leaf", P_OVERFLOW: "overfl
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+    return dict(os.environ)
 
 
 def build_store(path: Path, rows: int = 3000) -> Path:

@@ -146,7 +146,7 @@ def _train(ebc, store_read, rank, world, mode_empty, steps, first_step=0):
         b = make_batch(100 * step + rank, sizes[rank], empty=empty)
         pooled = ebc(*b)
         c = coeffs(step, sum(sizes), pooled.shape[1])[lo : lo + sizes[rank]]
-        (pooled * c).sum().backward()
+        (pooled * c.to(pooled.device)).sum().backward()
         outs.append(pooled.detach())
     return outs, {t: store_read(t, torch.arange(n)) for t, n in (("users", 60), ("items", 40))}
 
@@ -174,7 +174,7 @@ def _reference(tmp, world, opt, mode, steps, empty_rank):
                             empty=("item", "item2") if r == empty_rank else ())
                  for r in range(world)]
         pooled = ebc(*concat_batches(parts))
-        (pooled * coeffs(step, sum(sizes), pooled.shape[1])).sum().backward()
+        (pooled * coeffs(step, sum(sizes), pooled.shape[1]).to(pooled.device)).sum().backward()
         outs.append(pooled.detach())
     rows = {t: store.read(t, torch.arange(n)) for t, n in (("users", 60), ("items", 40))}
     store.close()
@@ -268,7 +268,8 @@ def _prefetch_runs(rank, world, root, depths, cap):
             sizes = batch_sizes(world, step)
             lo = sum(sizes[:rank])
             pooled = ebc(*b)
-            (pooled * coeffs(step, sum(sizes), pooled.shape[1])[lo : lo + sizes[rank]]).sum().backward()
+            c = coeffs(step, sum(sizes), pooled.shape[1])[lo : lo + sizes[rank]]
+            (pooled * c.to(pooled.device)).sum().backward()
             outs.append(pooled.detach())
         staged = store.local.prefetch_stats.rows_staged
         out[depth] = (outs, {t: store.read(t, torch.arange(n)) for t, n in (("users", 60), ("items", 40))},

@@ -165,7 +165,8 @@ def _auto_runs(rank, world, root, configs, sharding="auto", opt="adam"):
             sizes = batch_sizes(world, step)
             lo = sum(sizes[:rank])
             pooled = ebc(*b)
-            (pooled * coeffs(step, sum(sizes), pooled.shape[1])[lo : lo + sizes[rank]]).sum().backward()
+            c = coeffs(step, sum(sizes), pooled.shape[1])[lo : lo + sizes[rank]]
+            (pooled * c.to(pooled.device)).sum().backward()
             outs.append(pooled.detach())
         rows = {t: store.read(t, torch.arange(n)) for t, n in (("users", 60), ("items", 40))}
         out[name] = ((outs, rows), store.plan.to_config(), store.report)

@@ -192,7 +192,7 @@ for step in range(1, 10**6):
 def test_kill_with_a_full_ring_loses_nothing_acknowledged(tmp_path, kill_after):
     path = tmp_path / "s"
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(path)], stdout=subprocess.PIPE,
-                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            text=True, cwd=REPO, env=dict(os.environ))
     lines: list[str] = []
     t0 = time.time()
     while time.time() - t0 < 60:
@@ -946,7 +946,7 @@ def test_kill_during_a_merge_loses_nothing_the_log_held(tmp_path, monkeypatch, p
     monkeypatch.setattr(wal.merge, "MERGE_ROWS", 500)
     path = tmp_path / "s"
     proc = subprocess.Popen([sys.executable, "-c", MERGE_WORKER, str(path)], stdout=subprocess.PIPE,
-                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            text=True, cwd=REPO, env=dict(os.environ))
     seen = []
     for line in proc.stdout:
         seen.append(line.strip())
