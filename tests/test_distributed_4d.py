@@ -62,15 +62,20 @@ def test_column_wise_bit_identical_to_one_process(tmp_path, world):
     assert plan["users"]["kind"] == "column" and len(plan["users"]["shards"]) == min(world, 4)
 
 
+# every optimizer, sum and mean alternating (the other way round for exact row-wise)
+HALF = [("adagrad", "sum"), ("adam", "mean"), ("rowwise", "sum"), ("sgd", "mean")]
+OTHER_HALF = [(opt, "mean" if mode == "sum" else "sum") for opt, mode in HALF]
+
+
 def test_data_parallel_bit_identical_to_one_process(tmp_path):
     runs = [(f"{opt}-{mode}", opt, "data", mode, 3, 1000 if i % 2 else 3, {})
-            for i, (opt, mode) in enumerate(COMBOS)]
+            for i, (opt, mode) in enumerate(HALF)]
     _compare(tmp_path, 2, runs)
 
 
 def test_exact_row_wise_bit_identical_to_one_process(tmp_path):
     runs = [(f"{opt}-{mode}", opt, "row", mode, 3, 1000 if i % 2 else 3, {"exact": True})
-            for i, (opt, mode) in enumerate(COMBOS)]
+            for i, (opt, mode) in enumerate(OTHER_HALF)]
     _compare(tmp_path, 2, runs)
 
 
