@@ -157,7 +157,7 @@ def read_only_rows(store: Any, table: str, ids: torch.Tensor) -> torch.Tensor:
 
 def _pool(store: TierStore, table: str, ids: torch.Tensor, offsets: torch.Tensor,
           psw: torch.Tensor | None, mode: str) -> torch.Tensor:
-    if getattr(store, "readonly", False):  # a ReadOnlyStore: pool its published rows
+    if store.readonly:  # a ReadOnlyStore: pool its published rows
         rows = read_only_rows(store, table, ids)
         return F.embedding_bag(torch.arange(ids.numel(), device=rows.device), rows,
                                offsets.to(rows.device), mode=mode, per_sample_weights=psw)

@@ -56,7 +56,7 @@ class _TieredLookup(torch.autograd.Function):
 def _lookup(store: TierStore, table: str, ids: torch.Tensor) -> torch.Tensor:
     """[n, dim] rows of 1-D ids through the autograd function (a leaf anchor triggers backward)."""
     anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
-    if getattr(store, "readonly", False):  # a ReadOnlyStore: serve the published rows
+    if store.readonly:  # a ReadOnlyStore: serve the published rows
         return read_only_rows(store, table, ids)
     return _TieredLookup.apply(anchor, store, table, ids)
 

@@ -46,8 +46,11 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
 
     Upper tiers are exclusive write-back caches: a row lives in at most one cache tier, with a
     dirty bit when it differs from LMDB. Rows never written are initialized lazily from
-    (seed, table, row, column). Every operation takes a batch of ids.
+    (seed, table, row, column). Every operation takes a batch of ids. It is a
+    `tierstore.reader.RowReader`, as a `ReadOnlyStore` is.
     """
+
+    readonly = False  # a writable store (ReadOnlyStore says True)
 
     def __init__(self, path: str | os.PathLike, tables: Sequence[TableSpec] | TableSpec, *,
                  config: StoreConfig | None = None, **options: Any) -> None:
