@@ -1,4 +1,4 @@
-"""One read interface: a writable store and a read-only handle both are a RowReader, and modules run over either."""
+"""One read interface: a writable store and a read-only handle are both RowReaders."""
 
 from __future__ import annotations
 
