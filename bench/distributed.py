@@ -17,6 +17,7 @@ float16 comms and compares the held-out AUCs. `--criteo`: 26 tables.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -110,7 +111,10 @@ def _modeled(store, specs, looks: dict, kw: dict, world: int) -> list[tuple[floa
                   float_bytes=2 if kw.get("comm_dtype") else 4)
     per = [[0.0, 0.0, 0.0] for _ in range(world)]
     for s in specs:
-        for r, c in enumerate(table_cost(s, store.plan.placement(s.name), *looks[s.name], world, m)):
+        p = store.plan.placement(s.name)
+        if kw.get("exact") and p.kind == "row":
+            p = dataclasses.replace(p, exact=True)
+        for r, c in enumerate(table_cost(s, p, looks[s.name], world, m)):
             per[r][0] += c.seconds
             per[r][1] += c.compute
             per[r][2] += c.bytes

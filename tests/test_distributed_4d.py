@@ -150,7 +150,7 @@ def test_16bit_and_int32_halve_the_bytes(tmp_path):
         assert f16["fwd:ids"] * 2 == f32["fwd:ids"] > 0  # int32 ids by default (< 2**31 rows)
 
 
-LOOKS = {"users": (8, 4), "items": (16, 8)}  # ids and bags per rank per step
+LOOKS = {"users": (8, 4), "items": (16, 8, 4)}  # ids, bags (and unique ids) per rank per step
 
 
 def _auto_runs(rank, world, root, configs, sharding="auto", opt="adam"):
@@ -193,7 +193,8 @@ def test_auto_plan_mixed_bit_identical_across_capacities_and_prefetch(tmp_path):
                     preload=[__name__])
     plan = res[0]["big-d0"][1]
     kinds = {p["kind"] for p in plan["tables"].values()}
-    assert len(kinds) == 2, plan  # a mixed plan: column-wise users, row-wise items
+    assert len(kinds) == 2, plan  # a mixed plan: column-wise users, exact row-wise items
+    assert plan["tables"]["items"].get("exact") is True
     assert res[0]["big-d0"][2]["step_seconds"] > 0 and len(res[0]["big-d0"][2]["ranks"]) == 3
     for r in range(3):
         assert res[r]["reopened"] == plan
@@ -207,7 +208,7 @@ def test_auto_plan_mixed_bit_identical_across_capacities_and_prefetch(tmp_path):
                 assert torch.equal(got[1][t], base[1][t]), name
     ref = _reference(tmp_path / "ref", 3, "adam", "sum", 3, 2)
     _check({r: res[r]["exact"][0] for r in range(3)}, 3, ref, exact=True)
-    _check({r: res[r]["big-d0"][0] for r in range(3)}, 3, ref, exact=False)
+    _check({r: res[r]["big-d0"][0] for r in range(3)}, 3, ref, exact=True)  # the plan is exact
 
 
 def test_planner_fits_budgets_and_reports(tmp_path, capsys):
@@ -230,13 +231,19 @@ def test_planner_fits_budgets_and_reports(tmp_path, capsys):
     assert all(r.memory <= 60e6 for r in rep.ranks)
     # the report is the sum of the tables' modeled costs under the plan
     for r in range(2):
-        secs = sum(table_cost(s, plan.placement(s.name), *looks[s.name], 2, model)[r].seconds
+        secs = sum(table_cost(s, plan.placement(s.name), (*looks[s.name], looks[s.name][0]), 2,
+                              model)[r].seconds
                    for s in tabs)
         assert abs(secs - rep.ranks[r].seconds) < 1e-12
     with pytest.raises(ConfigError):
         auto_plan(tabs, 2, looks, "40MB", model)  # huge needs 52 MB per rank even split in two
     got = lookups_from_batches([make_batch(s, 4) for s in range(3)], FEATURES)
-    assert got["items"][1] == 8 and got["users"][1] == 4
+    assert got["items"][1] == 8 and got["users"][1] == 4 and got["items"][2] <= got["items"][0]
+    # exact row-wise where its rows cost at most EXACT_FACTOR x the partial sums' bytes
+    one = [ts.TableSpec("short", 10**6, 16)]
+    short, _ = auto_plan(one, 4, {"short": (100, 100, 90)}, model=CostModel(bandwidth=1e3))
+    long_, _ = auto_plan(one, 4, {"short": (2000, 100, 1900)}, model=CostModel(bandwidth=1e3))
+    assert short.placement("short").exact and not long_.placement("short").exact
     cfg = tmp_path / "tables.json"
     cfg.write_text(json.dumps({"tables": [s.to_config() for s in tabs],
                                "lookups": {k: list(v) for k, v in looks.items()}}))

@@ -52,7 +52,7 @@ def make_parts(plan: ShardingPlan, specs: dict[str, TableSpec], tables: list[str
         if p.kind == "table":
             out.append(Part(t, "table", (p.owner,), d, 0))
         elif p.kind == "row":
-            out.append(Part(t, "exact" if exact else "row", tuple(range(world)), d, 0))
+            out.append(Part(t, "exact" if exact or p.exact else "row", tuple(range(world)), d, 0))
         elif p.kind == "data":
             out.append(Part(t, "data", tuple(range(world)), d, 0))
         else:

@@ -40,18 +40,22 @@ class TablePlacement:
     kind: str
     owner: int = -1  # the owning rank of a table-wise table; -1 otherwise
     shards: tuple[int, ...] = ()  # column-wise: the rank of each column shard, in column order
+    exact: bool = False  # row-wise: owners return rows, the requester pools (bit-identical)
 
     def to_config(self) -> dict:
         """JSON-able form (stored beside the shards and in checkpoints)."""
         cfg: dict = {"kind": self.kind, "owner": self.owner}
         if self.shards:
             cfg["shards"] = list(self.shards)
+        if self.exact:
+            cfg["exact"] = True
         return cfg
 
     @classmethod
     def from_config(cls, cfg: dict) -> TablePlacement:
         """Inverse of `to_config`."""
-        return cls(str(cfg["kind"]), int(cfg["owner"]), tuple(int(r) for r in cfg.get("shards", ())))
+        return cls(str(cfg["kind"]), int(cfg["owner"]), tuple(int(r) for r in cfg.get("shards", ())),
+                   bool(cfg.get("exact", False)))
 
 
 @dataclass(frozen=True)
@@ -157,11 +161,12 @@ def make_plan(specs: Sequence[TableSpec], world_size: int,
               lookups: Mapping[str, Any] | None = None) -> ShardingPlan:
     """Build the plan: a kind for all, {table: kind | owner rank} (others: "row"), or a plan.
 
-    Kinds: "row", "table", "column" (one column shard per rank, at most dim; "column:K" for K
-    shards) and "data" (replicated). Table-wise tables without a given owner are placed greedily,
-    the costliest first, on the least-loaded rank; the cost of a table is its share of expected
-    bytes plus its share of `lookups` (expected lookups per step), when given. Column shards
-    start on the least-loaded ranks too. For "auto" see `tierstore.distributed.planner`.
+    Kinds: "row" ("row:exact": owners return rows, bit-identical), "table", "column" (one column
+    shard per rank, at most dim; "column:K" for K shards) and "data" (replicated). Table-wise
+    tables without a given owner are placed greedily, the costliest first, on the least-loaded
+    rank; the cost of a table is its share of expected bytes plus its share of `lookups`
+    (expected lookups per step), when given. Column shards start on the least-loaded ranks too.
+    For "auto" see `tierstore.distributed.planner`.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be a positive int, got {world_size!r}")
@@ -186,7 +191,8 @@ def make_plan(specs: Sequence[TableSpec], world_size: int,
     cost = _cost(specs, lookups)
     for name, want in wanted.items():
         ok = isinstance(want, int) and not isinstance(want, bool) or \
-            isinstance(want, str) and (want in KINDS or want.startswith("column:"))
+            isinstance(want, str) and (want in KINDS or want.startswith("column:") or
+                                       want == "row:exact")
         if not ok:
             raise ConfigError(f"sharding of table {name!r} must be one of {KINDS}, 'column:K' or "
                               f"a rank, got {want!r}")
@@ -197,6 +203,8 @@ def make_plan(specs: Sequence[TableSpec], world_size: int,
             load[want] += cost[name]
         elif want in ("row", "data"):
             placed[name] = TablePlacement(want)
+        elif want == "row:exact":
+            placed[name] = TablePlacement("row", exact=True)
     greedy = sorted((n for n, w in wanted.items() if isinstance(w, str) and
                      (w == "table" or w.startswith("column"))), key=lambda n: (-cost[n], n))
     for name in greedy:

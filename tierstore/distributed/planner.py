@@ -13,6 +13,8 @@ bytes i, float bytes f (on the wire), P bytes per stored row, N rows:
   memory N P on o.
 - row: C = L d/64 on every rank; X = 2 (W-1)/W L i + 2 (W-1) B i + 4 (W-1) q B d f, where
   q = 1 - (1 - 1/W)^(L/B) is the share of bags with an id on a given owner; memory N P / W.
+  Exact row-wise replaces the forward's 2 (W-1) q B d f by 2 (W-1)/W U d f (U unique ids);
+  the planner makes a row-wise table exact when that is at most EXACT_FACTOR (1.25) times it.
 - column, k shards: C = W L d/(64 k) on a shard rank; X = k' (L+B) i + 2 B d f (1 - s/k) on
   every rank (k' shards other than itself, s = 1 on a shard rank), plus (W-1) ((L+B) i +
   2 B (d/k) f) on a shard rank (plus 2 (k-1) u d/k 4 for row-wise Adagrad, u = min(W L, N));
@@ -77,7 +79,7 @@ class PlanReport:
     """The planner's output beside the plan: the inputs it used and each rank's modeled cost."""
 
     ranks: list[RankCost]
-    lookups: dict[str, tuple[float, float]]
+    lookups: dict[str, tuple[float, float, float]]
     model: CostModel
     budget: list[float | None] = field(default_factory=list)
 
@@ -93,24 +95,35 @@ class PlanReport:
                 "step_seconds": self.step_seconds}
 
 
-def lookups_from_batches(batches: Iterable, features: Mapping[str, str]) -> dict[str, tuple[float, float]]:
-    """Mean (ids, bags) per step per table over sample batches of one rank (keys, values, lengths)."""
+def lookups_from_batches(batches: Iterable, features: Mapping[str, str]
+                         ) -> dict[str, tuple[float, float, float]]:
+    """Mean (ids, bags, unique ids) per step per table over one rank's sample batches.
+
+    Batches are (keys, values, lengths), feature-major as the collections take them.
+    """
     total: dict[str, list[float]] = {}
     n = 0
-    for keys, _values, lengths in batches:
+    for keys, values, lengths in batches:
         keys = list(keys)
         lengths = torch.as_tensor(lengths)
+        values = torch.as_tensor(values)
         batch = lengths.numel() // max(len(keys), 1)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        ids: dict[str, list[torch.Tensor]] = {}
         for i, k in enumerate(keys):
             if k not in features:
                 continue
-            acc = total.setdefault(features[k], [0.0, 0.0])
-            acc[0] += float(lengths[i * batch : (i + 1) * batch].sum())
+            lo, hi = int(starts[i * batch]), int(starts[(i + 1) * batch])
+            acc = total.setdefault(features[k], [0.0, 0.0, 0.0])
+            acc[0] += hi - lo
             acc[1] += batch
+            ids.setdefault(features[k], []).append(values[lo:hi])
+        for t, parts in ids.items():
+            total[t][2] += torch.unique(torch.cat(parts)).numel()
         n += 1
     if n == 0:
         raise ConfigError("lookups_from_batches needs at least one sample batch")
-    return {t: (v[0] / n, v[1] / n) for t, v in total.items()}
+    return {t: (v[0] / n, v[1] / n, v[2] / n) for t, v in total.items()}
 
 
 def plan_tables(path: str) -> tuple[list[TableSpec], dict[str, object]]:
@@ -134,15 +147,22 @@ def plan_tables(path: str) -> tuple[list[TableSpec], dict[str, object]]:
 
 
 def _lookups(specs: Sequence[TableSpec], lookups: Mapping[str, object] | None
-             ) -> dict[str, tuple[float, float]]:
-    """(ids, bags) per rank per step for every table: given as a number (ids = bags) or a pair."""
+             ) -> dict[str, tuple[float, float, float]]:
+    """(ids, bags, unique ids) per rank per step of every table, from a number (all three
+    equal), (ids, bags) (unique = ids) or (ids, bags, unique)."""
     out = {}
     for s in specs:
         v = (lookups or {}).get(s.name, 1.0)
-        ids, bags = (v, v) if isinstance(v, (int, float)) else tuple(v)  # type: ignore[arg-type]
-        if not (float(ids) >= 0 and float(bags) > 0):
-            raise ConfigError(f"lookups of {s.name!r} must be ids >= 0 and bags > 0, got {v!r}")
-        out[s.name] = (float(ids), float(bags))
+        try:
+            vals = [float(v)] * 3 if isinstance(v, (int, float)) else [float(x) for x in v]  # type: ignore[union-attr]
+        except (TypeError, ValueError):
+            vals = []
+        if len(vals) == 2:
+            vals.append(vals[0])
+        if len(vals) != 3 or not (vals[0] >= 0 and vals[1] > 0 and 0 <= vals[2] <= max(vals[0], 1)):
+            raise ConfigError(f"lookups of {s.name!r} must be ids >= 0, bags > 0 and unique ids "
+                              f"<= ids, got {v!r}")
+        out[s.name] = (vals[0], vals[1], vals[2])
     return out
 
 
@@ -157,12 +177,28 @@ def _budgets(budget: int | str | Sequence[int | str] | None, world: int) -> list
     return vals
 
 
-def table_cost(spec: TableSpec, p: TablePlacement, ids: float, bags: float, world: int,
+def row_forward_bytes(spec: TableSpec, looks: tuple[float, float, float], world: int,
+                      m: CostModel) -> tuple[float, float]:
+    """A rank's forward bytes (sent + received) of a row-wise table: (partial sums, exact rows)."""
+    L, B, U = looks
+    W, d, f = world, spec.dim, m.float_bytes
+    q = 1.0 - (1.0 - 1.0 / W) ** (L / B) if W > 1 else 0.0
+    return 2 * (W - 1) * q * B * d * f, 2 * (W - 1) / W * U * d * f
+
+
+EXACT_FACTOR = 1.25  # the planner makes a row-wise table exact when its rows cost at most this
+# many times the partial sums' forward bytes
+
+
+def table_cost(spec: TableSpec, p: TablePlacement, looks: tuple[float, float, float], world: int,
                m: CostModel) -> list[RankCost]:
-    """Each rank's modeled compute, bytes and memory for one table under placement `p`."""
+    """Each rank's modeled compute, bytes and memory for one table under placement `p`.
+
+    `looks` is (ids, bags, unique ids) per rank per step.
+    """
     d, W, i, f = spec.dim, world, m.id_bytes, m.float_bytes
     rows_b = float(spec.num_rows) * spec.row_dim * 4
-    L, B = ids, bags
+    L, B = looks[0], looks[1]
     out = [RankCost() for _ in range(W)]
     if p.kind == "table":
         other = (L + B) * i + 2 * B * d * f
@@ -171,10 +207,11 @@ def table_cost(spec: TableSpec, p: TablePlacement, ids: float, bags: float, worl
         out[p.owner].compute = W * L * d / UNIT_DIM
         out[p.owner].memory = rows_b
     elif p.kind == "row":
-        q = 1.0 - (1.0 - 1.0 / W) ** (L / B) if W > 1 else 0.0
+        partial, rows = row_forward_bytes(spec, looks, W, m)
         for r in range(W):
             out[r].compute = L * d / UNIT_DIM
-            out[r].bytes = 2 * (W - 1) / W * L * i + 2 * (W - 1) * B * i + 4 * (W - 1) * q * B * d * f
+            out[r].bytes = 2 * (W - 1) / W * L * i + 2 * (W - 1) * B * i + partial + \
+                (rows if p.exact else partial)  # the backward's gradients are the partials'
             out[r].memory = rows_b / W
     elif p.kind == "column":
         k = len(p.shards)
@@ -197,10 +234,12 @@ def table_cost(spec: TableSpec, p: TablePlacement, ids: float, bags: float, worl
     return out
 
 
-def _candidates(spec: TableSpec, world: int) -> list[TablePlacement]:
+def _candidates(spec: TableSpec, world: int, looks: tuple[float, float, float],
+                m: CostModel) -> list[TablePlacement]:
     out = [TablePlacement("table", r) for r in range(world)]
     if world > 1:
-        out.append(TablePlacement("row"))
+        partial, rows = row_forward_bytes(spec, looks, world, m)
+        out.append(TablePlacement("row", exact=rows <= EXACT_FACTOR * partial))
         out.append(TablePlacement("data"))
         k = min(world, spec.dim)
         if k > 1 and spec.dtype == "float32" and spec.admission is None:
@@ -236,12 +275,12 @@ def auto_plan(specs: Sequence[TableSpec], world: int, lookups: Mapping[str, obje
     costs: dict[str, list[RankCost]] = {}
 
     def best(t: str) -> None:
-        spec, (ids, bags) = by_name[t], looks[t]
+        spec = by_name[t]
         costs.pop(t, None)
         base = _total(costs, world)
         pick = None
-        for cand in _candidates(spec, world):
-            per = table_cost(spec, cand, ids, bags, world, model)
+        for cand in _candidates(spec, world, looks[t], model):
+            per = table_cost(spec, cand, looks[t], world, model)
             mem = [base[r].memory + per[r].memory for r in range(world)]
             if any(b is not None and mem[r] > b for r, b in enumerate(budgets)):
                 continue
@@ -265,12 +304,13 @@ def auto_plan(specs: Sequence[TableSpec], world: int, lookups: Mapping[str, obje
 
 def format_report(plan: ShardingPlan, report: PlanReport) -> str:
     """The plan and each rank's modeled cost as a text table (`tierstore plan`)."""
-    lines = [f"{'table':<20} {'kind':<8} {'ranks':<16} {'ids/step':>10} {'bags/step':>10}"]
+    lines = [f"{'table':<20} {'kind':<9} {'ranks':<15} {'ids/step':>10} {'bags/step':>10}"]
     for t, p in plan.tables:
         ranks = ",".join(map(str, p.shards)) if p.kind == "column" else \
             str(p.owner) if p.kind == "table" else "all"
-        ids, bags = report.lookups.get(t, (0.0, 0.0))
-        lines.append(f"{t:<20} {p.kind:<8} {ranks:<16} {ids:>10.0f} {bags:>10.0f}")
+        ids, bags = report.lookups.get(t, (0.0, 0.0, 0.0))[:2]
+        kind = "row:exact" if p.exact else p.kind
+        lines.append(f"{t:<20} {kind:<9} {ranks:<15} {ids:>10.0f} {bags:>10.0f}")
     lines.append("")
     lines.append(f"{'rank':>4} {'compute units':>14} {'MB moved':>10} {'memory MB':>10} "
                  f"{'modeled ms':>11}")

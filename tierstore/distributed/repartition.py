@@ -102,7 +102,8 @@ def import_sharded(src: str | os.PathLike, path: str | os.PathLike, world_size: 
     specs = manifest["specs"]
     if sharding is None:
         old = manifest.get("sharding")
-        sharding = {t: p["kind"] for t, p in old["tables"].items()} if old else "row"
+        sharding = {t: "row:exact" if p.get("exact") else p["kind"]
+                    for t, p in old["tables"].items()} if old else "row"
     plan = make_plan(specs, world_size, sharding)
     check_apart(path, src, "import destination", "the export")
     if plan.kinds() & {"column", "data"}:
