@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
             "tierstore --help": cli + ["--help"],
             "tierstore --version": cli + ["--version"],
             "tierstore export --help": cli + ["export", "--help"],
+            "tierstore demo --help": cli + ["demo", "--help"],
             "tierstore info PATH": cli + ["info", str(store)],
+            "tierstore bench-policies --help (imports torch)": cli + ["bench-policies", "--help"],
             "python -c 'import torch' (reference)": [sys.executable, "-c", "import torch"],
         }
         records = []

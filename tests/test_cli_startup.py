@@ -61,7 +61,7 @@ def test_every_command_has_a_description_and_every_argument_help(cmd, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["info", "--help"], ["export", "--help"],
-                                  ["expire", "--help"]])
+                                  ["expire", "--help"], ["demo", "--help"]])
 def test_help_does_not_import_torch(argv):
     out = _run_py(f"""
 import sys

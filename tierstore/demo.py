@@ -6,20 +6,24 @@ import argparse
 import shutil
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-from tqdm import tqdm
-
-from . import RowWiseAdagrad, TableSpec, TierStore
-from .compile_watch import watch_compilation
 from .errors import TierstoreError
-from .stats import progress_line, tier_table
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+# torch, numpy, numba and the store are imported by `_run`, not here: `tierstore demo --help`
+# answers without them (tests/test_cli_startup.py)
 
 
 def zipf_ids(rng: np.random.Generator, n: int, num_rows: int, alpha: float,
              hot: int) -> torch.Tensor:
     """Zipf-skewed ids over a hot set of `hot` ranks, scattered over the whole id range."""
+    import numpy as np
+    import torch
+
     ranks = np.minimum(rng.zipf(alpha, n), hot).astype(np.uint64)
     with np.errstate(over="ignore"):
         spread = (ranks * np.uint64(0x9E3779B97F4A7C15)) % np.uint64(num_rows)
@@ -51,6 +55,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m tierstore.demo") 
 
 
 def _run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    from .compile_watch import watch_compilation
+    from .config import TableSpec
+    from .optimizers import RowWiseAdagrad
+    from .stats import progress_line, tier_table
+    from .store import TierStore
+
     if not args.keep:
         shutil.rmtree(args.path, ignore_errors=True)
     spec = TableSpec("items", args.rows, args.dim, optimizer=RowWiseAdagrad(lr=0.05))
