@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tierstore as ts
+from tierstore.embedding_configs import table_spec
 from tierstore.jagged import JaggedBatch
 
 
@@ -129,3 +130,19 @@ def test_prefetcher_is_exported():
     from tierstore.prefetch import Prefetcher
 
     assert ts.Prefetcher is Prefetcher
+
+
+def test_tables_keyword_like_torchrec(tmp_path):
+    cfgs = [ts.EmbeddingBagConfig(num_embeddings=100, embedding_dim=4, name="items",
+                                  feature_names=["item", "hist"])]
+    with ts.TierStore(tmp_path / "s", [table_spec(c) for c in cfgs], device="cpu",
+                      device_capacity=64, host_capacity=64) as store:
+        ebc = ts.TieredEmbeddingBagCollection(store, tables=cfgs, output="dict")
+        assert ebc.features == {"item": "items", "hist": "items"}
+        out = ebc(["item", "hist"], torch.tensor([1, 2, 3]), torch.tensor([1, 2]))
+        assert set(out) == {"item", "hist"}
+        assert torch.equal(out["item"][0], store.read("items", torch.tensor([1]))[0])
+        with pytest.raises(ts.ConfigError, match="give features"):
+            ts.TieredEmbeddingBagCollection(store)
+        with pytest.raises(ts.ConfigError, match="give features"):
+            ts.TieredEmbeddingBagCollection(store, ["items"], tables=cfgs)

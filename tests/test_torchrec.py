@@ -132,6 +132,8 @@ def test_keyed_tensor_output_and_torchrec_configs(tmp_path):
     ebc = ts.TieredEmbeddingBagCollection.from_configs(
         tmp_path / "s", tables, optimizer=ts.SGD(0.2), output="keyed", device="cpu",
         device_capacity=10**4, host_capacity=10**4)
+    same = ts.TieredEmbeddingBagCollection(ebc.store, tables=tables, output="keyed_tensor")
+    assert same.output == "keyed" and same.features == ebc.features
     try:
         assert ebc.store.table_specs["items"].num_rows == 500
         assert ebc.store.table_specs["users"].optimizer == ts.SGD(0.2)

@@ -22,6 +22,7 @@ from .store import TierStore
 
 MODES = ("sum", "mean")
 OUTPUTS = ("tensor", "dict", "keyed")  # what a collection returns
+_OUTPUT_ALIASES = {"keyed_tensor": "keyed", "KeyedTensor": "keyed"}
 
 
 class _TieredBags(torch.autograd.Function):
@@ -173,14 +174,21 @@ class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
     table, named after it). Input is TorchRec's jagged layout: keys, values, and lengths (or
     offsets) with one entry per (feature, sample), feature-major; a `KeyedJaggedTensor` works
     too (TorchRec's own, or duck-typed). `features` may also be a list of table configs
-    (`tierstore.EmbeddingBagConfig` or TorchRec's; their pooling sets `mode`). `output`:
+    (`tierstore.EmbeddingBagConfig` or TorchRec's; their pooling sets `mode`), also given as
+    `tables=` like TorchRec's EmbeddingBagCollection. `output`:
     "tensor" ([batch, sum of dims] in feature order), "dict" ({feature: [batch, dim]}) or
     "keyed" (TorchRec's `KeyedTensor`; needs torchrec).
     """
 
-    def __init__(self, store: TierStore, features: Mapping[str, str] | Sequence[Any],
-                 mode: str | None = None, output: str = "tensor") -> None:
+    def __init__(self, store: TierStore, features: Mapping[str, str] | Sequence[Any] | None = None,
+                 mode: str | None = None, output: str = "tensor", *,
+                 tables: Sequence[Any] | None = None) -> None:
         super().__init__()
+        if (features is None) == (tables is None):
+            raise ConfigError("give features (a {feature: table} map or table names) or tables "
+                              "(EmbeddingBagConfigs, as TorchRec's EmbeddingBagCollection takes)")
+        features = tables if features is None else features
+        output = _OUTPUT_ALIASES.get(output, output)
         configs = not isinstance(features, Mapping) and bool(features) and \
             all(is_table_config(f) for f in features)
         mode = mode or (config_pooling(features) if configs else "sum")
