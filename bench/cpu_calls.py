@@ -22,6 +22,7 @@ from tierstore.backends.lmdb_log import LogIO
 from tierstore.backends.lmdb_tables import TableRows
 from tierstore.backends.slab import SlabTier
 from tierstore.backends.wal.writelog import WriteLog
+from tierstore.bagpaths import BagPaths
 from tierstore.cascade import Cascade
 from tierstore.index import HashIndex
 from tierstore.pinned import PinnedSteps
@@ -34,7 +35,7 @@ from tierstore.stored_rows import RowLoader
 # merger's, and the writer's own when the log is full), LMDB table reads, puts and commits
 TARGETS: tuple[tuple[type, str], ...] = (
     (Prefetcher, "prepare_batch"), (Prefetcher, "finish_batch"),
-    (PinnedSteps, "stage_many"), (PinnedSteps, "pool_pinned"), (PinnedSteps, "apply_pinned"),
+    (PinnedSteps, "stage_many"), (BagPaths, "step_forward"), (BagPaths, "step_backward"),
     (PinnedSteps, "drain_hits"), (PinnedSteps, "drain_unpins"), (PinnedSteps, "pin"),
     (PinnedSteps, "_expire_scratch"),
     (Cascade, "access"), (Cascade, "_read_in_place"), (Cascade, "_fetch_misses"),

@@ -75,3 +75,28 @@ def test_triton_step_makes_no_syncing_call():
         eng.backward(batch, fwd, grad, slab, slots)
     assert out.shape == (4, 20)
     assert counter.calls == []
+
+
+@pytest.mark.parametrize("mode", ["sum", "max"])
+def test_twenty_steps_with_triton_equal_numba(tmp_path, mode):
+    import tierstore as ts
+
+    specs = [ts.TableSpec("a", 60, 8, optimizer=ts.RowWiseAdagrad(0.1)),
+             ts.TableSpec("b", 40, 6, optimizer=ts.Adam(0.01), dtype="bfloat16")]
+    final = []
+    for kernels in ("numba", "triton"):
+        with ts.TierStore(tmp_path / kernels, specs, device="cpu", kernels=kernels) as store:
+            assert store.kernels == kernels
+            ebc = ts.TieredEmbeddingBagCollection(store, {"x": "a", "y": "b", "z": "a"}, mode=mode)
+            g = torch.Generator().manual_seed(3)
+            for _ in range(20):
+                lengths = torch.randint(0, 4, (12,), generator=g)
+                n = [int(lengths[i * 4:(i + 1) * 4].sum()) for i in range(3)]
+                values = torch.cat([torch.randint(0, 60, (n[0],), generator=g),
+                                    torch.randint(0, 40, (n[1],), generator=g),
+                                    torch.randint(0, 60, (n[2],), generator=g)])
+                out = ebc(["x", "y", "z"], values, lengths)
+                (out * torch.randn(out.shape, generator=g)).sum().backward()
+            final.append({t: store.read(t, torch.arange(r)) for t, r in (("a", 60), ("b", 40))})
+    for t in ("a", "b"):
+        assert torch.equal(final[0][t], final[1][t]), t

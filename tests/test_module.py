@@ -239,7 +239,7 @@ def test_module_errors(tmp_path):
         with pytest.raises(ts.UnknownTableError):
             ts.TieredEmbeddingBag(store, "nope")
         with pytest.raises(ts.ConfigError):
-            ts.TieredEmbeddingBag(store, "a", mode="max")
+            ts.TieredEmbeddingBag(store, "a", mode="median")
         bag = ts.TieredEmbeddingBag(store, "a")
         with pytest.raises(ts.ShapeError):
             bag(torch.tensor([1, 2]))

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 import tierstore.admission as _adm
 
 from .fused import BatchUpdate, bag_positions
-from .fused import pool as fused_pool
 from .gathered import Gathered as Gathered  # re-exported
 from .index import dedup, sort_unique
 
 if TYPE_CHECKING:
     from .store import _Table
+
+R = TypeVar("R")
 
 
 class BagPaths:
@@ -34,47 +36,118 @@ class BagPaths:
         return Gathered(uniq, inv, tab.spec.codec.decode(payload, tab.spec.dim), self.cascade.last_dslots,
                         self.device_tier.generation)
 
-    def pool_forward(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
-                      psw: torch.Tensor | None, mode: str, need_weights: bool
-                      ) -> tuple[torch.Tensor, Gathered]:
-        """Pooled embeddings of bags over validated ids, and what the backward needs.
+    def step_forward(self, items: Sequence[tuple[str, torch.Tensor]],
+                     pool: Callable[[list[Gathered], list[torch.Tensor | None], torch.Tensor], R]
+                     ) -> tuple[R, list[Gathered]]:
+        """A training step's forward over several tables: make each table's rows readable and
+        run `pool(gathered, weights, slab)` while they stay where they are.
 
-        With the numba kernels on a CPU store, bags are pooled straight from the device slab
-        when every row is resident (no copy), otherwise from the gathered payloads: the same
-        kernel, the same bits. Elsewhere, `F.embedding_bag` over the gathered rows.
+        `items`: (table, ids) pairs. Per table, `gathered[t].slots` index the device slab when
+        every row is resident (or pinned by the prefetch pipeline), and `weights[t]` is None;
+        otherwise `weights[t]` holds its unique rows' float32 weights [u, dim]. A batch the
+        pipeline pinned is read without the store lock; any other takes it once for all tables.
         """
+        tabs = [self.table_record(t) for t, _ in items]
+        ids = [self.check_ids(tab, i) for tab, (_, i) in zip(tabs, items)]
+        if self._pinnable(tabs) and self._begin_unlocked():  # no locked operation moves rows now
+            try:
+                gs = [self._pinned_rows(tab, i) for tab, i in zip(tabs, ids)]
+                if all(g is not None for g in gs):
+                    out = pool(gs, [None] * len(gs), self.device_tier.slab)
+                    for g in gs:
+                        if g.slots.numel():
+                            self._pending_hits.append(g.slots)
+                    self.prefetch_stats.lock_free_bags += len(gs)
+                    return out, gs
+            finally:
+                self._end_unlocked()
+        with self.exclusive():
+            self.check_live()
+            gs, weights = [], []
+            for tab, i in zip(tabs, ids):
+                self.record_access(tab.spec.name, i)
+                mask = self.admit_mask(tab, i)
+                if mask is not None:  # some ids not admitted yet: they read their initial rows
+                    g = _adm.gather_masked(self, tab, i, mask)
+                    gs.append(g)
+                    weights.append(g.weights)
+                    continue
+                g = self._step_rows(tab, i)
+                gs.append(g)
+                weights.append(None if g.slots is not None else g.weights)
+            return pool(gs, weights, self.device_tier.slab), gs
+
+    def _step_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered:
+        """A table's rows for a step's forward (store lock held): device slots when every one
+        is resident, else the weights of its sorted unique rows (brought up the tiers)."""
         dim = tab.spec.dim
         dev = self.device_tier
-        mean = mode == "mean"
-        if not (self.fused and dev.device.type == "cpu"):
-            g = self.gather_rows(tab, ids)
-            w = g.weights.to(self.device)
-            out = torch.nn.functional.embedding_bag(
-                g.inverse.to(w.device), w, offsets.to(w.device), mode=mode,
-                per_sample_weights=None if psw is None else psw.to(w.device, w.dtype))
-            return out, g
         if ids.numel() == 0:
-            return torch.zeros(offsets.numel(), dim), self.gather_rows(tab, ids)
+            empty = torch.empty(0, dtype=torch.int64)
+            return Gathered(empty, empty, torch.empty(0, dim, device=self.device),
+                            empty.to(dev.device), dev.generation)
         uniq, inv = dedup(ids)
-        psw = None if psw is None else psw.detach().to("cpu", torch.float32)
         dslots = self.cascade.resident_slots(tab, uniq)
-        codec = tab.spec.codec
         if dslots is not None:  # `uniq` may stay unsorted: only these slots are touched
-            if codec.packed:  # 16-bit weights: pool their float32 values
-                weights = codec.gather(dev.slab, dslots, dim)
-                out = fused_pool(weights, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
-            else:  # straight from the slab, no copy
-                out = fused_pool(dev.slab, dslots, inv, offsets, dim, psw, mean)
-                weights = codec.gather(dev.slab, dslots, dim) if need_weights else torch.empty(0, dim)
-            return out, Gathered(uniq, inv, weights, dslots, dev.generation)
+            return Gathered(uniq, inv, torch.empty(0, dim), dslots, dev.generation)
         uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
         promote = self._promoting()
         payload = self.cascade.access(tab, uniq, None, promote=promote)
-        weights = codec.decode(payload, dim).contiguous() if codec.packed else payload
-        out = fused_pool(weights, torch.arange(uniq.numel()), inv, offsets, dim, psw, mean)
+        weights = tab.spec.codec.decode(payload, dim).contiguous()
         kept = None if promote else payload  # a warm-only read: no row moved up
-        return out, Gathered(uniq, inv, weights[:, :dim], self.cascade.last_dslots, dev.generation,
-                             payload=kept, writes=tab.writes)
+        return Gathered(uniq, inv, weights, None, dev.generation, payload=kept, writes=tab.writes)
+
+    def step_backward(self, items: Sequence[tuple[str, Gathered]],
+                      update: Callable[[torch.Tensor], None],
+                      position_grads: Callable[[int], torch.Tensor]) -> None:
+        """A training step's update over several tables, after `step_forward`.
+
+        When every table's rows are still in the device slots the forward found, `update(slab)`
+        updates them all in place in one call (without the store lock for a pinned batch).
+        Otherwise each table is updated where its rows now are, from `position_grads(t)`: the
+        gradient row of each of its positions, summed per row in position order.
+        """
+        tabs = [self.table_record(t) for t, _ in items]
+        gs = [g for _, g in items]
+        if all(g.pinned for g in gs) and self._begin_unlocked():
+            try:
+                if self._in_place(tabs, gs):
+                    self._update_in_place(tabs, gs, update)
+                    return
+            finally:
+                self._end_unlocked()
+        with self.exclusive():
+            self.check_live()
+            tabs = [self.table_record(t) for t, _ in items]
+            if self._in_place(tabs, gs):
+                self._update_in_place(tabs, gs, update)
+                return
+            for t, (tab, g) in enumerate(zip(tabs, gs)):
+                n = g.inverse.numel()
+                if n:  # bags of one position each: gradients summed per row in input order
+                    self.apply_bag_grads(tab, g, torch.arange(n), position_grads(t), None, "sum")
+
+    def _in_place(self, tabs: list[_Table], gs: list[Gathered]) -> bool:
+        """Whether every table's rows are still in the device slots its forward found (and the
+        engine's kernels do the update: without numba every update takes the torch path)."""
+        dev = self.device_tier
+        if not self.fused:
+            return False
+        for tab, g in zip(tabs, gs):
+            if g.slots is None or tab.spec.name in self._admission:
+                return False
+            if g.generation != (dev.pin_epoch if g.pinned else dev.generation):
+                return False
+        return True
+
+    def _update_in_place(self, tabs: list[_Table], gs: list[Gathered],
+                         update: Callable[[torch.Tensor], None]) -> None:
+        dev = self.device_tier
+        update(dev.slab)
+        for tab, g in zip(tabs, gs):
+            if g.slots.numel():
+                self._stamp(tab, dev.slab, g.slots)
+                dev.dirty[g.slots] = True
 
     def apply_bag_grads(self, tab: _Table, g: Gathered, offsets: torch.Tensor, grad_out: torch.Tensor,
                     per_sample_weights: torch.Tensor | None, mode: str) -> None:

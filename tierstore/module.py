@@ -8,125 +8,157 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import tierstore.validate as validate
 
-from .admission import pool_masked
+from .config import TableSpec
 from .embedding_configs import config_features, config_pooling, is_table_config, table_spec
-from .errors import ConfigError, ReadOnlyError, ShapeError
+from .errors import ConfigError, ShapeError, StoreClosedError, UnknownTableError
 from .jagged import JaggedBatch, keyed_tensor, torchrec_keyed_tensor
 from .module_state import StoreBacked
 from .optimizers import Optimizer
+from .steps import EngineStep, ReadOnlyRows, anchor, engine_for
 from .store import TierStore
 
-MODES = ("sum", "mean")
+MODES = ("sum", "mean", "max")
 OUTPUTS = ("tensor", "dict", "keyed")  # what a collection returns
 _OUTPUT_ALIASES = {"keyed_tensor": "keyed", "KeyedTensor": "keyed"}
 
 
-class _TieredBags(torch.autograd.Function):
-    """Pooled bags over store rows; backward applies the table's fused optimizer in place."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, psw: torch.Tensor | None, store: TierStore,
-                table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str) -> torch.Tensor:
-        need_weights = bool(ctx.needs_input_grad[1])
-        tab = store.table_record(table)
-        ids = store.check_ids(tab, ids)
-        # lock-free on the slots the pipeline pinned for this batch (not with admission: its
-        # sketch counts under the lock)
-        done = None if tab.spec.admission is not None else \
-            store.pool_pinned(tab, ids, offsets, psw, mode, need_weights)
-        if done is not None:
-            out, g = done
-        else:
-            with store.exclusive():
-                store.check_live()
-                tab = store.table_record(table)
-                store.record_access(table, ids)
-                mask = store.admit_mask(tab, ids)
-                if mask is not None:  # some ids not admitted yet: they pool their initial rows
-                    out, g = pool_masked(store, tab, ids, mask, offsets, psw, mode)
-                else:
-                    out, g = store.pool_forward(tab, ids, offsets, psw, mode, need_weights)
-        ctx.save_for_backward(psw, offsets)
-        ctx.mode, ctx.store, ctx.table, ctx.gathered = mode, store, table, g
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        psw, offsets = ctx.saved_tensors
-        store, g = ctx.store, ctx.gathered
-        ctx.gathered = None
-        tab = store.table_record(ctx.table)
-        grad_out = validate.bag_gradients(tab.spec, grad_out, psw).contiguous()
-        if not store.apply_pinned(tab, g, offsets, grad_out, psw, ctx.mode):  # lock-free
-            with store.exclusive():
-                store.check_live()
-                tab = store.table_record(ctx.table)
-                store.apply_bag_grads(tab, g, offsets, grad_out, psw, ctx.mode)
-        g_psw = None
-        if psw is not None and ctx.needs_input_grad[1]:
-            n = g.inverse.numel()
-            dev = g.weights.device
-            offs = offsets.to(dev)
-            lengths = torch.diff(offs, append=torch.tensor([n], device=dev))
-            bag_of = torch.repeat_interleave(torch.arange(offs.numel(), device=dev), lengths)
-            rows = g.weights.index_select(0, g.inverse.to(dev))
-            g_psw = (grad_out.to(dev).index_select(0, bag_of) * rows).sum(1).to(psw.device)
-        return None, g_psw, None, None, None, None, None
+def store_table(store: Any, table: str) -> TableSpec:
+    """The spec of a store's table; UnknownTableError (StoreClosedError when closed) otherwise."""
+    if getattr(store, "closed", False):
+        raise StoreClosedError(f"store {store.path} is closed")
+    specs = store.table_specs
+    if table not in specs:
+        raise UnknownTableError(f"unknown table {table!r}; this store has {sorted(specs)}")
+    return specs[table]
 
 
 def _normalize(input: torch.Tensor, offsets: torch.Tensor | None,
-               per_sample_weights: torch.Tensor | None
+               per_sample_weights: torch.Tensor | None, include_last_offset: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """torch.nn.EmbeddingBag's input conventions -> (flat ids, offsets, flat weights)."""
+    """torch.nn.EmbeddingBag's input conventions -> (flat ids, ids per bag, flat weights)."""
     validate.no_meta(input=input, offsets=offsets, per_sample_weights=per_sample_weights)
     if input.dim() == 2:
         if offsets is not None:
             raise ShapeError("offsets must be None when input is 2-D")
         b, length = input.shape
-        offsets = torch.arange(b, dtype=torch.int64) * length
+        lengths = torch.full((b,), length, dtype=torch.int64)
         input = input.reshape(-1)
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.reshape(-1)
     elif input.dim() == 1:
         if offsets is None or offsets.dim() != 1:
             raise ShapeError("1-D input needs 1-D offsets (the start of each bag)")
+        if offsets.is_floating_point() or offsets.is_complex():
+            raise ShapeError(f"offsets must be an integer tensor, got dtype {offsets.dtype}")
         offsets = offsets.to(device="cpu", dtype=torch.int64)
+        if include_last_offset and offsets.numel() == 0:
+            raise ShapeError("include_last_offset=True needs offsets ending with len(input)")
         if offsets.numel() and (int(offsets[0]) != 0 or bool((offsets.diff() < 0).any())
                                 or int(offsets[-1]) > input.numel()):
             raise ShapeError("offsets must start at 0, be non-decreasing and <= len(input)")
+        if include_last_offset:  # the last entry ends the last bag
+            end = int(offsets[-1])
+            lengths = offsets.diff()
+            input = input[:end]
+        else:
+            lengths = torch.diff(offsets, append=torch.tensor([input.numel()]))
     else:
         raise ShapeError(f"input must be 1-D or 2-D, got shape {tuple(input.shape)}")
-    if per_sample_weights is not None and per_sample_weights.shape != input.shape:
-        raise ShapeError("per_sample_weights must have the same shape as input")
-    return input, offsets, per_sample_weights
+    if per_sample_weights is not None:
+        if include_last_offset and input.dim() == 1 and per_sample_weights.dim() == 1:
+            per_sample_weights = per_sample_weights[: input.numel()]
+        if per_sample_weights.shape != input.shape:
+            raise ShapeError("per_sample_weights must have the same shape as input")
+    return input, lengths, per_sample_weights
+
+
+def _drop_padding(ids: torch.Tensor, lengths: torch.Tensor, psw: torch.Tensor | None,
+                  padding_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Remove the positions holding `padding_idx` (they pool nothing and get no gradient)."""
+    keep = ids != padding_idx
+    if bool(keep.all()):
+        return ids, lengths, psw
+    bag_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    kept = torch.bincount(bag_of[keep.cpu()], minlength=lengths.numel())
+    return ids[keep], kept, None if psw is None else psw[keep]
+
+
+def pool_bags(store: Any, features: list[tuple[str, str, str]], ids: list[torch.Tensor],
+              lengths: torch.Tensor, psw: torch.Tensor | None) -> torch.Tensor:
+    """Pooled bags [batch, sum of dims] of (feature, table, mode) features in one engine step:
+    `ids[f]` the flat ids of feature f, `lengths` ids per bag, feature-major."""
+    if store.readonly:  # a ReadOnlyStore: pool the published rows
+        return _pool_read_only(store, features, ids, lengths, psw)
+    return EngineStep.apply(anchor(), psw, store, engine_for(store, features), ids, lengths)
+
+
+def read_only_rows(store: Any, table: str, ids: torch.Tensor) -> torch.Tensor:
+    """[n, dim] rows of a `ReadOnlyStore`; a backward through them raises ReadOnlyError."""
+    return ReadOnlyRows.apply(anchor(), store, table, ids)
+
+
+def _pool_read_only(store: Any, features: list[tuple[str, str, str]], ids: list[torch.Tensor],
+                    lengths: torch.Tensor, psw: torch.Tensor | None) -> torch.Tensor:
+    nf = len(features)
+    batch = lengths.numel() // nf
+    outs, at = [], 0
+    for f, (_, table, mode) in enumerate(features):
+        ln = lengths[f * batch : (f + 1) * batch]
+        n = int(ids[f].numel())
+        rows = ReadOnlyRows.apply(anchor(), store, table, ids[f])
+        offs = torch.zeros(batch, dtype=torch.int64)
+        torch.cumsum(ln[:-1], 0, out=offs[1:])
+        w = None if psw is None else psw[at : at + n].to(rows.device, rows.dtype)
+        outs.append(torch.nn.functional.embedding_bag(
+            torch.arange(n, device=rows.device), rows, offs.to(rows.device), mode=mode,
+            per_sample_weights=w))
+        at += n
+    return torch.cat(outs, dim=1)
 
 
 class TieredEmbeddingBag(StoreBacked, nn.Module):
-    """Like torch.nn.EmbeddingBag over one store table; backward updates rows in the store."""
+    """Like torch.nn.EmbeddingBag over one store table; backward updates rows in the store.
 
-    def __init__(self, store: TierStore, table: str, mode: str = "sum") -> None:
+    `mode` "sum", "mean" or "max" (its gradient goes to each bag's arg-max row, as torch's);
+    positions holding `padding_idx` pool nothing and get no update (a negative one counts from
+    `num_rows`); `include_last_offset=True` takes offsets with one entry past the last bag.
+    """
+
+    def __init__(self, store: Any, table: str, mode: str = "sum", padding_idx: int | None = None,
+                 include_last_offset: bool = False) -> None:
         super().__init__()
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        spec = store_table(store, table)
+        if padding_idx is not None:
+            if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) or \
+                    not -spec.num_rows <= padding_idx < spec.num_rows:
+                raise ConfigError(f"padding_idx must be an int in [-{spec.num_rows}, "
+                                  f"{spec.num_rows}), got {padding_idx!r}")
+            if padding_idx < 0:
+                padding_idx += spec.num_rows
         self.store = store
         self.watch_clock()  # warns when tables with a ttl train on a clock nobody advances
         self.table = table
         self.mode = mode
-        self.embedding_dim = store.table_specs[table].dim if table in store.table_specs else None
-        if self.embedding_dim is None:
-            store.table_record(table)  # raises UnknownTableError
+        self.padding_idx = padding_idx
+        self.include_last_offset = bool(include_last_offset)
+        self.embedding_dim = spec.dim
+        self.num_embeddings = spec.num_rows
+        self.features = {table: table}  # for Prefetcher(module, ...): batches keyed by table
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled embeddings [bags, dim] with nn.EmbeddingBag's conventions."""
-        ids, offsets, psw = _normalize(input, offsets, per_sample_weights)
+        ids, lengths, psw = _normalize(input, offsets, per_sample_weights, self.include_last_offset)
         if psw is not None and self.mode != "sum":
             raise ConfigError("per_sample_weights are only supported with mode='sum'")
-        return _pool(self.store, self.table, ids, offsets, psw, self.mode)
+        if self.padding_idx is not None:
+            ids, lengths, psw = _drop_padding(ids, lengths, psw, self.padding_idx)
+        return pool_bags(self.store, [(self.table, self.table, self.mode)], [ids], lengths, psw)
 
     def _state_tables(self) -> list[str]:
         return [self.table]
@@ -136,35 +168,12 @@ class TieredEmbeddingBag(StoreBacked, nn.Module):
         return f"{super().extra_repr()}, mode={self.mode!r}"
 
 
-class _ReadOnlyRows(torch.autograd.Function):
-    """Rows of flat ids from a read-only handle (inference); backward raises ReadOnlyError."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, store: Any, table: str,
-                ids: torch.Tensor) -> torch.Tensor:
-        ctx.path = store.path
-        return store.read(table, ids)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        raise ReadOnlyError(f"store {ctx.path} is open read-only: training through it is not allowed")
-
-
-def read_only_rows(store: Any, table: str, ids: torch.Tensor) -> torch.Tensor:
-    """[n, dim] rows of a `ReadOnlyStore`; a backward through them raises ReadOnlyError."""
-    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
-    return _ReadOnlyRows.apply(anchor, store, table, ids)
-
-
-def _pool(store: TierStore, table: str, ids: torch.Tensor, offsets: torch.Tensor,
+def _pool(store: Any, table: str, ids: torch.Tensor, offsets: torch.Tensor,
           psw: torch.Tensor | None, mode: str) -> torch.Tensor:
-    if store.readonly:  # a ReadOnlyStore: pool its published rows
-        rows = read_only_rows(store, table, ids)
-        return F.embedding_bag(torch.arange(ids.numel(), device=rows.device), rows,
-                               offsets.to(rows.device), mode=mode, per_sample_weights=psw)
-    # a leaf that requires grad, so autograd runs our backward (which updates the store)
-    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
-    return _TieredBags.apply(anchor, psw, store, table, ids, offsets.to("cpu", torch.int64), mode)
+    """Pooled bags of one table's ids (bags start at `offsets`), through the engine."""
+    offsets = offsets.to("cpu", torch.int64)
+    lengths = torch.diff(offsets, append=torch.tensor([ids.numel()]))
+    return pool_bags(store, [(table, table, mode)], [ids], lengths, psw)
 
 
 class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
@@ -207,7 +216,7 @@ class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
         if not feats:
             raise ConfigError("features must not be empty")
         for feature, table in feats.items():
-            store.table_record(table)
+            store_table(store, table)
             known = store.feature_tables.setdefault(feature, table)
             if known != table:
                 store.feature_tables[feature] = None  # two collections disagree: no default
@@ -218,9 +227,6 @@ class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
         self.features = feats
         self.feature_names = list(feats)
         self.dims = [store.table_specs[t].dim for t in feats.values()]
-        self._by_table: dict[str, list[str]] = {}
-        for f, t in feats.items():
-            self._by_table.setdefault(t, []).append(f)
 
     def forward(self, keys: Any, values: torch.Tensor | None = None,
                 lengths: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
@@ -239,28 +245,23 @@ class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
         starts = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=starts[1:])
         kpos = {k: i for i, k in enumerate(keys)}
-        out: dict[str, torch.Tensor] = {}
-        for table, feats in self._by_table.items():
-            # one gather and one optimizer step per table, however many features share it
-            parts, lens, wparts = [], [], []
-            for f in feats:
-                i = kpos[f]
-                lo, hi = int(starts[i * batch]), int(starts[(i + 1) * batch])
-                parts.append(values[lo:hi])
-                lens.append(lengths[i * batch : (i + 1) * batch])
-                if weights is not None:
-                    wparts.append(weights[lo:hi])
-            ids = torch.cat(parts)
-            ln = torch.cat(lens)
-            offs = torch.zeros(ln.numel(), dtype=torch.int64)
-            torch.cumsum(ln[:-1], 0, out=offs[1:])
-            psw = torch.cat(wparts) if weights is not None else None
-            pooled = _pool(self.store, table, ids, offs, psw, self.mode)
-            for j, f in enumerate(feats):
-                out[f] = pooled[j * batch : (j + 1) * batch]
+        ids, lens, wparts = [], [], []
+        for f in self.feature_names:  # the plan's order: one engine step for every feature
+            i = kpos[f]
+            lo, hi = int(starts[i * batch]), int(starts[(i + 1) * batch])
+            ids.append(values[lo:hi])
+            lens.append(lengths[i * batch : (i + 1) * batch])
+            if weights is not None:
+                wparts.append(weights[lo:hi])
+        psw = torch.cat(wparts) if weights is not None else None
+        plan = [(f, t, self.mode) for f, t in self.features.items()]
+        pooled = pool_bags(self.store, plan, ids, torch.cat(lens), psw)
         if as_dict or self.output == "dict":
-            return {f: out[f] for f in self.feature_names}
-        pooled = torch.cat([out[f] for f in self.feature_names], dim=1)
+            out, at = {}, 0
+            for f, d in zip(self.feature_names, self.dims):
+                out[f] = pooled[:, at : at + d]
+                at += d
+            return out
         return keyed_tensor(self.feature_names, self.dims, pooled) if self.output == "keyed" else pooled
 
     def extra_repr(self) -> str:

@@ -11,7 +11,6 @@ import torch
 
 from .backends.slab import Rows
 from .bagpaths import Gathered
-from .fused import pool as fused_pool
 from .index import dedup
 
 if TYPE_CHECKING:
@@ -116,45 +115,25 @@ class PinnedSteps:
         s = slots[pos]
         return None if len(s) == 0 or s.min() < 0 else torch.from_numpy(s)
 
-    def pool_pinned(self, tab: _Table, ids: torch.Tensor, offsets: torch.Tensor,
-                     psw: torch.Tensor | None, mode: str, need_weights: bool
-                     ) -> tuple[torch.Tensor, Gathered] | None:
-        """`_pool_forward` without the store lock for a batch the pipeline pinned, else None."""
-        dev = self.device_tier
-        if (not self.fused or dev.device.type != "cpu" or ids.numel() == 0
-                or self._recorder is not None or tab.spec.codec.packed):
-            return None
-        uniq, inv = dedup(ids)
-        if not self._begin_unlocked():  # first: no locked operation may move rows from here on
-            return None
-        try:
-            dslots = self._pinned_slots(tab, uniq)
-            if dslots is None:
-                return None
-            psw = None if psw is None else psw.detach().to("cpu", torch.float32)
-            out = fused_pool(dev.slab, dslots, inv, offsets, tab.spec.dim, psw, mode == "mean")
-            weights = tab.spec.codec.gather(dev.slab, dslots, tab.spec.dim) if need_weights \
-                else torch.empty(0, tab.spec.dim)
-        finally:
-            self._end_unlocked()
-        self._pending_hits.append(dslots)
-        self.prefetch_stats.lock_free_bags += 1
-        return out, Gathered(uniq, inv, weights, dslots, dev.pin_epoch, pinned=True)
+    def _pinnable(self, tabs: list[_Table]) -> bool:
+        """Whether a step over these tables may read the pipeline's pinned rows lock-free (not
+        while recording a trace or with admission: both count under the lock)."""
+        return (self.device_tier.device.type == "cpu" and self._recorder is None
+                and not any(tab.spec.name in self._admission for tab in tabs))
 
-    def apply_pinned(self, tab: _Table, g: Gathered, offsets: torch.Tensor,
-                      grad_out: torch.Tensor, psw: torch.Tensor | None, mode: str) -> bool:
-        """`_apply_bags` without the store lock when `g`'s rows are still pinned; False otherwise."""
-        if not g.pinned or g.slots is None:
-            return False
-        if not self._begin_unlocked():  # first: no locked operation may move rows from here on
-            return False
-        try:
-            if g.generation != self.device_tier.pin_epoch:  # a pinned row left since the gather
-                return False
-            self.apply_bag_grads(tab, g, offsets, grad_out, psw, mode)
-        finally:
-            self._end_unlocked()
-        return True
+    def _pinned_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered | None:
+        """A table's rows of the batch the pipeline pinned for this thread, or None (lock-free,
+        inside `_begin_unlocked`)."""
+        dev = self.device_tier
+        if ids.numel() == 0:
+            empty = torch.empty(0, dtype=torch.int64)
+            return Gathered(empty, empty, torch.empty(0, tab.spec.dim), empty, dev.pin_epoch,
+                            pinned=True)
+        uniq, inv = dedup(ids)
+        dslots = self._pinned_slots(tab, uniq)
+        if dslots is None:
+            return None
+        return Gathered(uniq, inv, torch.empty(0, tab.spec.dim), dslots, dev.pin_epoch, pinned=True)
 
     # staging (called by tierstore.prefetch with the store lock held) ---------------------
     def window_fits(self, rows: int) -> bool:

@@ -13,57 +13,28 @@ from typing import Any
 import torch
 from torch import nn
 
-import tierstore.admission as _adm
-import tierstore.validate as validate
-
 from .errors import ConfigError, InvalidIdsError, ShapeError
 from .jagged import JaggedBatch
-from .module import read_only_rows
+from .module import read_only_rows, store_table
 from .module_state import StoreBacked
-from .store import TierStore
+from .steps import EngineStep, anchor, engine_for
 
 
-class _TieredLookup(torch.autograd.Function):
-    """Rows of flat ids (one output row per id); backward applies the fused optimizer in place."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, store: TierStore, table: str,
-                ids: torch.Tensor) -> torch.Tensor:
-        with store.exclusive():  # no lock-free bag update of these rows is running
-            tab = store.table_record(table)
-            ids = store.check_ids(tab, ids)
-            store.record_access(table, ids)
-            mask = store.admit_mask(tab, ids)  # admission counts every sighting, as bags do
-            g = store.gather_rows(tab, ids) if mask is None else _adm.gather_masked(store, tab, ids, mask)
-        ctx.store, ctx.table, ctx.gathered = store, table, g
-        return g.weights.index_select(0, g.inverse.to(g.weights.device))
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        store, g = ctx.store, ctx.gathered
-        ctx.gathered = None
-        n = g.inverse.numel()
-        if n:
-            with store.exclusive():
-                store.check_live()
-                tab = store.table_record(ctx.table)
-                grad_out = validate.bag_gradients(tab.spec, grad_out, None)  # NaN/Inf; clip
-                # each id is a bag of one: gradients are summed per row in input order
-                store.apply_bag_grads(tab, g, torch.arange(n), grad_out.contiguous(), None, "sum")
-        return None, None, None, None
-
-
-def _lookup(store: TierStore, table: str, ids: torch.Tensor) -> torch.Tensor:
+def _lookup(store: Any, table: str, ids: torch.Tensor) -> torch.Tensor:
     """[n, dim] rows of 1-D ids through the autograd function (a leaf anchor triggers backward)."""
-    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
     if store.readonly:  # a ReadOnlyStore: serve the published rows
         return read_only_rows(store, table, ids)
-    return _TieredLookup.apply(anchor, store, table, ids)
+    return _rows(store, [(table, table, "sum")], [ids])
 
 
-def _dim(store: TierStore, table: str) -> int:
-    store.table_record(table)  # raises UnknownTableError / StoreClosedError
-    return store.table_specs[table].dim
+def _rows(store: Any, features: list[tuple[str, str, str]], ids: list[torch.Tensor]) -> torch.Tensor:
+    """[total ids, widest dim] rows of every feature's ids in one engine step."""
+    eng = engine_for(store, features, pooled=False)
+    return EngineStep.apply(anchor(), None, store, eng, ids, torch.empty(0, dtype=torch.int64))
+
+
+def _dim(store: Any, table: str) -> int:
+    return store_table(store, table).dim
 
 
 class TieredEmbedding(StoreBacked, nn.Module):
@@ -74,7 +45,7 @@ class TieredEmbedding(StoreBacked, nn.Module):
     table of 10^11 rows, "-5" would silently freeze row `num_rows - 5`, a real row.
     """
 
-    def __init__(self, store: TierStore, table: str, padding_idx: int | None = None) -> None:
+    def __init__(self, store: Any, table: str, padding_idx: int | None = None) -> None:
         super().__init__()
         self.embedding_dim = _dim(store, table)
         self.num_embeddings = store.table_specs[table].num_rows
@@ -148,7 +119,7 @@ class TieredEmbeddingCollection(StoreBacked, nn.Module):
     table share one gather and one optimizer step per batch.
     """
 
-    def __init__(self, store: TierStore, features: Mapping[str, str] | Sequence[str]) -> None:
+    def __init__(self, store: Any, features: Mapping[str, str] | Sequence[str]) -> None:
         super().__init__()
         if isinstance(features, Mapping):
             feats = dict(features)
@@ -157,7 +128,7 @@ class TieredEmbeddingCollection(StoreBacked, nn.Module):
         if not feats:
             raise ConfigError("features must not be empty")
         for feature, table in feats.items():
-            store.table_record(table)
+            store_table(store, table)
             known = store.feature_tables.setdefault(feature, table)
             if known != table:
                 store.feature_tables[feature] = None  # two collections disagree: no default
@@ -166,9 +137,6 @@ class TieredEmbeddingCollection(StoreBacked, nn.Module):
         self.features = feats
         self.feature_names = list(feats)
         self.dims = {f: store.table_specs[t].dim for f, t in feats.items()}
-        self._by_table: dict[str, list[str]] = {}
-        for f, t in feats.items():
-            self._by_table.setdefault(t, []).append(f)
 
     def forward(self, keys: Any, values: torch.Tensor | None = None,
                 lengths: torch.Tensor | None = None, offsets: torch.Tensor | None = None
@@ -184,18 +152,19 @@ class TieredEmbeddingCollection(StoreBacked, nn.Module):
         starts = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=starts[1:])
         kpos = {k: i for i, k in enumerate(keys)}
+        spans = [(int(starts[kpos[f] * batch]), int(starts[(kpos[f] + 1) * batch]))
+                 for f in self.feature_names]
+        ids = [values[lo:hi] for lo, hi in spans]
+        if self.store.readonly:
+            rows = [_lookup(self.store, self.features[f], i) for f, i in zip(self.feature_names, ids)]
+        else:  # one engine step for every feature
+            flat = _rows(self.store, [(f, self.features[f], "sum") for f in self.feature_names], ids)
+            rows, at = [], 0
+            for f, i in zip(self.feature_names, ids):
+                rows.append(flat[at : at + i.numel(), : self.dims[f]])
+                at += i.numel()
         out: dict[str, JaggedEmbeddings] = {}
-        for table, feats in self._by_table.items():
-            spans = []
-            for f in feats:
-                i = kpos[f]
-                spans.append((int(starts[i * batch]), int(starts[(i + 1) * batch])))
-            ids = torch.cat([values[lo:hi] for lo, hi in spans])
-            rows = _lookup(self.store, table, ids)
-            at = 0
-            for f, (lo, hi) in zip(feats, spans):
-                i = kpos[f]
-                out[f] = JaggedEmbeddings(rows[at : at + hi - lo],
-                                          lengths[i * batch : (i + 1) * batch])
-                at += hi - lo
+        for f, r in zip(self.feature_names, rows):
+            i = kpos[f]
+            out[f] = JaggedEmbeddings(r, lengths[i * batch : (i + 1) * batch])
         return {f: out[f] for f in self.feature_names}

@@ -9,18 +9,19 @@ math as the per-table fused path); every other variant is data of the plan.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .._kernels import HAVE_NUMBA
+from ..config import KERNELS
 from ..errors import ConfigError
 from ..precision import CODECS
 from .numba_backend import NumbaBackend
 from .plan import CODECS as CODE_OF
-from .plan import Plan, StepBatch
+from .plan import MAX, Plan, StepBatch, TablePlan
 
-KERNELS = ("auto", "numba", "triton")
 _CODEC_NAMES = {v: k for k, v in CODE_OF.items()}
 
 
@@ -79,12 +80,39 @@ class Engine:
         self.kernels = kernels
         self.backend = make_backend(kernels, plan)
 
-    def forward(self, batch: StepBatch, src: torch.Tensor, slots: torch.Tensor
+    def forward(self, batch: StepBatch, src: torch.Tensor, slots: torch.Tensor,
+                weights: Sequence[torch.Tensor | None] | None = None
                 ) -> tuple[torch.Tensor, Forward]:
-        """Pooled bags (or per-id rows) of the step, read from `src[slots[u]]`."""
-        work, work_of = self._decoded(batch, src, slots, weights_only=True)
+        """Pooled bags (or per-id rows) of the step, read from `src[slots[u]]`; a table given
+        `weights[t]` (float32 [its unique rows, dim]) is read from there instead."""
+        work, work_of = self._decoded(batch, src, slots, weights_only=True, given=weights)
         out, argmax = self.backend.forward(batch, src, slots, work, work_of)
         return out, Forward(argmax)
+
+    def position_grads(self, batch: StepBatch, fwd: Forward, grad_out: torch.Tensor, t: int
+                       ) -> torch.Tensor:
+        """The gradient row [n_t, dim] each position of table t adds to its row, in position
+        order: clipped, scaled (mean, weights), zero off the arg-max of a max bag. Summed per
+        row in that order by the per-table update (`BatchUpdate`), it gives the engine's bits."""
+        tp = self.plan.tables[t]
+        lo, hi = batch.u_start[t], batch.u_start[t + 1]
+        inv = batch.inverse
+        pos = torch.nonzero((inv >= lo) & (inv < hi)).flatten()
+        bag = torch.searchsorted(batch.offsets[1:], pos, right=True)
+        feat = batch.bag_feat.index_select(0, bag)
+        cols = self.plan.feat_col.to(inv.device).index_select(0, feat).unsqueeze(1) + \
+            torch.arange(tp.dim, device=inv.device)
+        g = grad_out[batch.bag_out.index_select(0, bag).unsqueeze(1), cols]
+        if tp.clip != float("inf"):
+            g = g.clamp(-tp.clip, tp.clip)
+        scale = self.plan.scale(batch)
+        if scale is not None:
+            g = g * scale.index_select(0, pos).unsqueeze(1)
+        if fwd.argmax is not None:
+            is_max = (self.plan.feat_mode.to(inv.device).index_select(0, feat) == MAX).unsqueeze(1)
+            hit = fwd.argmax[bag, : tp.dim] == pos.unsqueeze(1)
+            g = torch.where(is_max & ~hit, torch.zeros((), dtype=g.dtype, device=g.device), g)
+        return g.contiguous()
 
     def backward(self, batch: StepBatch, fwd: Forward, grad_out: torch.Tensor,
                  table: torch.Tensor, slots: torch.Tensor, lo: int = 0, hi: int | None = None
@@ -100,21 +128,30 @@ class Engine:
         self.backend.backward(batch, table, slots, work, work_of, grad_out, scale, fwd.argmax, lo, hi)
         self._encode(batch, table, slots, work, lo, hi)
 
-    def _packed_ranges(self, batch: StepBatch, lo: int, hi: int):
+    def _packed_ranges(self, batch: StepBatch, lo: int, hi: int
+                       ) -> Iterator[tuple[TablePlan, int, int]]:
         for t, tp in enumerate(self.plan.tables):
             a, b = max(batch.u_start[t], lo), min(batch.u_start[t + 1], hi)
             if tp.packed and b > a:
                 yield tp, a, b
 
     def _decoded(self, batch: StepBatch, src: torch.Tensor, slots: torch.Tensor,
-                 weights_only: bool, lo: int = 0, hi: int | None = None
+                 weights_only: bool, lo: int = 0, hi: int | None = None,
+                 given: Sequence[torch.Tensor | None] | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """16-bit tables' rows decoded to float32 [rows, dim (+ state)], and each unique row's
-        place there (-1: read the row from `src`); (None, None) without 16-bit tables."""
-        if not self.plan.packed:
+        """16-bit tables' rows decoded to float32 [rows, dim (+ state)] and the tables' `given`
+        weights, and each unique row's place there (-1: read the row from `src`); (None, None)
+        when every row is read from `src`."""
+        given = [None] * len(self.plan.tables) if given is None else list(given)
+        if not self.plan.packed and all(w is None for w in given):
             return None, None
         hi = batch.n_unique if hi is None else hi
-        ranges = list(self._packed_ranges(batch, lo, hi))
+        ranges = [(tp, a, b) for tp, a, b in self._packed_ranges(batch, lo, hi)
+                  if given[self.plan.tables.index(tp)] is None]
+        for t, w in enumerate(given):
+            a, b = max(batch.u_start[t], lo), min(batch.u_start[t + 1], hi)
+            if w is not None and b > a:
+                ranges.append((self.plan.tables[t], a, b))
         width = max([tp.dim + (0 if weights_only else tp.state) for tp, _, _ in ranges], default=1)
         total = sum(b - a for _, a, b in ranges)
         dev = src.device
@@ -122,6 +159,13 @@ class Engine:
         work_of = torch.full((batch.n_unique,), -1, dtype=torch.int64, device=dev)
         at = 0
         for tp, a, b in ranges:
+            t = self.plan.tables.index(tp)
+            if given[t] is not None:
+                base = batch.u_start[t]
+                work[at : at + b - a, : tp.dim] = given[t][a - base : b - base, : tp.dim]
+                work_of[a:b] = torch.arange(at, at + b - a, device=dev)
+                at += b - a
+                continue
             codec = CODECS[_CODEC_NAMES[tp.codec]]
             rows = src.index_select(0, slots[a:b])
             work[at : at + b - a, : tp.dim] = codec.decode(rows[:, : tp.cols], tp.dim)

@@ -99,6 +99,14 @@ class StepBatch:
     out_rows: int
     out_width: int
 
+    def to(self, device: torch.device) -> StepBatch:
+        """The same batch with its tensors on `device`."""
+        if self.inverse.device == device:
+            return self
+        return StepBatch(self.inverse.to(device), self.offsets.to(device), self.bag_out.to(device),
+                         self.bag_feat.to(device), None if self.psw is None else self.psw.to(device),
+                         self.u_table.to(device), self.u_start, self.out_rows, self.out_width)
+
     @property
     def n_unique(self) -> int:
         """Unique rows over all tables."""

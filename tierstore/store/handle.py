@@ -26,6 +26,7 @@ from ..backends.writeback import WriteBehind
 from ..bagpaths import BagPaths
 from ..cascade import Cascade
 from ..config import StoreConfig, TableSpec, parse_capacity, parse_map_limit, resolve_device
+from ..engine import check_kernels
 from ..errors import ConfigError, LogCorruptError
 from ..initializers import name_key
 from ..pinned import PinnedSteps
@@ -69,6 +70,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self.config = cfg
         self.seed = seed
         self.device = resolve_device(cfg.device)
+        self.kernels = check_kernels(cfg.kernels, self.device)  # the step engine's backend
         width = max(t.row_dim for t in tables)
         # the layout: the fastest measured one for the device, unless the user named a choice
         self.layout = resolve_layout(
@@ -204,6 +206,11 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
     @map_limit.setter
     def map_limit(self, value: int | str | None) -> None:
         self.backend.map_limit = parse_map_limit(value)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the store has been closed."""
+        return self._closed
 
     @property
     def table_specs(self) -> dict[str, TableSpec]:

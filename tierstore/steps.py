@@ -1,0 +1,138 @@
+"""The modules' training step over the engine: one forward and one backward+update call a step.
+
+`EngineStep` is the autograd Function every tiered module runs: its forward asks the store for
+the step's rows (`TierStore.step_forward`: device slots, or gathered weights for rows that are
+not resident) and pools every feature of the collection in one engine call; its backward checks
+the gradient and hands the store one engine update for the whole step (`step_backward`). The
+store's cascade, staging and write-behind stay below it. A read-only handle serves rows through
+`ReadOnlyRows`, whose backward refuses to train.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+import tierstore.validate as validate
+
+from .engine import Engine, Forward, Plan
+from .errors import InvalidGradientError, ReadOnlyError
+
+
+class EngineStep(torch.autograd.Function):
+    """Pooled bags (or per-id rows) of a plan's features; backward updates the store's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, psw: torch.Tensor | None, store: Any,
+                engine: Engine, ids: list[torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
+        plan = engine.plan
+        of_table: list[list[int]] = [[] for _ in plan.tables]
+        for f, feat in enumerate(plan.features):
+            of_table[feat.table].append(f)
+        items = [(tp.name, torch.cat([ids[f] for f in of_table[t]]) if len(of_table[t]) > 1
+                  else ids[of_table[t][0]]) for t, tp in enumerate(plan.tables)]
+        sizes = [int(i.numel()) for i in ids]
+        weights_w = None if psw is None else psw.detach()
+        need_rows = psw is not None and bool(ctx.needs_input_grad[1])
+
+        def pool(gs, weights, slab):
+            inverse: list[torch.Tensor] = [torch.empty(0)] * len(ids)
+            for t, fs in enumerate(of_table):
+                for f, part in zip(fs, torch.split(gs[t].inverse, [sizes[f] for f in fs])):
+                    inverse[f] = part
+            batch = plan.step(inverse, [g.unique.numel() for g in gs], lengths, weights_w)
+            batch = batch.to(slab.device)
+            slots = torch.cat([g.slots if w is None else
+                               torch.zeros(g.unique.numel(), dtype=torch.int64, device=slab.device)
+                               for g, w in zip(gs, weights)]).to(slab.device)
+            out, fwd = engine.forward(batch, slab, slots, weights)
+            rows = None
+            if need_rows:  # each table's rows [u, dim], for the weights' gradient
+                rows = [w if w is not None else
+                        store.table_specs[tp.name].codec.gather(slab, g.slots, tp.dim)
+                        for tp, g, w in zip(plan.tables, gs, weights)]
+            return out, fwd, batch, slots, rows
+
+        (out, fwd, batch, slots, rows), gs = store.step_forward(items, pool)
+        ctx.save_for_backward(psw)
+        ctx.state = (store, engine, [n for n, _ in items], gs, fwd, batch, slots, rows)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        (psw,) = ctx.saved_tensors
+        store, engine, names, gs, fwd, batch, slots, rows = ctx.state
+        ctx.state = None
+        grad = grad_out.detach().to(device=slots.device, dtype=torch.float32).contiguous()
+        if grad.numel() and not validate.all_finite(grad):
+            raise InvalidGradientError("the output gradient holds NaN/Inf values; nothing was updated")
+        if psw is not None and psw.numel() and not validate.all_finite(psw.detach().float()):
+            raise InvalidGradientError("per_sample_weights hold NaN/Inf; nothing was updated")
+        store.step_backward(list(zip(names, gs)),
+                            lambda slab: engine.backward(batch, fwd, grad, slab, slots),
+                            lambda t: engine.position_grads(batch, fwd, grad, t).cpu())
+        g_psw = None
+        if rows is not None:
+            g_psw = _weights_grad(engine.plan, batch, fwd, grad, rows).to(psw.device)
+        return None, g_psw, None, None, None, None
+
+
+def _weights_grad(plan: Plan, batch: Any, fwd: Forward, grad: torch.Tensor,
+                  rows: list[torch.Tensor]) -> torch.Tensor:
+    """d loss / d per-sample weight: each position's output gradient dotted with its row."""
+    inv = batch.inverse
+    pos = torch.arange(inv.numel(), device=inv.device)
+    bag = torch.searchsorted(batch.offsets[1:], pos, right=True)
+    feat = batch.bag_feat.index_select(0, bag)
+    table = plan.feat_table.to(inv.device).index_select(0, feat)
+    out = torch.zeros(inv.numel(), dtype=torch.float32, device=inv.device)
+    for t, tp in enumerate(plan.tables):
+        at = torch.nonzero(table == t).flatten()
+        if not at.numel():
+            continue
+        r = rows[t].to(inv.device).index_select(0, inv.index_select(0, at) - batch.u_start[t])
+        cols = plan.feat_col.to(inv.device).index_select(0, feat.index_select(0, at)).unsqueeze(1) \
+            + torch.arange(tp.dim, device=inv.device)
+        g = grad[batch.bag_out.index_select(0, bag.index_select(0, at)).unsqueeze(1), cols]
+        out.index_copy_(0, at, (g * r[:, : tp.dim]).sum(1))
+    return out
+
+
+class ReadOnlyRows(torch.autograd.Function):
+    """Rows of flat ids from a read-only handle (inference); backward raises ReadOnlyError."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, store: Any, table: str,
+                ids: torch.Tensor) -> torch.Tensor:
+        ctx.path = store.path
+        return store.read(table, ids)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        raise ReadOnlyError(f"store {ctx.path} is open read-only: training through it is not allowed")
+
+
+def anchor() -> torch.Tensor:
+    """A leaf that requires grad (when grad is on), so autograd runs a step's backward."""
+    return torch.empty(0, requires_grad=torch.is_grad_enabled())
+
+
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def engine_for(store: Any, features: list[tuple[str, str, str]], pooled: bool = True) -> Engine:
+    """The engine of a store's features (cached per store and layout)."""
+    per = _ENGINES.setdefault(store, {})
+    key = (tuple(features), pooled)
+    eng = per.get(key)
+    if eng is None:
+        specs, seen = [], set()
+        for _, table, _ in features:
+            if table not in seen:
+                seen.add(table)
+                specs.append(store.table_specs[table])
+        eng = Engine(Plan(specs, features, pooled), store.kernels)
+        per[key] = eng
+    return eng
