@@ -25,10 +25,12 @@ import tierstore.validate as validate
 from ..bagpaths import Gathered
 from ..errors import ConfigError, ShapeError, TierstoreError, UnknownTableError
 from ..jagged import JaggedBatch
-from ..module import MODES, _pool
+from ..module import _pool
 from .errors import DistributedError
 from .parts import Part, Request, build_request, comm_dtype_of, id_dtype_of, make_parts, pool_rows
 from .store import ShardedTierStore
+
+MODES = ("sum", "mean")  # "max" would need a max-combine of partial bags across row shards
 
 
 def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
