@@ -208,11 +208,6 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self.backend.map_limit = parse_map_limit(value)
 
     @property
-    def closed(self) -> bool:
-        """Whether the store has been closed."""
-        return self._closed
-
-    @property
     def table_specs(self) -> dict[str, TableSpec]:
         """The specs of the tables this handle serves."""
         return {n: t.spec for n, t in self.tables.items()}
