@@ -110,7 +110,8 @@ def engine_step(case: Case, kernels: str = "numba"):
     eng = Engine(plan, kernels)
     src = case.slab.clone()
     out, fwd = eng.forward(batch, src, slot_t)
-    eng.backward(batch, fwd, case.grad, src, slot_t)
+    salts = [(uniq, 3 + t) for t, (_, _, uniq, _) in enumerate(per)]  # 16-bit rounding's bits
+    eng.backward(batch, fwd, case.grad, src, slot_t, salts=salts)
     return out, src
 
 
@@ -151,5 +152,5 @@ def fused_step(case: Case):
             scale = psw if scale is None else scale * psw
         if uniq.numel():
             BatchUpdate(s.optimizer, s.dim, uniq.numel(), inv, grad.contiguous(), bag_of, scale,
-                        True, s.dtype).apply(slab, dslots)
+                        True, s.dtype, 3 + t, uniq).apply(slab, dslots)
     return out, slab

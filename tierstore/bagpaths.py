@@ -98,12 +98,13 @@ class BagPaths:
         return Gathered(uniq, inv, weights, None, dev.generation, payload=kept, writes=tab.writes)
 
     def step_backward(self, items: Sequence[tuple[str, Gathered]],
-                      update: Callable[[torch.Tensor], None],
+                      update: Callable[[torch.Tensor, list[tuple[torch.Tensor | None, int]]], None],
                       position_grads: Callable[[int], torch.Tensor]) -> None:
         """A training step's update over several tables, after `step_forward`.
 
-        When every table's rows are still in the device slots the forward found, `update(slab)`
-        updates them all in place in one call (without the store lock for a pinned batch).
+        When every table's rows are still in the device slots the forward found, `update(slab,
+        salts)` updates them all in place in one call (without the store lock for a pinned
+        batch); `salts[t]` are a 16-bit table's row ids and update count (its rounding bits).
         Otherwise each table is updated where its rows now are, from `position_grads(t)`: the
         gradient row of each of its positions, summed per row in position order.
         """
@@ -141,9 +142,12 @@ class BagPaths:
         return True
 
     def _update_in_place(self, tabs: list[_Table], gs: list[Gathered],
-                         update: Callable[[torch.Tensor], None]) -> None:
+                         update: Callable[[torch.Tensor, list[tuple[torch.Tensor | None, int]]], None]
+                         ) -> None:
         dev = self.device_tier
-        update(dev.slab)
+        salts = [(g.unique, self._count_update(tab)) if tab.spec.codec.packed else (None, 0)
+                 for tab, g in zip(tabs, gs)]
+        update(dev.slab, salts)
         for tab, g in zip(tabs, gs):
             if g.slots.numel():
                 self._stamp(tab, dev.slab, g.slots)

@@ -71,7 +71,7 @@ class EngineStep(torch.autograd.Function):
         if psw is not None and psw.numel() and not validate.all_finite(psw.detach().float()):
             raise InvalidGradientError("per_sample_weights hold NaN/Inf; nothing was updated")
         store.step_backward(list(zip(names, gs)),
-                            lambda slab: engine.backward(batch, fwd, grad, slab, slots),
+                            lambda slab, salts: engine.backward(batch, fwd, grad, slab, slots, salts=salts),
                             lambda t: engine.position_grads(batch, fwd, grad, t).cpu())
         g_psw = None
         if rows is not None:

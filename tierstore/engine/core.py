@@ -115,10 +115,12 @@ class Engine:
         return g.contiguous()
 
     def backward(self, batch: StepBatch, fwd: Forward, grad_out: torch.Tensor,
-                 table: torch.Tensor, slots: torch.Tensor, lo: int = 0, hi: int | None = None
-                 ) -> None:
+                 table: torch.Tensor, slots: torch.Tensor, lo: int = 0, hi: int | None = None,
+                 salts: Sequence[tuple[torch.Tensor | None, int]] | None = None) -> None:
         """Sum gradients per unique row and apply each table's optimizer, in place on
-        `table[slots[u]]` for u in [lo, hi) (all rows by default). `grad_out` must be finite."""
+        `table[slots[u]]` for u in [lo, hi) (all rows by default). `grad_out` must be finite.
+        `salts[t]`: a 16-bit table's row ids and update count, which draw its stochastic
+        rounding's bits (`HalfCodec.encode_stochastic`)."""
         hi = batch.n_unique if hi is None else hi
         scale = self.plan.scale(batch)
         if not self.plan.packed:
@@ -126,7 +128,7 @@ class Engine:
             return
         work, work_of = self._decoded(batch, table, slots, weights_only=False, lo=lo, hi=hi)
         self.backend.backward(batch, table, slots, work, work_of, grad_out, scale, fwd.argmax, lo, hi)
-        self._encode(batch, table, slots, work, lo, hi)
+        self._encode(batch, table, slots, work, lo, hi, salts)
 
     def _packed_ranges(self, batch: StepBatch, lo: int, hi: int
                        ) -> Iterator[tuple[TablePlan, int, int]]:
@@ -176,7 +178,8 @@ class Engine:
         return work, work_of
 
     def _encode(self, batch: StepBatch, table: torch.Tensor, slots: torch.Tensor,
-                work: torch.Tensor, lo: int, hi: int) -> None:
+                work: torch.Tensor, lo: int, hi: int,
+                salts: Sequence[tuple[torch.Tensor | None, int]] | None) -> None:
         """Write updated 16-bit rows back: weights rounded stochastically, state as is."""
         at = 0
         for tp, a, b in self._packed_ranges(batch, lo, hi):
@@ -184,7 +187,11 @@ class Engine:
             s = slots[a:b]
             rows = table.index_select(0, s)[:, : tp.cols + tp.state]
             w = work[at : at + b - a]
-            rows[:, : tp.cols] = codec.encode_stochastic(w[:, : tp.dim], rows[:, : tp.cols])
+            t = self.plan.tables.index(tp)
+            keys, count = (None, 0) if salts is None else salts[t]
+            if keys is not None:
+                keys = keys[a - batch.u_start[t] : b - batch.u_start[t]]
+            rows[:, : tp.cols] = codec.encode_stochastic(w[:, : tp.dim], rows[:, : tp.cols], keys, count)
             rows[:, tp.cols :] = w[:, tp.dim : tp.dim + tp.state]
             table[s, : tp.cols + tp.state] = rows
             at += b - a
