@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import sys
+from typing import Any
 
 from . import __version__
 from .backends.lmdb_meta import LAST_LAYOUT, LAST_OPEN, read_meta
@@ -245,9 +246,10 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _command(sub: argparse._SubParsersAction, name: str, summary: str, description: str,
-             func) -> argparse.ArgumentParser:
-    """A subcommand with its one-line summary (in `tierstore --help`) and its description."""
+def _command(sub: Any, name: str, summary: str, description: str,
+             func: Any) -> argparse.ArgumentParser:
+    """A subcommand of `sub` (the parser's subparsers action) with its one-line summary (in
+    `tierstore --help`) and its description."""
     p = sub.add_parser(name, help=summary, description=f"{summary[0].upper()}{summary[1:]}.\n\n"
                        f"{description}", formatter_class=_Formatter)
     p.set_defaults(func=func)
