@@ -132,7 +132,8 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     total_rows = wl.tables * wl.rows
     cap = max(1, int(total_rows * cfg["frac"] / world / 2))
     if cfg["mode"] == "single":
-        store = TierStore(work, specs, device_capacity=cap, host_capacity=cap)
+        store = TierStore(work, specs, device_capacity=cap, host_capacity=cap,
+                          policy="lru")  # the layout the sharded store keeps (LRU, two tiers)
         local, ebc = store, TieredEmbeddingBagCollection(store, wl.names)
         _populate(store, wl.names, wl.rows, lambda n, ids: torch.ones_like(ids, dtype=torch.bool))
         comm = None

@@ -178,7 +178,8 @@ def bench_cache_hits(work: Path, batch: int, dim: int, cap: int, threads: int, b
     out = []
     # device hits: the batch stays resident in a device tier of `cap` rows
     ids = ids_all[:batch]
-    with TierStore(work / f"dev{batch}", spec, device_capacity=cap, host_capacity=0) as st:
+    with TierStore(work / f"dev{batch}", spec, device_capacity=cap, host_capacity=0,
+                   policy="lru") as st:  # named: each case measures the tiers as given
         st.read(TABLE, ids)
         st.apply(TABLE, ids, grads)  # loads the numba kernels before timing
         res = paired_rates({"sel": ceil_select, "upd": ceil_update,
@@ -196,7 +197,8 @@ def bench_cache_hits(work: Path, batch: int, dim: int, cap: int, threads: int, b
                         statistics.median(a / u for a, u in zip(res["apply"], res["upd"]))}))
     # host hits: the device tier holds one batch; four batches rotate through it
     parts = ids_all.view(4, batch)
-    with TierStore(work / f"host{batch}", spec, device_capacity=batch, host_capacity=cap) as st:
+    with TierStore(work / f"host{batch}", spec, device_capacity=batch, host_capacity=cap,
+                   policy="lru") as st:
         for p in parts:
             st.read(TABLE, p)
         it = {"i": 0}
@@ -242,7 +244,8 @@ class LmdbCase:
         _populate(self.store, ids, dim)
 
     def _open(self) -> TierStore:
-        return TierStore(self.path, self.spec, device_capacity=self.batch, host_capacity=self.batch)
+        return TierStore(self.path, self.spec, device_capacity=self.batch, host_capacity=self.batch,
+                         policy="lru")
 
     def _raw(self) -> RawLmdb:
         return RawLmdb(self.store.backend.env, self.store.backend.table_db(TABLE), self.width)

@@ -122,10 +122,11 @@ class TierstoreRunner(Runner):
             dcap = hcap = max(1, int(total * frac / 2))
         # None: the store resolves the policy, the tier split and staging slots (tierstore.resolve)
         scap = None if staging is None else int(total * staging) if frac is not None else 0
-        self.capacity = {"device": dcap, "host": hcap, "staging": scap}
         self.path = work / name
         self.store = TierStore(self.path, specs, device_capacity=dcap, host_capacity=hcap,
                                write_log=write_log, policy=policy, staging_capacity=scap)
+        # the capacities as given; the staging slots the store has (named, or its reserve)
+        self.capacity = {"device": dcap, "host": hcap, "staging": self.store.layout.staging_rows}
         self.init = "lazy (touched rows preloaded into the device tier)" if frac is None else init
         t0 = time.perf_counter()
         if frac is None:

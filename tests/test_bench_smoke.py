@@ -91,9 +91,14 @@ def test_bench_writeback_smoke(tmp_path):
     assert rc == 0
     recs = _load(tmp_path / "writeback.json")
     cases = {r["case"]: r for r in recs}
-    assert set(cases) == {"raw_append", "raw_update", "log_append", "steady_uniform", "steady_zipf",
-                          "get_pylmdb", "get_pages", "get2_pylmdb", "get2_pages", "merge_5000",
-                          "merge_20000"}
+    floors = {c for c in cases if c.startswith("floor_")}  # the page-write floor of a merge
+    assert floors == {"floor_5000_into_50000", "floor_20000_into_50000", "floor_100000_into_100000"}
+    assert set(cases) - floors == {"raw_append", "raw_update", "log_append", "steady_uniform",
+                                   "steady_zipf", "get_pylmdb", "get_pages", "get2_pylmdb",
+                                   "get2_pages", "merge_5000", "merge_20000"}
+    for case in floors:  # a merge rewrites at least one page a leaf it touches, at most one a row
+        r = cases[case]
+        assert 0 < r["pages_per_row"] <= 1.2 and r["pages_written"] >= 0.9 * r["model_pages"]
     for case in ("merge_5000", "merge_20000"):  # every appended row is distinct: all merged
         assert cases[case]["merged"] == int(case.split("_")[1])
     for r in recs:
@@ -118,7 +123,8 @@ def test_bench_steady_smoke(tmp_path):
     assert _positive(rec["cpu_ms_per_step"]["MainThread"])
     assert rec["counters_per_step"]["rows_read"] > 0  # 10% caches: the steps miss
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_steady_")]
-    assert rec["capacity"] == {"device": 400, "host": 400, "staging": 0} and rec["policy"] == "lru"
+    # the resolved layout: one hlfu tier of both capacities, a reserve of 4x the cache
+    assert rec["capacity"] == {"device": 400, "host": 400, "staging": 3200} and rec["policy"] == "hlfu"
 
 
 def test_bench_steady_with_staging_slots(tmp_path):
@@ -140,7 +146,8 @@ def test_bench_steady_times_the_miss_path_per_method_and_unwraps_after(tmp_path)
 
     originals = (SlabTier.insert, LRU.on_hit)
     rc = steady.main(["--config", "tierstore_cache10", "--rows", "4000", "--tables", "2",
-                      "--batch", "64", "--steps", "3", "--warmup", "2", "--calls", "--out", str(tmp_path)])
+                      "--batch", "64", "--steps", "3", "--warmup", "2", "--calls", "--policy", "lru",
+                      "--out", str(tmp_path)])
     assert rc == 0
     (rec,) = _load(tmp_path / "steady_tierstore_cache10.json")
     calls = {(c["thread"], c["method"]): c for c in rec["calls"]}
