@@ -91,7 +91,7 @@ class TableRows:
                         if self._pages is not None:  # LMDB trusts its pages: check them first
                             self._pages.check_paths(txn.get(b"t:" + table.encode(),
                                                             db=self.env.open_db(None)),
-                                                    rows[order].astype(np.uint64))
+                                                    rows[order].astype(np.uint64), txn.id())
                         for i in range(0, n, GET_CHUNK):  # bounded pieces: trim the map in between
                             vals += map(txn.get, keys[i:i + GET_CHUNK])  # a C loop; None if missing
                             self._note_touch()

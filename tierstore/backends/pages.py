@@ -115,7 +115,7 @@ if HAVE_NUMBA:
         return 0
 
     @numba.njit(nogil=True, cache=True)
-    def find_spans(mem, psize, root, keys, offs, lens, info, full=False):  # pragma: no cover
+    def find_spans(mem, psize, root, keys, offs, lens, info, full, verified):  # pragma: no cover
         """Where each key's value lies in `mem` (offs[i], lens[i]; offs[i] = -1 when absent).
 
         Returns OK, SHORT_MAP (a page lies past the mapping: remap and retry), UNEXPECTED (a
@@ -124,17 +124,17 @@ if HAVE_NUMBA:
         (4), a node pointer out of place (5), keys out of order along the search (6), a key
         of another size (7). Every page on a key's path is checked; on a miss, the keys beside
         where it would be are too, so a damaged pointer array cannot hide a stored key. `full`:
-        every node of each page on the paths is checked (once per call), as py-lmdb needs.
+        every node of each page on the paths is checked, as py-lmdb needs, once per page while
+        `verified[page]` (pages of one snapshot: immutable) remembers it.
         """
         limit = mem.shape[0]
-        seen = np.full(64, -1, dtype=np.int64)  # the page fully checked at each depth
         for i in range(keys.shape[0]):
             k = keys[i]
             pg = root
             offs[i] = -1
             done = False
             lb, has_lb, ub, has_ub = np.uint64(0), False, np.uint64(0), False  # the page's range
-            for depth in range(64):  # deeper than any B-tree of 2^64 keys: a cycle: damage
+            for _ in range(64):  # deeper than any B-tree of 2^64 keys: a cycle means damage
                 base = pg * psize
                 if base + psize > limit:
                     return 1
@@ -155,12 +155,12 @@ if HAVE_NUMBA:
                     if psize - upper != 8 + 16 * (n - 1):
                         info[0], info[1] = pg, 4
                         return 3
-                    if full and seen[depth] != pg:
+                    if full and not verified[pg]:
                         st = _whole_page(mem, base, psize, upper, n, False, 0, lb, has_lb, ub,
                                          has_ub, info, pg)
                         if st != 0:
                             return st
-                        seen[depth] = pg
+                        verified[pg] = True
                     lo, hi = 0, n - 1  # the last node whose key <= k; node 0's key is -infinity
                     clb, has_clb = lb, has_lb
                     while lo < hi:
@@ -196,12 +196,12 @@ if HAVE_NUMBA:
                     if psize - upper != n * align:
                         info[0], info[1] = pg, 4
                         return 3
-                    if full and seen[depth] != pg:
+                    if full and not verified[pg]:
                         st = _whole_page(mem, base, psize, upper, n, True, align, lb, has_lb, ub,
                                          has_ub, info, pg)
                         if st != 0:
                             return st
-                        seen[depth] = pg
+                        verified[pg] = True
                     lo, hi = 0, n - 1
                     while lo <= hi:
                         mid = (lo + hi) >> 1
@@ -255,6 +255,8 @@ if HAVE_NUMBA:
             o = offs[pick[j]]
             out[j, :] = mem[o : o + size]
 
+    _NONE = np.zeros(0, dtype=np.bool_)
+
     def find_values(mem, psize, root, keys, out, found, info):
         """Copy each key's value (all of out.shape[1] bytes) into out[i]; found[i] when present.
 
@@ -263,7 +265,7 @@ if HAVE_NUMBA:
         """
         offs = np.empty(len(keys), dtype=np.int64)
         lens = np.empty(len(keys), dtype=np.int64)
-        status = find_spans(mem, psize, root, keys, offs, lens, info)
+        status = find_spans(mem, psize, root, keys, offs, lens, info, False, _NONE)
         if status != OK:
             return status
         hit = offs >= 0
@@ -292,6 +294,8 @@ class PageReader:
         self._mem: np.ndarray | None = None
         self._mm: mmap.mmap | None = None
         self._size = -1
+        self._verified = np.zeros(0, dtype=np.bool_)  # pages check_paths checked, of one snapshot
+        self._verified_for = -1
         try:
             self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
@@ -357,11 +361,13 @@ class PageReader:
                 return None
         return None
 
-    def check_paths(self, record: bytes | None, keys: np.ndarray) -> None:
+    def check_paths(self, record: bytes | None, keys: np.ndarray, snapshot: int) -> None:
         """Check every node of every page on the search paths of sorted uint64 `keys` before
         py-lmdb walks them (in the caller's read transaction, whose main-DB record of the table
         is `record`): StoreCorruptError naming a damaged page. LMDB trusts its pages: a flipped
-        byte in a node pointer or `mp_lower` hides keys silently or reads past the file (SIGBUS)."""
+        byte in a node pointer or `mp_lower` hides keys silently or reads past the file (SIGBUS).
+        `snapshot`: the transaction's id; pages checked for it are not checked again (a snapshot's
+        pages do not change) until another snapshot comes."""
         if len(keys) == 0 or record is None or len(record) != _DB_RECORD.size:
             return
         root = _DB_RECORD.unpack(record)[-1]
@@ -374,7 +380,11 @@ class PageReader:
             mem = self._mapping(remap)
             if mem is None:
                 return
-            status = find_spans(mem, self.psize, root, keys, offs, lens, info, True)
+            pages = len(mem) // self.psize
+            if self._verified_for != snapshot or len(self._verified) != pages:
+                self._verified = np.zeros(pages, dtype=np.bool_)
+                self._verified_for = snapshot
+            status = find_spans(mem, self.psize, root, keys, offs, lens, info, True, self._verified)
             if status == CORRUPT:
                 self._corrupt(info)
             if status != SHORT_MAP:

@@ -343,7 +343,8 @@ class SnapshotReader:
             if self._share is not None and _ino(self.path / DATA_NAME) != self._share.inos[0]:
                 return
             self._pages = pages
-        self._pages.check_paths(self._txn.get(b"t:" + table.encode()), srt.astype(np.uint64))
+        self._pages.check_paths(self._txn.get(b"t:" + table.encode()), srt.astype(np.uint64),
+                                self._txn.id())
 
     def _read(self, db, undo, keys: list[bytes]) -> list:
         """Values of sorted keys: the undo value where one exists, else the table's."""
