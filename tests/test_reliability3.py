@@ -229,3 +229,70 @@ def test_verify_cli_finds_a_damaged_page_and_passes_a_sound_store(tmp_path, caps
     data.write_bytes(bytes(raw))
     assert main(["verify", str(tmp_path / "s"), "--no-progress"]) == 2
     assert f"page {pg}" in capsys.readouterr().err
+
+
+# rows 6-7: a full map with a small write ring -------------------------------------------------------
+def _sgd_specs() -> list[ts.TableSpec]:
+    return [ts.TableSpec(n, 10**6, 16, optimizer=ts.SGD(0.1), init=ts.ConstantInit(0.0))
+            for n in ("a", "b")]
+
+
+def _check_model(s, model: dict) -> None:
+    for t, rows in model.items():
+        if not rows:
+            continue
+        ids = torch.tensor(sorted(rows))
+        want = torch.tensor([rows[i] for i in ids.tolist()], dtype=torch.float32)
+        got = s.read(t, ids)
+        assert torch.equal(got, want[:, None].expand_as(got)), \
+            f"table {t}: {int((got[:, 0] != want).sum())} rows wrong"
+
+
+def _step(model: dict, t: str, ids: torch.Tensor) -> None:
+    for i in ids.tolist():  # SGD(0.1) with gradient 1.0: one float32 subtraction per update
+        model[t][i] = float(np.float32(model[t].get(i, 0.0)) - np.float32(0.1))
+
+
+@pytest.mark.parametrize("limit", ["2MiB", "3MiB"])
+def test_failed_apply_with_a_small_ring_changes_nothing_and_retries_once(tmp_path, limit):
+    s = ts.TierStore(tmp_path / "s", _sgd_specs(), device_capacity=64, host_capacity=64,
+                     device="cpu", write_buffer=64, map_limit=limit)
+    g = torch.Generator().manual_seed(0)
+    model: dict = {"a": {}, "b": {}}
+    failed = None
+    for step in range(600):
+        t = "ab"[step % 2]
+        ids = torch.randint(0, 10**6, (960,), generator=g).unique()
+        try:
+            s.apply(t, ids, torch.ones(len(ids), 16))
+        except ts.OutOfSpaceError:
+            failed = (t, ids)
+            break
+        _step(model, t, ids)
+    assert failed is not None, "the map limit was never reached"
+    s.map_limit = None
+    _check_model(s, model)  # the failed call changed nothing; no earlier apply regressed
+    t, ids = failed
+    s.apply(t, ids, torch.ones(len(ids), 16))  # the natural retry: exactly one update
+    _step(model, t, ids)
+    _check_model(s, model)
+    s.close()
+    with ts.TierStore.open(tmp_path / "s", device="cpu") as again:
+        _check_model(again, model)
+
+
+def test_close_out_of_space_keeps_the_store_open_and_retryable(tmp_path):
+    s = ts.TierStore(tmp_path / "s", _sgd_specs(), device_capacity=40_000, host_capacity=0,
+                     device="cpu", write_buffer=64, map_limit="2MiB")
+    model: dict = {"a": {}, "b": {}}
+    ids = torch.arange(30_000) * 3
+    s.apply("a", ids, torch.ones(len(ids), 16))  # all cached: nothing written yet
+    _step(model, "a", ids)
+    with pytest.raises(ts.OutOfSpaceError):
+        s.close()
+    with pytest.raises(ts.StoreLockedError, match="close"):  # says why, and what to do
+        ts.TierStore.open(tmp_path / "s", device="cpu")
+    s.map_limit = None
+    s.close()  # the retry
+    with ts.TierStore.open(tmp_path / "s", device="cpu") as again:
+        _check_model(again, model)

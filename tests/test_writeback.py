@@ -799,7 +799,7 @@ def test_read_ahead_outlives_a_ring_wrap_but_never_serves_a_row_written_after_it
             data, found = s.loader.read_stored(tab, want.numpy())
             s.loader.add_read_ahead("t", mark, want.numpy(), data, found, keep=2)
         # 12 and 15 get newer versions, then batches of other rows evict them through the ring
-        for i, ids in enumerate([torch.tensor([12, 15])] + list(torch.arange(100, 140).split(2))):
+        for i, ids in enumerate([torch.tensor([12, 15])] + list(torch.arange(100, 300).split(2))):
             s.apply("t", ids, _grads(len(ids), 10 + i))
             model.apply("t", ids, _grads(len(ids), 10 + i))
         s.writeback.drain()

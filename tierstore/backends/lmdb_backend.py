@@ -35,6 +35,7 @@ from .lmdb_snapshots import Snapshots
 from .lmdb_tables import TableRows
 from .pages import PageReader
 from .publish import Publisher
+from .writers import live_writer
 from .writers import register as register_writer
 from .writers import unregister as unregister_writer
 
@@ -110,6 +111,11 @@ def lmdb_errors(path: str | os.PathLike):
 
 
 def _locked_error(path: Path) -> StoreLockedError:
+    if live_writer(path) is not None:
+        return StoreLockedError(
+            f"store {path} is already open for writing by a handle in this process (a close() "
+            f"that ran out of space leaves its store open, nothing lost: raise that handle's "
+            f"map_limit and call its close() again)")
     return StoreLockedError(f"store {path} is already open for writing (by another process or handle)")
 
 

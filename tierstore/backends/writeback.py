@@ -56,6 +56,7 @@ class WriteBehind:
         self.index = HashIndex(self.capacity)
         self.tail = 0  # next position to fill
         self.head = 0  # positions below are committed to LMDB
+        self._floor = 0  # rows put before this position may have left the ring early (`_grow`)
         self.error: BaseException | None = None
         self.cv = threading.Condition()
         self._stop = False
@@ -135,13 +136,35 @@ class WriteBehind:
         self.rows_in += k
 
     def reserve(self, n: int) -> None:
-        """Wait for room for `n` more rows (at most the capacity) before a call changes anything.
+        """Wait for room for `n` more rows before a call changes anything.
 
         Raises the writer's error instead when it cannot write, so a call that could not hand its
-        evicted rows to the ring fails before it moves any row.
+        evicted rows to the ring fails before it moves any row. A call that may hand over more
+        rows than the ring holds first waits until every row is written, then grows the ring to
+        hold them (issue 38: a put that outgrew the ring waited on the writer mid-call, and a
+        writer failure then left the call half done, its victims in no tier).
         """
+        n = int(n)
         with self.cv:
-            self._wait_for(min(int(n), self.capacity), patience=0.0)
+            if n > self.capacity:
+                self._wait_for(self.capacity, patience=2 * _RETRY_S)  # all written: writer idle
+                self._grow(n)
+            self._wait_for(n, patience=2 * _RETRY_S)  # (the writer retries every _RETRY_S)
+
+    def _grow(self, n: int) -> None:
+        """Make room for `n` rows (lock held, every row committed: no unlocked copy in flight).
+
+        The ring's written rows are dropped (LMDB and the log hold them); `still_current` is
+        False for read-ahead buffers read before now, as rows put since left the ring."""
+        cap = 1 << (n - 1).bit_length()
+        self.capacity = cap
+        self.payload = torch.zeros((cap, self.width), dtype=torch.float32)
+        self._tabs = np.zeros(cap, dtype=np.int64)
+        self._rows = np.zeros(cap, dtype=np.int64)
+        self._indexed = np.zeros(cap, dtype=bool)
+        self.index = HashIndex(cap)
+        self.head = self.tail
+        self._floor = self.tail
 
     def lookup(self, tab: int, rows: torch.Tensor, count: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +184,7 @@ class WriteBehind:
 
     def still_current(self, since_tail: int) -> bool:
         """Whether every row put at or after position `since_tail` is still in the ring."""
-        return self.tail - since_tail < self.capacity
+        return since_tail >= self._floor and self.tail - since_tail < self.capacity
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every row put so far is committed; raises the writer's error if it cannot write."""

@@ -15,6 +15,7 @@ import torch
 import tierstore._switch as _switch
 import tierstore.persistence as persistence
 
+from ..errors import OutOfSpaceError
 from .core import FLUSH_CHUNK, _locked
 
 if TYPE_CHECKING:
@@ -59,7 +60,11 @@ class StoreLifecycle:
 
     @_locked
     def close(self) -> None:
-        """Flush dirty rows and release the store (idempotent)."""
+        """Flush dirty rows and release the store (idempotent).
+
+        A close that runs out of space (`OutOfSpaceError`) loses nothing and leaves the store
+        open: raise `map_limit` (or free disk space), then call `close()` (or `flush()`) again.
+        """
         if self.closed:
             return
         for pf in list(self.prefetchers):  # abandoned or still running pipelines: stop them
@@ -68,12 +73,22 @@ class StoreLifecycle:
         try:
             self.flush()
             self.expiry.finish()  # rows below durable ttl cutoffs the deleter did not reach
-        finally:
-            self.closed = True
+        except OutOfSpaceError:  # nothing is lost and the store stays open: raise map_limit
+            raise  # (or free space), then close() or flush() again
+        except BaseException:
+            self._teardown()
+            raise
+        self._teardown()
+
+    def _teardown(self) -> None:
+        """Release the store's threads, files and lock (the end of `close`)."""
+        self.closed = True
+        try:
             _switch.STORES.release(self)
             self.log.stop_merger()
             self.writeback.close()
             self.loader.clear_read_ahead()
+        finally:
             self.backend.close()
             if self._recorder is not None:
                 self._recorder.close()
