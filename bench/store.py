@@ -245,7 +245,7 @@ class LmdbCase:
 
     def _open(self) -> TierStore:
         return TierStore(self.path, self.spec, device_capacity=self.batch, host_capacity=self.batch,
-                         policy="lru")
+                         policy="lru")  # named: two tiers that the miss path rotates through
 
     def _raw(self) -> RawLmdb:
         return RawLmdb(self.store.backend.env, self.store.backend.table_db(TABLE), self.width)
