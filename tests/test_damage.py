@@ -195,6 +195,7 @@ def test_damage_sweep_fast(tmp_path, file):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # about 70 s for both files
 @pytest.mark.parametrize("file", ["data.mdb", "wlog/data.mdb"])
 def test_damage_sweep(tmp_path, file):
     modes = ("rw", "last") if file.startswith("wlog") else ("ro", "rw")
