@@ -108,7 +108,7 @@ class TierstoreRunner(Runner):
     def __init__(self, wl: Workload, name: str, work: Path, frac: float | None, init: str,
                  depth: int = 2, log=print, write_log: int | str | None = None,
                  split: str = "even", policy: str | None = None,
-                 staging: float | None = None) -> None:
+                 staging: float | None = None, device: str = "cpu", kernels: str = "auto") -> None:
         self.name, self.wl = name, wl
         self.depth = depth
         total = wl.tables * wl.rows
@@ -124,7 +124,8 @@ class TierstoreRunner(Runner):
         scap = None if staging is None else int(total * staging) if frac is not None else 0
         self.path = work / name
         self.store = TierStore(self.path, specs, device_capacity=dcap, host_capacity=hcap,
-                               write_log=write_log, policy=policy, staging_capacity=scap)
+                               write_log=write_log, policy=policy, staging_capacity=scap,
+                               device=device, kernels=kernels)
         # the capacities as given; the staging slots the store has (named, or its reserve)
         self.capacity = {"device": dcap, "host": hcap, "staging": self.store.layout.staging_rows}
         self.init = "lazy (touched rows preloaded into the device tier)" if frac is None else init
@@ -234,29 +235,38 @@ class TierstoreRunner(Runner):
         shutil.rmtree(self.path, ignore_errors=True)
 
 
+def _sync() -> None:
+    """Wait for queued CUDA work (timing blocks on a GPU); nothing on the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class TorchRunner(Runner):
     """nn.EmbeddingBag(sparse=True) per table + row-wise Adagrad written in torch ops."""
 
     name = "torch_embeddingbag"
 
-    def __init__(self, wl: Workload) -> None:
+    def __init__(self, wl: Workload, device: str = "cpu") -> None:
         self.wl = wl
+        self.device = torch.device(device)
         self.embs = nn.ModuleList(nn.EmbeddingBag(wl.rows, wl.dim, mode="sum", sparse=True)
-                                  for _ in range(wl.tables))
-        self.acc = [torch.zeros(wl.rows) for _ in range(wl.tables)]
+                                  for _ in range(wl.tables)).to(self.device)
+        self.acc = [torch.zeros(wl.rows, device=self.device) for _ in range(wl.tables)]
+        self.grad_out = wl.grad_out.to(self.device)
 
     def step(self, i: int) -> None:
         """One training step."""
         values, lengths = self.wl.steps[i % len(self.wl.steps)]
         per = lengths.view(self.wl.tables, self.wl.batch)
+        values = values.to(self.device)
         outs, lo = [], 0
         for t, emb in enumerate(self.embs):
             n = int(per[t].sum())
             offs = torch.zeros(self.wl.batch, dtype=torch.int64)
             torch.cumsum(per[t][:-1], 0, out=offs[1:])
-            outs.append(emb(values[lo : lo + n], offs))
+            outs.append(emb(values[lo : lo + n], offs.to(self.device)))
             lo += n
-        torch.cat(outs, 1).backward(self.wl.grad_out)
+        torch.cat(outs, 1).backward(self.grad_out)
         with torch.no_grad():
             for emb, acc in zip(self.embs, self.acc):
                 g = emb.weight.grad.coalesce()
@@ -345,8 +355,10 @@ def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, bloc
             if hasattr(r, "before_block"):
                 r.before_block()
             before = r.counters() if hasattr(r, "counters") else None
+            _sync()
             t0 = time.perf_counter()
             run_block(r)
+            _sync()  # a CUDA block ends when its kernels do
             times[id(r)].append((time.perf_counter() - t0, n_ids))
             if before is not None:
                 after = r.counters()
@@ -392,6 +404,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "torch_embeddingbag,fbgemm_cpu")
     p.add_argument("--init", choices=("populated", "lazy"), default="populated",
                    help="cache configs: LMDB pre-populated with every row, or rows lazily initialized")
+    p.add_argument("--device", default="cpu",
+                   help="the tierstore configs' device tier and torch_embeddingbag's device "
+                        "(fbgemm_cpu stays on the CPU); CUDA blocks are timed synchronized")
+    p.add_argument("--kernels", default="auto", choices=("auto", "numba", "triton"),
+                   help="TierStore(kernels=...): the step engine's backend")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--profile", action="store_true", help="also cProfile one block per config")
@@ -501,13 +518,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"skipping {name}: {why}", file=sys.stderr)
                     continue
                 runners.append(FbgemmRunner(wl))
-            elif name == "torch_embeddingbag":
-                runners.append(TorchRunner(wl))
+            elif name == "torch_embeddingbag":  # on the device in use
+                runners.append(TorchRunner(wl, args.device))
             elif name in FRACTIONS:
                 runners.append(TierstoreRunner(wl, name, work, FRACTIONS[name], args.init,
                                                depth=args.depth, write_log=args.write_log,
                                                split=args.split, policy=args.policy,
-                                               staging=args.staging))
+                                               staging=args.staging, device=args.device,
+                                               kernels=args.kernels))
             else:
                 raise SystemExit(f"unknown config {name!r}")
         cold_runners = [r for r in runners if isinstance(r, TierstoreRunner) and r.capacity["device"]
