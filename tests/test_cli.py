@@ -151,12 +151,13 @@ def test_demo_real_run_reports_rows_not_an_ssd_hit_rate(tmp_path, capsys):
 
 def test_progress_line_and_table_show_the_same_figures(tmp_path):
     spec = ts.TableSpec("t", 10**9, 4)
-    # a one-row write-behind ring: evicted rows are read back from LMDB, not from the ring
+    # a small write-behind ring (it grows to one call's moves, 64 rows): rows evicted a few calls
+    # ago are read back from LMDB, not from the ring
     with ts.TierStore(tmp_path / "s", [spec], device_capacity=8, host_capacity=16, device="cpu",
                       write_buffer=1) as s:
         rng = np.random.default_rng(0)
-        for _ in range(5):
-            g = s.gather("t", torch.from_numpy(rng.integers(0, 40, 64)))
+        for _ in range(20):
+            g = s.gather("t", torch.from_numpy(rng.integers(0, 400, 64)))
             s.apply_unique("t", g.unique, torch.ones(g.unique.numel(), 4))
         st = s.stats()
     assert "hit_rate" not in st["ssd"]

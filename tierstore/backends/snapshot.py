@@ -39,7 +39,7 @@ from .lmdb_backend import DATA_NAME, META_DB, encode_keys
 from .lmdb_meta import check_file_size
 from .pages import PageReader
 from .publish import PUBLISH_DB, PUBLISHED, UNDO_PREFIX, parse_marker
-from .record import open_values
+from .record import CHECK_BYTES, open_records, open_values
 from .writers import live_writer
 
 LOCK_FILE = "lock.mdb"
@@ -323,26 +323,52 @@ class SnapshotReader:
                 db = self._dbs.get(table)
                 if n == 0 or db is None:
                     return out, found
-                self._check_paths(table, rows[order])
-                vals = self._read(db, self._undo.get(table), keys)
+                got = self._walk(table, rows[order], width)
+                if got is None:
+                    self._check_paths(table, rows[order])
+                    vals = self._read(db, self._undo.get(table), keys)
         except lmdb.Error as exc:
             self.reopens += 1
             self._abort()
             raise SnapshotLostError(f"{self.path}: snapshot lost ({exc})") from exc
+        if got is not None:  # read by the page walker: records copied out of the snapshot's pages
+            data, hit = got
+            if hit.any():
+                srt = rows[order]
+                out[order[hit]] = open_records(table, srt[hit], data[hit].ravel(), width,
+                                               f"store {self.path}, ")
+                found[order[hit]] = True
+            return out, found
         hit = np.fromiter(map(operator.truth, vals), dtype=bool, count=n)  # None and b"": absent
         open_values(table, rows, order, vals, hit, out, found, f"store {self.path}, ")
         return out, found
 
-    def _check_paths(self, table: str, srt: np.ndarray) -> None:
-        """Check the pages on the rows' search paths before py-lmdb walks them (pages.py)."""
+    def _walk(self, table: str, srt: np.ndarray, width: int
+              ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Records and found mask of sorted rows read by the page walker (pages.py), or None
+        where py-lmdb must read them: no numba, undo values to merge, a layout it does not read."""
+        undo = self._undo.get(table)
+        if self._reader() is None or (undo is not None and self._txn.stat(undo)["entries"]):
+            return None
+        return self._pages.lookup(self._txn.get(b"t:" + table.encode()), srt.astype(np.uint64),
+                                  width * 4 + CHECK_BYTES)
+
+    def _reader(self) -> PageReader | None:
+        """This environment's page reader (made on first use), or None without numba."""
         if not HAVE_NUMBA:
-            return
+            return None
         if self._pages is None:  # opened while our snapshot is held: unless a compaction swapped
             # the file in between (its new inode), this is the file the snapshot's pages are in
             pages = PageReader(self.path / DATA_NAME, self.env.stat()["psize"])
             if self._share is not None and _ino(self.path / DATA_NAME) != self._share.inos[0]:
-                return
+                return None
             self._pages = pages
+        return self._pages
+
+    def _check_paths(self, table: str, srt: np.ndarray) -> None:
+        """Check the pages on the rows' search paths before py-lmdb walks them (pages.py)."""
+        if self._reader() is None:
+            return
         self._pages.check_paths(self._txn.get(b"t:" + table.encode()), srt.astype(np.uint64),
                                 self._txn.id())
 
