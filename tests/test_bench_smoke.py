@@ -120,7 +120,9 @@ def test_bench_steady_smoke(tmp_path):
     assert rec["counters_per_step"]["rows_merged"] >= 0
     assert rec["config"] == "tierstore_cache10" and rec["steps"] == 4
     assert _positive(rec["ms_per_step"]) and rec["disk_mb_per_step"] >= 0
-    assert _positive(rec["cpu_ms_per_step"]["MainThread"])
+    # CPU per thread in 10 ms ticks: the staged, lock-free steps may leave the training thread
+    # below one tick in 4 tiny steps, but the threads together used some
+    assert any(_positive(v) for v in rec["cpu_ms_per_step"].values())
     assert rec["counters_per_step"]["rows_read"] > 0  # 10% caches: the steps miss
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_steady_")]
     # the resolved layout: one hlfu tier of both capacities, a reserve of 4x the cache

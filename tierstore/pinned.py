@@ -146,12 +146,14 @@ class PinnedSteps:
         (`staging_capacity`), rows the device policy refuses wait there instead of displacing
         cached ones, so the window fits when the cache and the staging slots hold it once (the
         store has them only with a selective policy and no host tier). Automatic staging slots
-        (`Layout.staging_auto`) are activated here as windows grow, up to the reserve.
+        (`Layout.staging_auto`) are activated here as windows grow: one a window row, up to the
+        reserve (a window's rows the cache refuses or cannot hold wait there).
         """
         dev = self.device_tier
-        if dev.staging:  # automatic slots: activate what the window needs, if the reserve holds it
-            if self.layout.staging_auto and dev.capacity + dev.scratch_slots < rows <= dev.slots:
-                dev.grow_staging(rows - dev.capacity)
+        if dev.staging:  # automatic slots: as many as the window has rows (the most of them the
+            # policy may refuse), up to the reserve; a slot costs a row's memory once used
+            if self.layout.staging_auto and dev.scratch_slots < min(rows, dev.staging):
+                dev.grow_staging(min(rows, dev.staging))
             return rows <= dev.capacity + dev.scratch_slots
         return 2 * rows <= dev.capacity + self.host_tier.capacity
 

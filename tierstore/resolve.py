@@ -14,10 +14,11 @@ What it picks, and why (BENCHMARKS.md, sessions 8, 11, 17, and issue 36):
   against 0.35x / 0.17x for LRU over two tiers.
 - Staging slots: hlfu refuses most staged misses, and a staged row must stay pinned in a
   device slot. Unless the user gives `staging_capacity`, the store reserves slots past the
-  cache (`staging_reserve`) and the prefetch pipeline activates as many as its window needs
-  (`stats()["prefetch"]["window_rows"]`). The reserve is at most 64 MiB and four times the
-  cache (cache1 on the training benchmark staged 2.5x its cache); only active slots' rows are
-  written, so a reserved slot costs its bookkeeping (~56 B) until the window needs it.
+  cache (`staging_reserve`) and the prefetch pipeline activates one per row of its largest
+  window (`stats()["prefetch"]["window_rows"]`), up to the reserve. The reserve is at most
+  64 MiB and four times the cache (cache1 on the training benchmark staged 2.5x its cache);
+  only used slots' rows are written, so a reserved slot costs its bookkeeping (~56 B) until
+  the window needs it.
 - On CUDA the tiers stay distinct (HBM and pinned DDR), with LRU unless a policy is named.
 - Caches that hold every declared row evict nothing: LRU (the cheapest bookkeeping; hlfu's
   made an all-resident step slower) and no staging slots, still one tier on a CPU.
