@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tierstore as ts
-from tierstore import persistence
+from tierstore import fsops, persistence
 from tierstore.export import export_store, import_store
 from tierstore.prefetch import Prefetcher
 
@@ -182,8 +182,8 @@ def _crash_at(monkeypatch, k: int) -> list[int]:
     monkeypatch.setattr(os, "rename", wrap(os.rename))
     monkeypatch.setattr(os, "fsync", wrap(os.fsync))
     monkeypatch.setattr(shutil, "rmtree", wrap(shutil.rmtree))
-    if hasattr(persistence, "_exchange"):
-        monkeypatch.setattr(persistence, "_exchange", wrap(persistence._exchange))
+    if hasattr(fsops, "_exchange"):
+        monkeypatch.setattr(fsops, "_exchange", wrap(fsops._exchange))
     return calls
 
 
@@ -227,7 +227,7 @@ def test_two_rename_fallback_is_recovered(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     store.checkpoint(ck, step=1)
     store.apply("t", ids, torch.ones(len(ids), 8))
-    monkeypatch.setattr(persistence, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(fsops, "_exchange", lambda a, b: False)
     real = os.replace
 
     def replace(src, dst):
@@ -261,7 +261,7 @@ def test_staging_leftovers_rejected_and_cleaned(tmp_path):
     # a live process's staging directory is left alone
     live = root / f".step-9.partial-{os.getpid()}-0123abcd"
     live.mkdir()
-    persistence._ACTIVE.add(live)
+    fsops._ACTIVE.add(live)
     try:
         store.checkpoint(root / "step-3", step=3)  # the next checkpoint cleans up
         assert not stale.exists() and live.exists()
