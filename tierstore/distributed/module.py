@@ -69,13 +69,13 @@ class _ShardedBags(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, ebc: ShardedEmbeddingBagCollection,
                 batch: int, tables: list, train: bool, err: Exception | None) -> torch.Tensor:
-        out, requests, serves = ebc._forward(batch, tables, train, err)
+        out, requests, serves = ebc.forward_step(batch, tables, train, err)
         ctx.ebc, ctx.requests, ctx.serves, ctx.batch = ebc, requests, serves, batch
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        ctx.ebc._backward(grad.detach().cpu().contiguous(), ctx.batch, ctx.requests, ctx.serves)
+        ctx.ebc.backward_step(grad.detach().cpu().contiguous(), ctx.batch, ctx.requests, ctx.serves)
         ctx.serves = ctx.requests = None
         return None, None, None, None, None, None
 
@@ -130,7 +130,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return ShardedPrefetcher(self, batches, depth, **kwargs)
 
     # input --------------------------------------------------------------------------------
-    def _split(self, keys: Any, values: Any, lengths: Any, offsets: Any, weights: Any
+    def split_batch(self, keys: Any, values: Any, lengths: Any, offsets: Any, weights: Any
                ) -> tuple[int, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]]:
         """Validated (batch, [(table, ids, lengths, weights)]) of this rank's input."""
         keys, values, lengths, weights = JaggedBatch.of(keys, values, lengths, offsets, weights).astuple()
@@ -166,7 +166,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Pooled embeddings of this rank's batch: [batch, sum of dims] or {feature: [batch, dim]}."""
         err: TierstoreError | None = None
         try:
-            batch, tables = self._split(keys, values, lengths, offsets, weights)
+            batch, tables = self.split_batch(keys, values, lengths, offsets, weights)
         except TierstoreError as exc:  # told to the other ranks in the sizes exchange, then raised
             err, batch, tables = exc, 0, []
         train = torch.is_grad_enabled()
@@ -182,7 +182,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Floats as they travel (comm_dtype)."""
         return x.to(self.comm_dtype)
 
-    def _forward(self, batch: int, tables: list, train: bool, err: Exception | None
+    def forward_step(self, batch: int, tables: list, train: bool, err: Exception | None
                  ) -> tuple[torch.Tensor, list[Request], list[_Serve | None]]:
         store, comm = self.store, self.store.comm
         world, rank = store.world_size, store.rank
@@ -362,7 +362,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             out.append(blocks)
         return out
 
-    def _backward(self, grad: torch.Tensor, batch: int, requests: list[Request],
+    def backward_step(self, grad: torch.Tensor, batch: int, requests: list[Request],
                   serves: list[_Serve | None]) -> None:
         comm, world = self.store.comm, self.store.world_size
         cols = _excl_cumsum(torch.tensor(self.dims)).tolist()

@@ -134,7 +134,7 @@ class ShardedPrefetcher:
 
     def _stage(self, step: int, batch: Any) -> None:
         store, comm, world = self.store, self.store.prefetch_comm, self.store.world_size
-        _, tables = guarded(comm, "prefetch:validate", lambda: self.ebc._split(
+        _, tables = guarded(comm, "prefetch:validate", lambda: self.ebc.split_batch(
             JaggedBatch.of(self.extract(batch)), None, None, None, None))
         sizes = torch.zeros(world, len(tables), dtype=torch.int64)
         send = []

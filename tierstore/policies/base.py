@@ -8,7 +8,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-import tierstore.policies._queues as q
+import tierstore.policies.queues as q
 
 INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -160,7 +160,7 @@ class Policy:
 
 
 class QueuePolicy(Policy):
-    """A policy kept as linked slot queues (see `_queues`) and driven by numba kernels.
+    """A policy kept as linked slot queues (see `queues`) and driven by numba kernels.
 
     Subclasses set `lists` and `columns`, update the queues in `on_hit` / `on_insert`, and
     either list `victim_lists` (victims are the oldest allowed slots of those queues, in

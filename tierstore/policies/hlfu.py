@@ -23,7 +23,7 @@ import numba
 import numpy as np
 import torch
 
-import tierstore.policies._queues as q
+import tierstore.policies.queues as q
 
 from .._kernels import prefetch
 from .base import Policy, QueuePolicy, as_numpy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-import tierstore.policies._queues as q
+import tierstore.policies.queues as q
 
 from .base import QueuePolicy, as_numpy
 

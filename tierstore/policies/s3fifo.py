@@ -6,8 +6,8 @@ import numba
 import numpy as np
 import torch
 
-import tierstore.policies._ghost as _ghost
-import tierstore.policies._queues as q
+import tierstore.policies.ghost as _ghost
+import tierstore.policies.queues as q
 
 from .base import Evictable, QueuePolicy, as_numpy
 

@@ -6,7 +6,7 @@ import numba
 import numpy as np
 import torch
 
-import tierstore.policies._queues as q
+import tierstore.policies.queues as q
 
 from .base import Evictable, QueuePolicy, as_numpy
 

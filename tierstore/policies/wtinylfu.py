@@ -6,8 +6,8 @@ import numba
 import numpy as np
 import torch
 
-import tierstore.policies._queues as q
-import tierstore.policies._sketch as _sketch
+import tierstore.policies.queues as q
+import tierstore.policies.sketch as _sketch
 
 from .base import Evictable, QueuePolicy, as_numpy
 
@@ -16,7 +16,7 @@ _KEY = q.FIRST_FREE
 
 
 @numba.njit(cache=True, nogil=True)
-def _access(S, cap, prot_target, slots, table, meta, log, nlog):  # pragma: no cover
+def access_kernel(S, cap, prot_target, slots, table, meta, log, nlog):  # pragma: no cover
     """Hits: count in the sketch; window and protected hits refresh, probation hits promote."""
     g = S.shape[0] - 1
     for i in range(slots.shape[0]):
@@ -34,7 +34,7 @@ def _access(S, cap, prot_target, slots, table, meta, log, nlog):  # pragma: no c
 
 
 @numba.njit(cache=True, nogil=True)
-def _insert(S, cap, w_target, main_target, slots, keys, table, meta, log,
+def insert_kernel(S, cap, w_target, main_target, slots, keys, table, meta, log,
             nlog):  # pragma: no cover - compiled
     """New slots enter the window and are counted; while main has room, overflow moves there."""
     g = S.shape[0] - 1
@@ -51,7 +51,7 @@ def _insert(S, cap, w_target, main_target, slots, keys, table, meta, log,
 
 
 @numba.njit(cache=True, nogil=True)
-def _walk(S, cap, w_target, main_target, table, n, mode, pins, prot, skip, mark, out, origin,
+def walk_kernel(S, cap, w_target, main_target, table, n, mode, pins, prot, skip, mark, out, origin,
           log, nlog):  # pragma: no cover - compiled
     """Evict for `n` incoming slots (they will join the window).
 
@@ -129,18 +129,18 @@ class WTinyLFU(QueuePolicy):
 
     def on_hit(self, slots: torch.Tensor) -> None:
         """Count accesses; promote probation hits to protected."""
-        _access(self.state, self.capacity, self.prot_target, as_numpy(slots), self.sketch,
+        access_kernel(self.state, self.capacity, self.prot_target, as_numpy(slots), self.sketch,
                 self.sketch_meta, q.EMPTY_LOG, np.zeros(1, dtype=np.int64))
 
     def on_insert(self, slots: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         """New slots enter the window."""
         k = as_numpy(keys) if keys is not None else np.empty(0, dtype=np.int64)
-        _insert(self.state, self.capacity, self.w_target, self.main_target, as_numpy(slots), k,
+        insert_kernel(self.state, self.capacity, self.w_target, self.main_target, as_numpy(slots), k,
                 self.sketch, self.sketch_meta, q.EMPTY_LOG, np.zeros(1, dtype=np.int64))
 
     def walk(self, n: int, mode: int, ev: Evictable, mark: np.ndarray, out: np.ndarray,
               origin: np.ndarray, log: np.ndarray, nlog: np.ndarray) -> tuple[int, bool]:
-        return _walk(self.state, self.capacity, self.w_target, self.main_target, self.sketch, n,
+        return walk_kernel(self.state, self.capacity, self.w_target, self.main_target, self.sketch, n,
                      mode, ev.pins, ev.protected, ev.skip, mark, out, origin, log, nlog)
 
     def check(self) -> None:

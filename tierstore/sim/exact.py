@@ -15,8 +15,9 @@ from collections.abc import Callable
 import numba
 import numpy as np
 
+import tierstore.policies.queues as q
+
 from ..errors import ConfigError
-from ..policies import _queues as q
 from .wtinylfu import lcs_wtinylfu
 
 NIL = -1

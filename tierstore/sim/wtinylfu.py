@@ -37,9 +37,10 @@ import math
 import numba
 import numpy as np
 
+import tierstore.policies.queues as q
+import tierstore.policies.sketch as _sketch
+
 from ..errors import ConfigError
-from ..policies import _queues as q
-from ..policies import _sketch
 from ..policies import wtinylfu as _wtlfu
 from ..policies.base import key_hash_np
 
@@ -281,16 +282,16 @@ def _tier_kernels(ids, hashes, n_keys, capacity, w_target, main_target, prot_tar
     for i in range(ids.size):
         one[0] = ids[i]
         if S[one[0], q.LIST] >= 0:
-            _wtlfu._access(S, n_keys, prot_target, one, table, meta, log, nlog)
+            _wtlfu.access_kernel(S, n_keys, prot_target, one, table, meta, log, nlog)
             continue
         misses += 1
         if size >= capacity:
-            _wtlfu._walk(S, n_keys, w_target, main_target, table, 1, 0, no_i32, no_bool,
+            _wtlfu.walk_kernel(S, n_keys, w_target, main_target, table, 1, 0, no_i32, no_bool,
                          no_bool, no_bool, out, origin, log, nlog)
         else:
             size += 1
         key[0] = hashes[i]
-        _wtlfu._insert(S, n_keys, w_target, main_target, one, key, table, meta, log, nlog)
+        _wtlfu.insert_kernel(S, n_keys, w_target, main_target, one, key, table, meta, log, nlog)
     return misses
 
 
