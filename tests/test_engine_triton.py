@@ -13,10 +13,10 @@ if os.environ.get("TRITON_INTERPRET") in (None, "", "0") and not torch.cuda.is_a
 triton = pytest.importorskip("triton")
 
 from hypothesis import given, settings  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from tests.engine_cases import Case, cases, engine_step  # noqa: E402
 from tests.profiles import examples  # noqa: E402
+from tests.syncs import SyncCounter  # noqa: E402
 from tierstore.engine import Engine, Plan, interpreting  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
@@ -29,26 +29,6 @@ def test_triton_equals_numba_bit_for_bit(case: Case):
     t_out, t_slab = engine_step(case, "triton")
     assert torch.equal(out, t_out)
     assert torch.equal(slab.view(torch.int32), t_slab.view(torch.int32))
-
-
-SYNCING = ("_local_scalar_dense", "nonzero", "unique", "item")
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts aten calls that make a CUDA host wait (scalar reads, data-dependent shapes, copies
-    to the host)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__ if hasattr(func, "__name__") else str(func)
-        kwargs = kwargs or {}
-        to_host = "_to_copy" in name and str(kwargs.get("device", "")) == "cpu"
-        if any(s in name for s in SYNCING) or to_host:
-            self.calls.append(name)
-        return func(*args, **kwargs)
 
 
 def test_triton_step_makes_no_syncing_call():

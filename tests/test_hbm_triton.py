@@ -1,0 +1,50 @@
+"""The set-associative cache's Triton kernels (lookup, victim choice) under the interpreter equal
+its torch ops exactly, over any sequence of lookups, inserts, locks and removals."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") in (None, "", "0") and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import: kernels on CPU tensors
+triton = pytest.importorskip("triton")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.hbm_model import ops, run  # noqa: E402
+from tests.profiles import examples  # noqa: E402
+from tierstore.backends.hbm_cache import HbmCache  # noqa: E402
+from tierstore.engine import interpreting  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
+
+
+@settings(max_examples=examples(0.3))
+@given(seq=ops(), policy=st.sampled_from(["lru", "lfu"]), sets=st.integers(1, 3),
+       ways=st.sampled_from([2, 4]))
+def test_triton_cache_equals_torch_cache(seq, policy, sets, ways):
+    ref = HbmCache(sets * ways, 2, policy=policy, ways=ways)
+    tri = HbmCache(sets * ways, 2, policy=policy, ways=ways, kernels="triton")
+    run(ref, seq)
+    run(tri, seq)  # the model checks the kernels' victims against the rule, line by line
+    for name in ("keys", "stamp", "lock", "dirty"):
+        assert torch.equal(getattr(ref, name), getattr(tri, name)), name
+    assert torch.equal(ref.slab, tri.slab)
+
+
+def test_kernels_equal_torch_on_a_loaded_cache():
+    g = torch.Generator().manual_seed(7)
+    tri = HbmCache(256, 1, ways=32, kernels="triton")
+    tri.insert(torch.randperm(1000, generator=g)[:230], torch.zeros(230, 1))
+    tri.stamp.copy_(torch.randint(0, 5, tri.stamp.shape, generator=g))
+    tri.lock.copy_((torch.rand(tri.lock.shape, generator=g) < 0.7).int() * (tri.keys >= 0))
+    ids = torch.cat([torch.randint(-1, 1200, (150,), generator=g), torch.tensor([2**62, -5])])
+    assert torch.equal(tri.lookup(ids), tri.lookup_torch(ids))
+    absent = torch.arange(2000, 2160)
+    got = tri.choose(absent)
+    assert torch.equal(got, tri.choose_torch(absent))
+    assert (got >= 0).any() and (got < 0).any()  # some sets ran out of unlocked lines

@@ -1,0 +1,274 @@
+"""A set-associative row cache whose whole state is tensors on one device (HBM on a GPU).
+
+Every line is one way of one set: `keys` [sets, ways] int64 (-1 empty), `stamp` [sets, ways]
+int64 (LRU: the clock of the last use; LFU: a use count), `lock` [sets, ways] int32 (pins of
+staged batches), `dirty` [sets, ways] bool and the slab [sets * ways, width] float32; a slot is
+`set * ways + way`. A key lives only in the set its hash names, so a lookup compares one set's
+ways and nothing else.
+
+No call here reads a tensor back to the host: sizes are the caller's (a batch of n keys gives n
+slots, -1 where absent), writes for "no slot" go to one trash line past the last slot, and
+victim choice is a stable sort (or one Triton kernel) per key. So on CUDA the hit path (lookup,
+touch, lock, dirty) and the insert of a staged batch run without a device-to-host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+WAYS = 32
+POLICIES = ("lru", "lfu")
+HASH_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
+_LOCKED = 2**62  # the victim-order key of a locked line: after every unlocked one
+
+
+def set_of(keys: torch.Tensor, sets: int) -> torch.Tensor:
+    """The set each key hashes to: bits 32..62 of `key * HASH_MUL` (wrapping), modulo `sets`."""
+    return ((keys * HASH_MUL) >> 32).bitwise_and_(0x7FFFFFFF).remainder_(sets)
+
+
+def order_key(keys: torch.Tensor, stamp: torch.Tensor, lock: torch.Tensor) -> torch.Tensor:
+    """Per line, its place in victim order: empty lines (0) first, then unlocked lines by stamp
+    (stamp + 1), locked lines last; ties go to the lower way."""
+    occ = stamp.clamp(min=0) + 1
+    return torch.where(lock > 0, _LOCKED, torch.where(keys >= 0, occ, 0))
+
+
+def rank_in_set(sets: torch.Tensor) -> torch.Tensor:
+    """Each key's rank among the keys of its set, in input order (sizes known: no sync)."""
+    srt, order = torch.sort(sets, stable=True)
+    start = torch.searchsorted(srt, srt)
+    rank = torch.empty_like(order)
+    rank.index_copy_(0, order, torch.arange(sets.numel(), device=sets.device) - start)
+    return rank
+
+
+@dataclass
+class Victims:
+    """What an insert displaced, one entry per inserted key: the old key (-1 none), its payload
+    and dirty bit (meaningless where the key is -1), and the slot the new key took (-1: no room)."""
+
+    keys: torch.Tensor  # int64 [m]
+    payload: torch.Tensor  # float32 [m, width]
+    dirty: torch.Tensor  # bool [m]
+    slots: torch.Tensor  # int64 [m]
+
+
+class HbmCache:
+    """A set-associative write-back cache of row payloads, all state on `device`.
+
+    `capacity` rows round up to whole sets of `ways` lines. `policy` is "lru" (stamp = the clock
+    at the last use) or "lfu" (stamp = uses since the line was filled). `kernels="triton"` runs
+    lookup and victim choice as Triton kernels (CUDA, or the interpreter on CPU tensors); "torch"
+    runs the same rules as torch ops; both give the same slots.
+    """
+
+    def __init__(self, capacity: int, width: int, device: torch.device | str = "cpu",
+                 policy: str = "lru", ways: int = WAYS, kernels: str = "torch") -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"the set-associative cache offers {POLICIES}, got {policy!r}")
+        if ways < 1 or ways & (ways - 1):
+            raise ConfigError(f"ways must be a power of two, got {ways}")
+        if kernels not in ("torch", "triton"):
+            raise ConfigError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
+        self.ways = int(ways)
+        self.sets = max(1, -(-int(capacity) // self.ways)) if capacity > 0 else 0
+        self.capacity = self.sets * self.ways
+        self.width = int(width)
+        self.device = torch.device(device)
+        self.policy = policy
+        self.kernels = kernels
+        n = self.capacity + 1  # one trash line past the last slot absorbs writes for "no slot"
+        dev = self.device
+        self._keys = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self._stamp = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._lock = torch.zeros(n, dtype=torch.int32, device=dev)
+        self._dirty = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.slab = torch.zeros((n, self.width), dtype=torch.float32, device=dev)
+        self.clock = 1  # LRU stamps: advanced by the caller once a step (`tick`)
+        self.trash = self.capacity
+
+    # the lines, [sets, ways] views of the flat state (the trash line excluded)
+    @property
+    def keys(self) -> torch.Tensor:
+        """Keys [sets, ways], -1 where a line is empty."""
+        return self._keys[: self.capacity].view(self.sets, self.ways)
+
+    @property
+    def stamp(self) -> torch.Tensor:
+        """Stamps [sets, ways]: LRU the clock of the last use, LFU the use count."""
+        return self._stamp[: self.capacity].view(self.sets, self.ways)
+
+    @property
+    def lock(self) -> torch.Tensor:
+        """Pins [sets, ways] of staged batches: a locked line is never a victim."""
+        return self._lock[: self.capacity].view(self.sets, self.ways)
+
+    @property
+    def dirty(self) -> torch.Tensor:
+        """Dirty bits [sets, ways]: the line differs from the tiers below."""
+        return self._dirty[: self.capacity].view(self.sets, self.ways)
+
+    def tick(self) -> int:
+        """Advance the LRU clock (once a step); returns the new value."""
+        self.clock += 1
+        return self.clock
+
+    def _to_trash(self, slots: torch.Tensor) -> torch.Tensor:
+        """Slots with -1 sent to the trash line (writes there are discarded)."""
+        return torch.where(slots >= 0, slots, self.trash)
+
+    # the hit path -------------------------------------------------------------------------
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slots holding `keys` (int64 [n], any order, repeats allowed), -1 where absent."""
+        if self.capacity == 0 or keys.numel() == 0:
+            return torch.full_like(keys, -1)
+        if self.kernels == "triton":
+            return _triton_lookup(self, keys)
+        return self.lookup_torch(keys)
+
+    def lookup_torch(self, keys: torch.Tensor) -> torch.Tensor:
+        """`lookup` as torch ops (the reference the Triton kernel equals)."""
+        s = set_of(keys, self.sets)
+        ways = self.keys.index_select(0, s)  # [n, ways]
+        eq = (ways == keys.unsqueeze(1)) & (keys >= 0).unsqueeze(1)
+        way = eq.to(torch.int8).argmax(dim=1)
+        return torch.where(eq.any(dim=1), s * self.ways + way, -1)
+
+    def touch(self, slots: torch.Tensor) -> None:
+        """Record a use of these lines (-1 ignored): LRU stamps the clock, LFU counts one."""
+        if slots.numel() == 0:
+            return
+        at = self._to_trash(slots)
+        if self.policy == "lru":
+            self._stamp.index_fill_(0, at, self.clock)
+        else:
+            self._stamp.index_add_(0, at, torch.ones_like(at))
+
+    def pin(self, slots: torch.Tensor, delta: int) -> None:
+        """Add `delta` to the locks of these lines (-1 ignored; repeats count), never below 0."""
+        if slots.numel() == 0:
+            return
+        at = self._to_trash(slots)
+        self._lock.index_add_(0, at, torch.full_like(at, delta, dtype=torch.int32))
+        if delta < 0:
+            self._lock.index_copy_(0, at, self._lock.index_select(0, at).clamp_(min=0))
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """Set the dirty bits of these lines (-1 ignored)."""
+        if slots.numel():
+            self._dirty.index_fill_(0, self._to_trash(slots), True)
+
+    # victim choice and insert -------------------------------------------------------------
+    def choose(self, keys: torch.Tensor) -> torch.Tensor:
+        """The slot each absent key (unique) would take: its set's free or unlocked lines in
+        victim order, the k-th key of a set (in input order) taking the k-th line; -1 where
+        the set has no line left for it. Changes nothing."""
+        if self.capacity == 0 or keys.numel() == 0:
+            return torch.full_like(keys, -1)
+        if self.kernels == "triton":
+            return _triton_choose(self, keys)
+        return self.choose_torch(keys)
+
+    def choose_torch(self, keys: torch.Tensor) -> torch.Tensor:
+        """`choose` as torch ops (the reference the Triton kernel equals)."""
+        s = set_of(keys, self.sets)
+        rank = rank_in_set(s)
+        ok = order_key(self.keys, self.stamp, self.lock).index_select(0, s)  # [m, ways]
+        srt, way = torch.sort(ok, dim=1, stable=True)
+        r = rank.clamp(max=self.ways - 1).unsqueeze(1)
+        pick = way.gather(1, r).squeeze(1)
+        free = srt.gather(1, r).squeeze(1) < _LOCKED
+        return torch.where((rank < self.ways) & free, s * self.ways + pick, -1)
+
+    def insert(self, keys: torch.Tensor, payload: torch.Tensor, dirty: torch.Tensor | None = None,
+               lock: int = 0) -> Victims:
+        """Insert absent, unique `keys` with their payloads [m, width], evicting per set.
+
+        Each key takes the line `choose` names; a key whose set has no unlocked line left is
+        not inserted (its slot is -1: the caller sends it down a tier). Returns the victims, one
+        entry per key, for the caller to write down (their dirty rows). New lines start with
+        `lock` pins, a fresh stamp (LRU: the clock; LFU: 1) and the given dirty bits.
+        """
+        m = keys.numel()
+        slots = self.choose(keys)
+        at = self._to_trash(slots)
+        old = self._keys.index_select(0, at)
+        old = torch.where(slots >= 0, old, -1)
+        victims = Victims(old, self.slab.index_select(0, at), self._dirty.index_select(0, at)
+                          & (old >= 0), slots)
+        if m == 0:
+            return victims
+        self._keys.index_copy_(0, at, keys)
+        fresh = self.clock if self.policy == "lru" else 1
+        self._stamp.index_fill_(0, at, fresh)
+        self._lock.index_fill_(0, at, int(lock))
+        d = torch.zeros(m, dtype=torch.bool, device=self.device) if dirty is None else dirty
+        self._dirty.index_copy_(0, at, d.to(self.device))
+        self.slab.index_copy_(0, at, payload.to(self.device, torch.float32))
+        self._clear_trash()
+        return victims
+
+    def remove(self, slots: torch.Tensor) -> Victims:
+        """Empty these lines (-1 ignored); returns their keys, payloads and dirty bits."""
+        at = self._to_trash(slots)
+        out = Victims(self._keys.index_select(0, at), self.slab.index_select(0, at),
+                      self._dirty.index_select(0, at), slots)
+        self._keys.index_fill_(0, at, -1)
+        self._stamp.index_fill_(0, at, 0)
+        self._lock.index_fill_(0, at, 0)
+        self._dirty.index_fill_(0, at, False)
+        self._clear_trash()
+        return out
+
+    def _clear_trash(self) -> None:
+        """Reset the trash line (a write for "no slot" may have landed there)."""
+        t = self.trash
+        self._keys[t] = -1
+        self._stamp[t] = 0
+        self._lock[t] = 0
+        self._dirty[t] = False
+
+    # off the hot path: these read back to the host ------------------------------------------
+    def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, slots) of every occupied line (syncs: flushes and checks only)."""
+        slots = torch.nonzero(self._keys[: self.capacity] >= 0).flatten()
+        return self._keys.index_select(0, slots), slots
+
+    @property
+    def size(self) -> int:
+        """Occupied lines (syncs)."""
+        return int((self._keys[: self.capacity] >= 0).sum())
+
+    def check(self) -> None:
+        """Assert the invariants: keys unique, each in its hashed set, state only on occupied
+        lines, locks never negative, the trash line clean."""
+        keys, slots = self.resident()
+        assert keys.unique().numel() == keys.numel(), "a key is cached twice"
+        if keys.numel():
+            assert torch.equal(set_of(keys, self.sets), slots // self.ways), "a key outside its set"
+        empty = self._keys[: self.capacity] < 0
+        assert not bool((self._dirty[: self.capacity] & empty).any()), "a dirty empty line"
+        assert not bool((self._lock[: self.capacity] != 0)[empty].any()), "a locked empty line"
+        assert not bool((self._lock < 0).any()), "a negative lock"
+        assert int(self._keys[self.trash]) == -1 and int(self._lock[self.trash]) == 0
+
+
+def _triton_lookup(cache: HbmCache, keys: torch.Tensor) -> torch.Tensor:
+    """`HbmCache.lookup` by the Triton kernel (imported only when chosen: optional package)."""
+    from . import hbm_kernels
+
+    return hbm_kernels.lookup(cache.keys, keys, cache.sets, cache.ways)
+
+
+def _triton_choose(cache: HbmCache, keys: torch.Tensor) -> torch.Tensor:
+    """`HbmCache.choose` by the Triton kernel."""
+    from . import hbm_kernels
+
+    rank = rank_in_set(set_of(keys, cache.sets))
+    return hbm_kernels.choose(cache.keys, cache.stamp, cache.lock, keys, rank, cache.sets,
+                              cache.ways)
