@@ -39,6 +39,10 @@ def build_summary(t: Trainer, train_s: float, start_step: int, final: dict) -> d
         "rows_stored": rows_stored,
         "disk_bytes": st["ssd"]["disk_bytes"],
         "peak_disk_bytes": max(t.peak_disk, st["ssd"]["disk_bytes"]),
+        "peak_data_bytes": max(t.peak_data, st["ssd"]["data_bytes"]),
+        "peak_log_bytes": max(t.peak_log, st["ssd"]["log_bytes"]),
+        # the tables' leaves: rows a leaf against a full leaf (B-tree splits leave ~2/3)
+        "leaf_fill": st["ssd"]["dense_leaf_pages"] / max(st["ssd"]["leaf_pages"], 1),
         "raw_row_bytes": rows_stored * payload_bytes,
         "disk_per_row": st["ssd"]["disk_bytes"] / rows_stored if rows_stored else 0.0,
         "payload_bytes_per_row": payload_bytes,

@@ -74,6 +74,8 @@ class Trainer:
         self.rows_stored_start = 0
         self.peak_anon = 0
         self.peak_disk = 0
+        self.peak_data = 0  # the tables' file and the log's, each at its own peak
+        self.peak_log = 0
 
     # store / checkpoints ------------------------------------------------------------------------
     def latest(self) -> Path | None:
@@ -209,7 +211,9 @@ class Trainer:
                 sys.stdout.flush()
             if self.step % 10 == 0 or self.step == cfg.steps:
                 self.peak_anon = max(self.peak_anon, rss_parts()["anon"])
-                self.peak_disk = max(self.peak_disk, self.store.backend.disk_bytes())
+                data, log = self.store.backend.data_bytes(), self.store.backend.log_bytes()
+                self.peak_disk = max(self.peak_disk, data + log)
+                self.peak_data, self.peak_log = max(self.peak_data, data), max(self.peak_log, log)
             if self.step == cfg.steps or (cfg.progress and self.step % 10 == 0):
                 st = self.store.stats()
                 if self.step == cfg.steps:

@@ -127,6 +127,31 @@ def test_close_compacts_a_bloated_store(tmp_path):
     assert same_dump(dump(path), want)
 
 
+def test_tree_pages_show_the_leaves_fill_and_stats_split_the_files(tmp_path):
+    path = tmp_path / "s"
+    store = ts.TierStore(path, SPECS, device_capacity=0, host_capacity=0, seed=3, device="cpu")
+    random_writes(store.backend, 120_000, 20_000)
+    store.backend.sync()
+    pages = store.backend.tree_pages(["big", "small"])
+    # a leaf node: 8-B header, 8-B key, the record (row_dim floats + check), a 2-B pointer
+    per_leaf = [4080 // (16 + 4 * w + 4 + 2) for w in (W_BIG, W_SMALL)]  # 43 and 52
+    full = sum(-(-store.backend.count(t) // k) for t, k in zip(("big", "small"), per_leaf))
+    assert pages["dense_leaf_pages"] == full
+    fill = pages["dense_leaf_pages"] / pages["leaf_pages"]
+    assert 0.4 < fill < 0.8  # random inserts split leaves in half: about 2/3 full
+    ssd = store.stats()["ssd"]
+    assert ssd["disk_bytes"] == ssd["data_bytes"] + ssd["log_bytes"]
+    assert ssd["data_bytes"] == data_bytes(path)
+    assert ssd["leaf_pages"] == pages["leaf_pages"]
+    store.close()
+    backend = LmdbBackend(path)  # close compacted it: every leaf full
+    dense = backend.tree_pages(["big", "small"])
+    assert dense["dense_leaf_pages"] == pages["dense_leaf_pages"]
+    assert dense["leaf_pages"] <= dense["dense_leaf_pages"] + 2
+    assert backend.tree_pages(["absent"]) == {"leaf_pages": 0, "branch_pages": 0, "dense_leaf_pages": 0}
+    backend.close()
+
+
 def test_close_after_reads_only_does_not_rewrite(tmp_path):
     path = tmp_path / "s"
     bloated_store(path)

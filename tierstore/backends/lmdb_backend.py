@@ -333,6 +333,29 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
             with self.env.begin(db=db) as txn:
                 return int(txn.stat(db)["entries"])
 
+    def tree_pages(self, tables: list[str]) -> dict[str, int]:
+        """The tables' B-tree pages, and the leaf pages their rows would take packed full
+        (`dense_leaf_pages`, what a compaction writes): their ratio is the leaves' fill."""
+        out = {"leaf_pages": 0, "branch_pages": 0, "dense_leaf_pages": 0}
+        with self.reading():
+            psize = self.env.stat()["psize"]
+            for table in tables:
+                db = self.table_db(table)
+                if db is None:
+                    continue
+                with self.env.begin(db=db) as txn:
+                    st = txn.stat(db)
+                    cur = txn.cursor()
+                    if not st["entries"] or not cur.first():
+                        continue
+                    # a leaf node: 8-byte header, key, value (2-byte aligned) + a 2-byte pointer
+                    node = 8 + len(cur.key()) + len(cur.value())
+                    per_leaf = (psize - 16) // (node + (node & 1) + 2)
+                out["leaf_pages"] += st["leaf_pages"]
+                out["branch_pages"] += st["branch_pages"]
+                out["dense_leaf_pages"] += -(-st["entries"] // max(per_leaf, 1))
+        return out
+
     def disk_bytes(self) -> int:
         """Bytes the store takes on disk: the tables' file and the write-behind log's (allocated)."""
         return self.data_bytes() + self.log_bytes()

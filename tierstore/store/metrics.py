@@ -28,8 +28,10 @@ class StoreMetrics:
         if self._admission:
             out["admission"] = {n: a.stats() for n, a in self._admission.items()}
         out["expiry"] = self.expiry.stats()
+        data, log = self.backend.data_bytes(), self.backend.log_bytes()
         out["ssd"].update(rows_stored=sum(self.backend.count(n) for n in self.tables),
-                          disk_bytes=self.backend.disk_bytes())
+                          disk_bytes=data + log, data_bytes=data, log_bytes=log,
+                          **self.backend.tree_pages(list(self.tables)))
         return out
 
     def memory(self) -> dict[str, int]:
