@@ -211,9 +211,12 @@ class TierstoreRunner(Runner):
 
     def before_block(self) -> None:
         """With --cold: let the background work finish, then drop the store's files from the
-        page cache (the window already staged for the block's first steps stays warm)."""
+        page cache (the window already staged for the block's first steps stays warm). The
+        process's own mappings of the file go first: the page cache keeps a page that a
+        process still maps, whatever `posix_fadvise(DONTNEED)` asks."""
         if self.cold:
             self.quiesce()
+            self.store.backend.trim_map()
             drop_cache(store_files(self.path))
 
     def quiesce(self, timeout: float = 5.0) -> None:

@@ -172,9 +172,11 @@ class RowLoader:
             data[rest], found[rest] = self.read_table(tab, rows_np[rest])
         return data, found
 
-    def read_table(self, tab: _Table, rows_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of one table in LMDB: (rows [n, row_dim], found [n]); any thread."""
-        return self.backend.get(tab.spec.name, rows_np, tab.spec.row_dim)
+    def read_table(self, tab: _Table, rows_np: np.ndarray,
+                   ahead: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of one table in LMDB: (rows [n, row_dim], found [n]); any thread. `ahead`: the
+        reads wait on the disk: ask for all their pages first (`LmdbBackend.get`)."""
+        return self.backend.get(tab.spec.name, rows_np, tab.spec.row_dim, ahead)
 
     def read_log_entries(self, tabs: np.ndarray, rows: np.ndarray, seqs: np.ndarray,
                           width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -58,10 +58,13 @@ class TableRows:
             self.open_tables([table])
         return self._dbs.get(table)
 
-    def get(self, table: str, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    def get(self, table: str, rows: np.ndarray, width: int,
+            ahead: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Read rows: (row float32 [n, width], found bool [n]); missing rows are zeros.
 
-        Every stored record's checksum is verified (`StoreCorruptError` on damage).
+        Every stored record's checksum is verified (`StoreCorruptError` on damage). `ahead`: the
+        reads will wait on the disk, so first ask it for all their pages at once, in page order
+        (`PageReader.ask_ahead`), rather than one page fault at a time.
         """
         n = len(rows)
         out = np.zeros((n, width), dtype=np.float32)
@@ -79,8 +82,10 @@ class TableRows:
                 srt = rows[order]
                 try:
                     with self.env.begin() as txn:  # pins the snapshot the pages belong to
-                        got = pages.lookup(txn.get(b"t:" + table.encode()),
-                                           srt.astype(np.uint64), width * 4 + CHECK_BYTES)
+                        record = txn.get(b"t:" + table.encode())
+                        if ahead:
+                            pages.ask_ahead(record, srt.astype(np.uint64))
+                        got = pages.lookup(record, srt.astype(np.uint64), width * 4 + CHECK_BYTES)
                 except lmdb.Error as exc:
                     self._raise_io(exc)
             if got is None:

@@ -31,6 +31,7 @@ import numpy as np
 
 from .._kernels import HAVE_NUMBA
 from ..errors import StoreCorruptError
+from .pageahead import ask_ahead
 
 P_INVALID = (1 << 64) - 1  # md_root of an empty database
 # MDB_db: pad, flags, depth, branch/leaf/overflow page counts, entries, root page
@@ -322,6 +323,8 @@ class PageReader:
                 if size == 0:
                     return None
                 mm = mmap.mmap(self._fd, size, prot=mmap.PROT_READ)
+                if hasattr(mmap, "MADV_RANDOM"):  # as LMDB's own map (readahead=False): a
+                    mm.madvise(mmap.MADV_RANDOM)  # fault reads its page, not 128 KiB around it
                 self._mm = mm
                 self._mem = np.frombuffer(mm, dtype=np.uint8)  # the array keeps the map alive
                 self._size = size
@@ -360,6 +363,18 @@ class PageReader:
             if status != SHORT_MAP:
                 return None
         return None
+
+    def ask_ahead(self, record: bytes | None, keys: np.ndarray) -> int:
+        """Queue the disk reads of every page on the search paths of sorted uint64 `keys` (in
+        the caller's read transaction, whose main-DB record of the table is `record`), level by
+        level in page order, without waiting for the leaves (`pageahead`); returns pages asked."""
+        if record is None or len(record) != _DB_RECORD.size or self._fd is None:
+            return 0
+        _, _, depth, *_, root = _DB_RECORD.unpack(record)
+        mem = self._mapping(remap=True)
+        if root == P_INVALID or mem is None:
+            return 0
+        return ask_ahead(mem, self._fd, self.psize, root, depth, keys)
 
     def check_paths(self, record: bytes | None, keys: np.ndarray, snapshot: int) -> None:
         """Check every node of every page on the search paths of sorted uint64 `keys` before

@@ -19,7 +19,7 @@ from ..errors import ConfigError, ShapeError, TierstoreError
 from ..index import sorted_unique
 from ..jagged import JaggedBatch, is_keyed_jagged
 from ..store import TierStore
-from .reads import ReaderPool, StoredReads
+from .reads import ASK_AHEAD, ReaderPool, StoredReads
 
 _END = object()
 # reader threads of a pipeline: more than one per CPU only queue for cores. On the 2-core VM, 2
@@ -289,7 +289,8 @@ class Prefetcher:
         # read them ahead, in parallel and without the store lock (page reads hold no GIL)
         reads = StoredReads(store, {t: (tabs[t], rows.numpy()) for t, rows in cold.items()},
                             self._pool.submit,
-                            self._pool.part_rows(sum(c.numel() for c in cold.values()), READ_CHUNK))
+                            self._pool.part_rows(sum(c.numel() for c in cold.values()), READ_CHUNK),
+                            ahead=ASK_AHEAD and self._pool.cold)
         return per_table, tabs, since, warm_only, ringed, cold, reads
 
     def finish_batch(self, step: int, prep: tuple) -> None:

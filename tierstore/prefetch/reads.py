@@ -15,6 +15,12 @@ import torch
 # on the CPU throughout; a 4 KiB random read from an SSD takes 50-500 us
 COLD_ROW_S = 20e-6
 COLD_CPU_SHARE = 0.5
+# reads asked ahead (below) take less wall time a row than COLD_ROW_S on a fast disk: they stay
+# cold while a row takes more than COLD_STAY_ROW_S and the threads still wait most of the time
+COLD_STAY_ROW_S = 5e-6
+# while reads are cold, each task first asks the disk for all its rows' pages at once, in page
+# order (`PageReader.ask_ahead`): one thread keeps a whole batch of reads in flight
+ASK_AHEAD = True
 # reader threads while reads are cold: enough reads in flight for a disk's queue depth (the
 # page reader and py-lmdb release the GIL while they wait on a page fault). 0: off, the default
 # until an A/B on a quiet machine shows a gain (BENCHMARKS.md: one run 1.56x slower, one faster)
@@ -61,7 +67,8 @@ class ReaderPool:
         """Learn from a batch's reads (`rows` rows, their tasks' wall and CPU seconds in all)."""
         if rows <= 0 or seconds <= 0:
             return
-        self.cold = seconds / rows > COLD_ROW_S and cpu_seconds < COLD_CPU_SHARE * seconds
+        slow = COLD_STAY_ROW_S if self.cold else COLD_ROW_S
+        self.cold = seconds / rows > slow and cpu_seconds < COLD_CPU_SHARE * seconds
         self.cold_batches += self.cold
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
@@ -79,12 +86,13 @@ class StoredReads:
     in parts of about `part_rows` entries in sequence order (each part walks its own chunks once),
     and each table's other rows are read from LMDB in parts of `part_rows` rows. An entry merged
     into its table meanwhile is read from the table by the same task. `result()` waits for the
-    tasks and gives each table's rows in the order they were asked for. Start it after the
+    tasks and gives each table's rows in the order they were asked for; `ahead`: the reads wait
+    on the disk, so each task asks for all its pages first (`LmdbBackend.get`). Start it after the
     read-ahead mark (`store.loader.read_ahead_mark`), like any read the pipeline keeps.
     """
 
     def __init__(self, store: Any, cold: dict[Any, tuple[Any, np.ndarray]],
-                 submit: Callable[..., Future], part_rows: int) -> None:
+                 submit: Callable[..., Future], part_rows: int, ahead: bool = False) -> None:
         self.cold = cold
         self.cpu_seconds = 0.0  # the readers' CPU seconds, set by `result`
         self._keys = list(cold)  # a log part's entries name their table by position in this list
@@ -101,7 +109,7 @@ class StoredReads:
             for pos in np.array_split(rest, max(1, len(rest) // part_rows)):
                 if len(pos):
                     self._table_parts.append(
-                        (key, pos, submit(_timed, store.loader.read_table, tab, rows[pos])))
+                        (key, pos, submit(_timed, store.loader.read_table, tab, rows[pos], ahead)))
             if inlog.any():
                 at = np.flatnonzero(inlog)
                 lkeys.append(np.full(len(at), k, dtype=np.int64))
