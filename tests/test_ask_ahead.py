@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tierstore.backends import pageahead
 from tierstore.backends.lmdb_backend import DATA_NAME, LmdbBackend
-from tierstore.backends.pages import _DB_RECORD, PageReader
+from tierstore.backends.pages import PageReader
 
 pytestmark = pytest.mark.skipif(not pageahead.AVAILABLE, reason="needs numba and posix_fadvise")
 
@@ -38,7 +38,9 @@ def _record(be: LmdbBackend) -> bytes:
 def test_every_page_on_the_paths_is_asked_once(store):
     be, path = store
     record = _record(be)
-    _, _, depth, branch, leaf, *_ = _DB_RECORD.unpack(record)
+    with be.env.begin() as txn:
+        tree = txn.stat(be.table_db("t"))
+    depth, branch, leaf = tree["depth"], tree["branch_pages"], tree["leaf_pages"]
     assert depth >= 3
     reader = PageReader(path / DATA_NAME, be.env.stat()["psize"])
     # every key: every branch and leaf page of the tree, each once
