@@ -490,7 +490,7 @@ def test_a_warm_only_backward_updates_the_rows_its_forward_read_unless_the_table
     may change the table's rows in between (an update, a second forward's backward, the clock)
     makes the backward fetch them again. Either way the bits equal a run that always fetches."""
     from tierstore.bagpaths import BagPaths
-    from tierstore.cascade import Cascade
+    from tierstore.stored_rows import RowLoader
 
     feats = {"f1": "a", "f3": "b"}  # a table each: the backward of one leaves the other's copy
 
@@ -502,20 +502,23 @@ def test_a_warm_only_backward_updates_the_rows_its_forward_read_unless_the_table
         dense = torch.nn.Linear(8, 1)
         counts = {"reused": 0, "loaded": 0}
         phase = ["forward"]
-        cold, apply_bags = Cascade._cold, BagPaths.apply_bag_grads
+        load, payload_now = RowLoader.load, BagPaths._payload_now
 
-        def counted_cold(self, tab, rows, idx, known):
+        def counted_load(self, tab, rows, *a, **k):
             if phase[0] == "backward" and threading.current_thread() is threading.main_thread():
-                counts["reused" if known is not None else "loaded"] += 1
-            return cold(self, tab, rows, idx, known)
+                counts["loaded"] += 1
+            return load(self, tab, rows, *a, **k)
 
-        def fetching(self, tab, g, *a):
-            return apply_bags(self, tab, dataclasses.replace(g, payload=None), *a)
+        def counted_payload(self, tab, g, keep):
+            if not reuse:
+                g = dataclasses.replace(g, payload=None)
+            if g.payload is not None and g.writes == tab.writes:
+                counts["reused"] += 1
+            return payload_now(self, tab, g, keep)
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(Cascade, "_cold", counted_cold)
-            if not reuse:
-                mp.setattr(BagPaths, "apply_bag_grads", fetching)
+            mp.setattr(RowLoader, "load", counted_load)
+            mp.setattr(BagPaths, "_payload_now", counted_payload)
             batches = _two_table_batches(20)
             with Prefetcher(store, batches, depth=2, features=feats, extract=lambda b: b["sparse"]) as pf:
                 for i, b in enumerate(pf):

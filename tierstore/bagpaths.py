@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 import tierstore.admission as _adm
+import tierstore.cascade as _cas
 
 from .fused import BatchUpdate, bag_positions
 from .gathered import Gathered as Gathered  # re-exported
@@ -94,19 +95,21 @@ class BagPaths:
         promote = self._promoting()
         payload = self.cascade.access(tab, uniq, None, promote=promote)
         weights = tab.spec.codec.decode(payload, dim).contiguous()
-        kept = None if promote else payload  # a warm-only read: no row moved up
-        return Gathered(uniq, inv, weights, None, dev.generation, payload=kept, writes=tab.writes)
+        # the rows as read: the backward updates a copy of them while the table has no write
+        return Gathered(uniq, inv, weights, None, dev.generation, payload=payload, writes=tab.writes)
 
     def step_backward(self, items: Sequence[tuple[str, Gathered]],
-                      update: Callable[[torch.Tensor, list[tuple[torch.Tensor | None, int]]], None],
-                      position_grads: Callable[[int], torch.Tensor]) -> None:
-        """A training step's update over several tables, after `step_forward`.
+                      update: Callable[[torch.Tensor, torch.Tensor | None,
+                                        list[tuple[torch.Tensor | None, int]]], None]) -> None:
+        """A training step's update over several tables, after `step_forward`: one engine call.
 
-        When every table's rows are still in the device slots the forward found, `update(slab,
-        salts)` updates them all in place in one call (without the store lock for a pinned
-        batch); `salts[t]` are a 16-bit table's row ids and update count (its rounding bits).
-        Otherwise each table is updated where its rows now are, from `position_grads(t)`: the
-        gradient row of each of its positions, summed per row in position order.
+        `update(table, slots, salts)` runs the engine's backward+update in place on
+        `table[slots[u]]` (`slots=None`: the forward's slots); `salts[t]` are a 16-bit table's
+        row ids and update count (its rounding bits). When every table's rows are still in the
+        device slots the forward found, it updates the device slab (without the store lock for
+        a pinned batch). Otherwise it updates a payload gathered by unique row (reused from the
+        forward when the table had no write since), which the cascade then writes back where
+        the rows are (`Assign`); rows not admitted are left as they were.
         """
         tabs = [self.table_record(t) for t, _ in items]
         gs = [g for _, g in items]
@@ -122,36 +125,95 @@ class BagPaths:
             tabs = [self.table_record(t) for t, _ in items]
             if self._in_place(tabs, gs):
                 self._update_in_place(tabs, gs, update)
-                return
-            for t, (tab, g) in enumerate(zip(tabs, gs)):
-                n = g.inverse.numel()
-                if n:  # bags of one position each: gradients summed per row in input order
-                    self.apply_bag_grads(tab, g, torch.arange(n), position_grads(t), None, "sum")
+            else:
+                self._update_gathered(tabs, gs, update)
 
     def _in_place(self, tabs: list[_Table], gs: list[Gathered]) -> bool:
-        """Whether every table's rows are still in the device slots its forward found (and the
-        engine's kernels do the update: without numba every update takes the torch path)."""
+        """Whether every table's rows are still in the device slots its forward found."""
+        return all(self._slots_valid(tab, g) for tab, g in zip(tabs, gs))
+
+    def _slots_valid(self, tab: _Table, g: Gathered) -> bool:
+        """Whether a table's rows are still in the device slots its forward found (and all admitted)."""
         dev = self.device_tier
-        if not self.fused:
-            return False
-        for tab, g in zip(tabs, gs):
-            if g.slots is None or tab.spec.name in self._admission:
-                return False
-            if g.generation != (dev.pin_epoch if g.pinned else dev.generation):
-                return False
-        return True
+        return (g.slots is not None and tab.spec.name not in self._admission
+                and g.generation == (dev.pin_epoch if g.pinned else dev.generation))
+
+    def _salts(self, tabs: list[_Table], gs: list[Gathered]) -> list[tuple[torch.Tensor | None, int]]:
+        """Each 16-bit table's rounding salt (its unique ids and update count, counted here)."""
+        return [(g.unique, self._count_update(tab)) if tab.spec.codec.packed else (None, 0)
+                for tab, g in zip(tabs, gs)]
 
     def _update_in_place(self, tabs: list[_Table], gs: list[Gathered],
-                         update: Callable[[torch.Tensor, list[tuple[torch.Tensor | None, int]]], None]
-                         ) -> None:
+                         update: Callable[..., None]) -> None:
         dev = self.device_tier
-        salts = [(g.unique, self._count_update(tab)) if tab.spec.codec.packed else (None, 0)
-                 for tab, g in zip(tabs, gs)]
-        update(dev.slab, salts)
+        update(dev.slab, None, self._salts(tabs, gs))
         for tab, g in zip(tabs, gs):
             if g.slots.numel():
                 self._stamp(tab, dev.slab, g.slots)
                 dev.dirty[g.slots] = True
+
+    def _update_gathered(self, tabs: list[_Table], gs: list[Gathered],
+                         update: Callable[..., None]) -> None:
+        """The engine's update over the step's payloads gathered by unique row, then each
+        table's rows written back through the cascade (store lock held)."""
+        parts, keeps = [], []
+        for tab, g in zip(tabs, gs):
+            mask = self._admitted(tab, g.unique) if g.unique.numel() else None
+            keep = None if mask is None else torch.from_numpy(mask)
+            parts.append(self._payload_now(tab, g, keep))
+            keeps.append(keep)
+        payload = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        dev = self.device_tier.device
+        work = payload.to(dev)
+        update(work, torch.arange(work.shape[0], device=dev), self._salts(tabs, gs))
+        payload = work.cpu() if work.device.type != "cpu" else work
+        at = 0
+        promote = self._promoting()
+        for tab, g, keep in zip(tabs, gs, keeps):
+            u = g.unique.numel()
+            rows, uniq = payload[at : at + u], g.unique
+            at += u
+            if keep is not None:
+                rows, uniq = rows[keep], uniq[keep]
+            if not uniq.numel():
+                continue
+            uniq, order = self._key_order(uniq)
+            if order is not None:
+                rows = rows.index_select(0, order)
+            self.cascade.access(tab, uniq, _cas.Assign(rows), promote=promote, known=rows)
+
+    @staticmethod
+    def _key_order(uniq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Unique ids in increasing order (the cascade works in key order) and the permutation
+        that sorts them, or None when they already are."""
+        if uniq.numel() < 2 or bool((uniq[1:] > uniq[:-1]).all()):
+            return uniq, None
+        order = torch.argsort(uniq)
+        return uniq.index_select(0, order), order
+
+    def _payload_now(self, tab: _Table, g: Gathered, keep: torch.Tensor | None) -> torch.Tensor:
+        """The current payloads [u, width] of a table's unique rows, in the forward's order (CPU):
+        the device slots the forward found, else the rows the forward read when the table had
+        no write since, else read again where they are (moving none); rows outside `keep` (not
+        admitted) are zeros, updated by the engine and then dropped."""
+        width = self.cascade.width
+        if not g.unique.numel():
+            return torch.empty((0, width), dtype=torch.float32)
+        if self._slots_valid(tab, g):
+            return self.device_tier.read(g.slots).cpu()
+        if g.payload is not None and g.writes == tab.writes and keep is None:
+            return g.payload.cpu()
+        uniq = g.unique if keep is None else g.unique[keep]
+        out = torch.zeros((g.unique.numel(), width), dtype=torch.float32)
+        if uniq.numel():
+            srt, order = self._key_order(uniq)
+            rows = self.cascade.access(tab, srt, None, count=False, promote=False).cpu()
+            if order is not None:
+                rows = torch.empty_like(rows).index_copy_(0, order, rows)
+            if keep is None:
+                return rows
+            out[keep] = rows
+        return out
 
     def apply_bag_grads(self, tab: _Table, g: Gathered, offsets: torch.Tensor, grad_out: torch.Tensor,
                     per_sample_weights: torch.Tensor | None, mode: str) -> None:

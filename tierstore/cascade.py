@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +19,21 @@ if TYPE_CHECKING:
     from .stats import SsdStats
     from .store import _Table
     from .stored_rows import RowLoader
+
+
+@dataclass(eq=False)
+class Assign:
+    """An update that sets whole payload rows: `rows[u]` [u, width] becomes unique row u's payload.
+
+    The step engine updates a gathered payload once for every table of a step; the store then
+    writes it back through `Cascade.access` with this update (no second optimizer pass).
+    """
+
+    rows: torch.Tensor  # float32 [u, width], CPU
+
+    def apply(self, table: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the rows to `table[slots]`."""
+        table.index_copy_(0, slots, self.rows.to(table.device))
 
 
 class Cascade:
@@ -58,7 +74,7 @@ class Cascade:
         dev.touch(slots)
         return slots
 
-    def access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | None,
+    def access(self, tab: _Table, uniq: torch.Tensor, update: BatchUpdate | Assign | None,
                 count: bool = True, dslots: torch.Tensor | None = None,
                 promote: bool = True, known: torch.Tensor | None = None) -> torch.Tensor | None:
         """Locate sorted unique rows, optionally update them, and promote them to the device tier.

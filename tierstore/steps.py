@@ -71,8 +71,8 @@ class EngineStep(torch.autograd.Function):
         if psw is not None and psw.numel() and not validate.all_finite(psw.detach().float()):
             raise InvalidGradientError("per_sample_weights hold NaN/Inf; nothing was updated")
         store.step_backward(list(zip(names, gs)),
-                            lambda slab, salts: engine.backward(batch, fwd, grad, slab, slots, salts=salts),
-                            lambda t: engine.position_grads(batch, fwd, grad, t).cpu())
+                            lambda table, at, salts: engine.backward(
+                                batch, fwd, grad, table, slots if at is None else at, salts=salts))
         g_psw = None
         if rows is not None:
             g_psw = _weights_grad(engine.plan, batch, fwd, grad, rows).to(psw.device)

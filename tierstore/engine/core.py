@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from ..precision import CODECS
 from .numba_backend import NumbaBackend
 from .plan import CODECS as CODE_OF
-from .plan import MAX, Plan, StepBatch, TablePlan
+from .plan import Plan, StepBatch, TablePlan
 
 _CODEC_NAMES = {v: k for k, v in CODE_OF.items()}
 
@@ -88,31 +88,6 @@ class Engine:
         work, work_of = self._decoded(batch, src, slots, weights_only=True, given=weights)
         out, argmax = self.backend.forward(batch, src, slots, work, work_of)
         return out, Forward(argmax)
-
-    def position_grads(self, batch: StepBatch, fwd: Forward, grad_out: torch.Tensor, t: int
-                       ) -> torch.Tensor:
-        """The gradient row [n_t, dim] each position of table t adds to its row, in position
-        order: clipped, scaled (mean, weights), zero off the arg-max of a max bag. Summed per
-        row in that order by the per-table update (`BatchUpdate`), it gives the engine's bits."""
-        tp = self.plan.tables[t]
-        lo, hi = batch.u_start[t], batch.u_start[t + 1]
-        inv = batch.inverse
-        pos = torch.nonzero((inv >= lo) & (inv < hi)).flatten()
-        bag = torch.searchsorted(batch.offsets[1:], pos, right=True)
-        feat = batch.bag_feat.index_select(0, bag)
-        cols = self.plan.feat_col.to(inv.device).index_select(0, feat).unsqueeze(1) + \
-            torch.arange(tp.dim, device=inv.device)
-        g = grad_out[batch.bag_out.index_select(0, bag).unsqueeze(1), cols]
-        if tp.clip != float("inf"):
-            g = g.clamp(-tp.clip, tp.clip)
-        scale = self.plan.scale(batch)
-        if scale is not None:
-            g = g * scale.index_select(0, pos).unsqueeze(1)
-        if fwd.argmax is not None:
-            is_max = (self.plan.feat_mode.to(inv.device).index_select(0, feat) == MAX).unsqueeze(1)
-            hit = fwd.argmax[bag, : tp.dim] == pos.unsqueeze(1)
-            g = torch.where(is_max & ~hit, torch.zeros((), dtype=g.dtype, device=g.device), g)
-        return g.contiguous()
 
     def backward(self, batch: StepBatch, fwd: Forward, grad_out: torch.Tensor,
                  table: torch.Tensor, slots: torch.Tensor, lo: int = 0, hi: int | None = None,
