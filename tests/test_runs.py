@@ -1,0 +1,119 @@
+"""Sorted-chunk runs (backends/runs.py) on real LMDB files: reads, merges and damage against a dict."""
+
+from __future__ import annotations
+
+import lmdb
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierstore.backends import runs
+from tierstore.backends.record import seal
+from tierstore.errors import StoreCorruptError, TierstoreError
+
+W = 5  # row words (a record: 5 words + its checksum)
+RB = 4 * W + 4
+
+
+def _env(path):
+    return lmdb.open(str(path), map_size=1 << 28, max_dbs=64, sync=False, metasync=False)
+
+
+def _rows(ids: np.ndarray, salt: int) -> np.ndarray:
+    """Distinct, reproducible row values for (id, salt)."""
+    return (ids[:, None] * 10 + np.arange(W) + salt * 1000).astype(np.float32)
+
+
+def _write(env, name: bytes, ids: np.ndarray, salt: int, add_sizes=(3, 11, 40)) -> runs.SortedRun:
+    db = env.open_db(name)
+    w = runs.RunWriter(env, db, RB, txn_chunks=2)
+    ids = np.sort(ids)
+    lo, k = 0, 0
+    while lo < len(ids):  # added in uneven pieces: chunks cut across adds
+        hi = lo + add_sizes[k % len(add_sizes)]
+        w.add(ids[lo:hi], seal(ids[lo:hi], _rows(ids[lo:hi], salt)))
+        lo, k = hi, k + 1
+    assert w.finish() == len(ids)
+    assert w.chunks == -(-len(ids) // runs.CHUNK_ROWS)
+    return runs.SortedRun(env, db, "t", W)
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(runs, "CHUNK_ROWS", 7)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 400), max_size=120), min_size=1, max_size=4), st.data())
+def test_merge_keeps_each_ids_newest_row_and_reads_match_a_dict(tmp_path_factory, levels, data):
+    env = _env(tmp_path_factory.mktemp("runs"))
+    model: dict[int, np.ndarray] = {}
+    sources = []
+    for salt, ids in enumerate(levels):  # oldest first: the first level is the base
+        ids = np.array(sorted(ids), dtype=np.int64)
+        run = _write(env, f"r{salt}".encode(), ids, salt)
+        for i, row in zip(ids.tolist(), _rows(ids, salt)):
+            model[i] = row
+        probe = np.array(data.draw(st.lists(st.integers(0, 401), max_size=60)), dtype=np.int64)
+        got, found = run.get(probe)  # each run reads exactly its own rows
+        assert np.array_equal(found, np.isin(probe, ids))
+        assert np.array_equal(got[found], _rows(probe[found], salt))
+        sources.insert(0, run)  # newest first
+    out = env.open_db(b"merged")
+    n = runs.merge_runs(sources, runs.RunWriter(env, out, RB, txn_chunks=3))
+    assert n == len(model)
+    merged = runs.SortedRun(env, out, "t", W)
+    every = np.arange(0, 402, dtype=np.int64)
+    got, found = merged.get(every[::-1])  # any order
+    assert np.array_equal(found[::-1], np.isin(every, list(model)))
+    for i, row in model.items():
+        assert np.array_equal(got[::-1][i], row)
+    with env.begin(buffers=True) as txn:  # the chunks are dense and in id order
+        parts = list(merged.chunks(txn))
+    ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+    assert np.array_equal(ids, np.array(sorted(model), dtype=np.int64))
+    assert all(len(p[0]) == runs.CHUNK_ROWS for p in parts[:-1])
+    env.close()
+
+
+def test_writer_refuses_bad_input_and_writes_nothing(tmp_path):
+    env = _env(tmp_path)
+    db = env.open_db(b"r")
+    w = runs.RunWriter(env, db, RB)
+    ids = np.array([1, 5, 9], dtype=np.int64)
+    w.add(ids, seal(ids, _rows(ids, 0)))
+    for bad in (np.array([9, 12]), np.array([20, 15]), np.array([-3])):
+        with pytest.raises(TierstoreError):
+            w.add(bad, seal(bad, _rows(bad, 0)))
+    with pytest.raises(TierstoreError):
+        w.add(np.array([30]), np.zeros((1, RB + 4), dtype=np.uint8))
+    assert w.finish() == 3
+    got, found = runs.SortedRun(env, db, "t", W).get(np.array([1, 5, 9, 12, 20, 30]))
+    assert found.tolist() == [True, True, True, False, False, False]
+    with pytest.raises(TierstoreError):  # a run is written once
+        runs.RunWriter(env, db, RB)
+    env.close()
+
+
+@pytest.mark.parametrize("where", ["record", "header", "ids", "last_id"])
+def test_damage_is_detected_by_reads_and_merges(tmp_path, where):
+    env = _env(tmp_path)
+    ids = np.arange(0, 60, 3, dtype=np.int64)
+    run = _write(env, b"r", ids, 0)
+    key = runs.encode_keys(run.firsts[1:2])[0]
+    with env.begin(write=True, db=run.db) as txn:
+        val = bytearray(txn.get(key))
+        k = int(np.frombuffer(val[8:12], dtype=np.uint32)[0])
+        at = {"record": runs.HEADER + 8 * k + 5, "header": 5, "ids": runs.HEADER + 8 + 1,
+              "last_id": runs.HEADER + 8 * (k - 1) + 2}[where]  # still in order: the ids' crc
+        val[at] ^= 0x10
+        txn.put(key, bytes(val))
+    damaged = ids[runs.CHUNK_ROWS : 2 * runs.CHUNK_ROWS]
+    with pytest.raises(StoreCorruptError):
+        run.get(damaged)
+    _, found = run.get(ids[:3])  # other chunks still read
+    assert found.all()
+    with pytest.raises(StoreCorruptError):
+        runs.merge_runs([run], runs.RunWriter(env, env.open_db(b"out"), RB))
+    env.close()

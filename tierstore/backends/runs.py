@@ -1,0 +1,232 @@
+"""Sorted-chunk runs: one table's rows sorted by id and written whole (the levels of issue 36's LSM).
+
+A run is a named LMDB database whose values each hold up to `CHUNK_ROWS` consecutive rows of one
+table, in id order, under the 8-byte big-endian id of their first row:
+
+    header (16 bytes: magic "TSRN", record bytes u32, count u32, crc32 of the ids) | ids int64
+    [count] | records
+
+A record is the tables' own (the row's words, then its checksum over id and words: `record.py`),
+so every read verifies it as a table read does. `RunWriter` appends chunks with `MDB_APPEND`:
+one LMDB put per chunk, overflow pages written whole and in sequence, instead of a B-tree update
+(and a copy-on-write leaf) per row. `SortedRun.get` reads a batch of ids, one chunk lookup per
+chunk touched; `merge_runs` merges runs (newest first, a base last) into a new run in one
+sequential pass, keeping each id's newest record and verifying every record it copies.
+
+These are the parts the store's format 4 would be built from (docs/design.md, "The SSD steady
+state with merges"); the store does not use them yet.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import lmdb
+import numpy as np
+
+from ..errors import StoreCorruptError, TierstoreError
+from .lmdb_common import decode_keys, encode_keys
+from .record import CHECK_BYTES, open_records, row_checks
+
+RUN_MAGIC = b"TSRN"
+HEADER = 16  # magic, record bytes u32, count u32, crc32 of the ids u32
+CHUNK_ROWS = 4096  # rows a value: ~1.1 MB of 272-byte records, a few hundred overflow pages
+TXN_CHUNKS = 64  # chunks a write transaction (~70 MB of 272-byte rows: the heap copies it holds)
+
+
+def chunk_value(ids: np.ndarray, records: np.ndarray) -> bytes:
+    """One chunk's value: ids int64 [k] (increasing) and their records uint8 [k, record bytes]."""
+    head = np.zeros(4, dtype=np.uint32)
+    head[0] = np.frombuffer(RUN_MAGIC, dtype=np.uint32)[0]
+    keys = np.ascontiguousarray(ids, dtype="<i8").tobytes()
+    head[1], head[2], head[3] = records.shape[1], len(ids), zlib.crc32(keys)
+    return b"".join((head.tobytes(), keys, np.ascontiguousarray(records).tobytes()))
+
+
+def parse_chunk(val, first: int, record_bytes: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's (ids int64 [k], records uint8 [k, record bytes]) as views of `val`, checked
+    against its header, its key `first` and its id order (a damaged chunk is a StoreCorruptError)."""
+    if val is None:
+        raise StoreCorruptError(f"{where}: a chunk of a run is missing")
+    arr = np.frombuffer(val, dtype=np.uint8)
+    head = arr[:HEADER].view(np.uint32) if len(arr) >= HEADER else None
+    k = int(head[2]) if head is not None else 0
+    if head is None or arr[:4].tobytes() != RUN_MAGIC or int(head[1]) != record_bytes or \
+            not 0 < k <= CHUNK_ROWS or len(arr) != HEADER + k * (8 + record_bytes):
+        raise StoreCorruptError(f"{where}: a run chunk's header does not match its size (damaged)")
+    ids = arr[HEADER : HEADER + 8 * k].view("<i8")
+    # a damaged id would make its row unfindable (not a checksum failure): the ids have their own
+    if zlib.crc32(ids) != int(head[3]) or int(ids[0]) != first or \
+            (k > 1 and not bool(np.all(ids[1:] > ids[:-1]))):
+        raise StoreCorruptError(f"{where}: a run chunk's ids are out of order or not its key's "
+                                f"(damaged)")
+    return ids, arr[HEADER + 8 * k :].reshape(k, record_bytes)
+
+
+class RunWriter:
+    """Appends rows in increasing id order to an empty run database, `txn_chunks` chunks a
+    write transaction (the run is whole once `finish` returns)."""
+
+    def __init__(self, env: lmdb.Environment, db: object, record_bytes: int,
+                 txn_chunks: int = TXN_CHUNKS) -> None:
+        self.env, self.db, self.record_bytes = env, db, int(record_bytes)
+        with env.begin(db=db) as txn:
+            if txn.stat(db)["entries"]:
+                raise TierstoreError("a run is written once, into an empty database")
+        self.txn_chunks = max(1, int(txn_chunks))
+        self.rows = self.chunks = self.bytes = 0
+        self._last = -1  # the last id added
+        self._ids: list[np.ndarray] = []
+        self._recs: list[np.ndarray] = []
+        self._held = 0  # rows buffered, not yet in a chunk
+        self._ready: list[tuple[bytes, bytes]] = []  # chunks not yet committed
+
+    def add(self, ids: np.ndarray, records: np.ndarray) -> None:
+        """Buffer rows: ids int64 [n], increasing and above every id added before; records uint8
+        [n, record bytes]. Full chunks go to disk in transactions of `txn_chunks`."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if records.ndim != 2 or records.shape != (len(ids), self.record_bytes):
+            raise TierstoreError(f"a run's records are [n, {self.record_bytes}] bytes, got "
+                                 f"{records.shape} for {len(ids)} ids")
+        if not len(ids):
+            return
+        if int(ids[0]) <= self._last or int(ids[0]) < 0 or \
+                (len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1]))):
+            raise TierstoreError("a run's ids must be non-negative, increasing and above those added")
+        self._last = int(ids[-1])
+        self._ids.append(ids)
+        self._recs.append(records)
+        self._held += len(ids)
+        if self._held >= CHUNK_ROWS:
+            self._cut(final=False)
+
+    def finish(self) -> int:
+        """Write what is buffered; returns the rows of the run."""
+        self._cut(final=True)
+        self._commit()
+        return self.rows
+
+    def _cut(self, final: bool) -> None:
+        if not self._held:
+            return
+        ids = np.concatenate(self._ids) if len(self._ids) > 1 else self._ids[0]
+        recs = np.concatenate(self._recs) if len(self._recs) > 1 else self._recs[0]
+        whole = len(ids) if final else len(ids) // CHUNK_ROWS * CHUNK_ROWS
+        for lo in range(0, whole, CHUNK_ROWS):
+            hi = min(lo + CHUNK_ROWS, whole)
+            self._ready.append((encode_keys(ids[lo : lo + 1])[0], chunk_value(ids[lo:hi], recs[lo:hi])))
+            self.rows += hi - lo
+        self._ids, self._recs = ([ids[whole:]], [recs[whole:]]) if whole < len(ids) else ([], [])
+        self._held = len(ids) - whole
+        if len(self._ready) >= self.txn_chunks:
+            self._commit()
+
+    def _commit(self) -> None:
+        if not self._ready:
+            return
+        with self.env.begin(write=True, db=self.db) as txn:
+            _, added = txn.cursor().putmulti(self._ready, append=True)
+            if added != len(self._ready):  # raised inside: the transaction is not committed
+                raise StoreCorruptError("a run's chunk was refused: its database is not empty or "
+                                        "not in id order")
+        self.chunks += len(self._ready)
+        self.bytes += sum(len(v) for _, v in self._ready)
+        self._ready = []
+
+
+class SortedRun:
+    """Reads of one table's run: the chunks' first ids kept in memory, one value read a chunk."""
+
+    def __init__(self, env: lmdb.Environment, db: object, table: str, row_dim: int,
+                 where: str = "run") -> None:
+        self.env, self.db, self.table, self.row_dim = env, db, table, int(row_dim)
+        self.record_bytes = 4 * self.row_dim + CHECK_BYTES
+        self.where = where
+        with env.begin(db=db) as txn:
+            keys = list(txn.cursor().iternext(keys=True, values=False))
+        self.firsts = decode_keys(keys, where)
+
+    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows float32 [n, row_dim], found bool [n]) for ids in any order, checksums verified."""
+        ids = np.asarray(ids, dtype=np.int64)
+        n = len(ids)
+        out = np.zeros((n, self.row_dim), dtype=np.float32)
+        found = np.zeros(n, dtype=bool)
+        if not n or not len(self.firsts):
+            return out, found
+        at = np.searchsorted(self.firsts, ids, side="right") - 1
+        sel = np.flatnonzero(at >= 0)
+        sel = sel[np.argsort(at[sel], kind="stable")]
+        used, starts = np.unique(at[sel], return_index=True)
+        bounds = np.append(starts, len(sel))
+        recs = np.zeros((n, self.record_bytes), dtype=np.uint8)
+        keys = encode_keys(self.firsts[used])
+        with self.env.begin(db=self.db, buffers=True) as txn:
+            for j, c in enumerate(used.tolist()):  # one value a chunk touched, not a call a row
+                mine = sel[bounds[j] : bounds[j + 1]]
+                cids, crecs = parse_chunk(txn.get(keys[j]), int(self.firsts[c]), self.record_bytes,
+                                          self.where)
+                pos = np.minimum(np.searchsorted(cids, ids[mine]), len(cids) - 1)
+                hit = cids[pos] == ids[mine]
+                recs[mine[hit]] = crecs[pos[hit]]
+                found[mine[hit]] = True
+        if found.any():
+            out[found] = open_records(self.table, ids[found], recs[found], self.row_dim,
+                                      f"{self.where}, ")
+        return out, found
+
+    def chunks(self, txn: lmdb.Transaction) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The run's chunks in id order as (ids, records) copies, each record's checksum verified;
+        `txn` is a read transaction of the run's environment opened with `buffers=True`."""
+        for c, key in enumerate(encode_keys(self.firsts)):
+            ids, recs = parse_chunk(txn.get(key, db=self.db), int(self.firsts[c]),
+                                    self.record_bytes, self.where)
+            words = recs.view(np.uint32)
+            bad = np.flatnonzero(row_checks(ids, words[:, : self.row_dim]) != words[:, self.row_dim])
+            if bad.size:
+                raise StoreCorruptError(f"{self.where}, table {self.table!r}: row {int(ids[bad[0]])} "
+                                        f"failed its checksum; the run is damaged")
+            yield ids.copy(), recs.copy()
+
+
+def merge_runs(sources: list[SortedRun], writer: RunWriter) -> int:
+    """Merge runs of one table, newest first (a base last), into `writer`'s empty run: each id's
+    newest record, in one sequential pass with every record verified; returns the rows written.
+
+    Each step takes, from every source, the rows up to the smallest last id among the chunks
+    loaded, so memory is a chunk or two a source."""
+    if any(s.record_bytes != writer.record_bytes for s in sources):
+        raise TierstoreError("runs of one merge must have one record size")
+    txns = [s.env.begin(buffers=True) for s in sources]
+    try:
+        its = [s.chunks(t) for s, t in zip(sources, txns)]
+        bufs: list[tuple[np.ndarray, np.ndarray] | None] = [next(it, None) for it in its]
+        while True:
+            live = [i for i, b in enumerate(bufs) if b is not None]
+            if not live:
+                break
+            bound = min(int(bufs[i][0][-1]) for i in live)
+            ids_parts, rec_parts, src_parts = [], [], []
+            for i in live:
+                ids, recs = bufs[i]
+                cut = int(np.searchsorted(ids, bound, side="right"))
+                ids_parts.append(ids[:cut])
+                rec_parts.append(recs[:cut])
+                src_parts.append(np.full(cut, i, dtype=np.int32))
+                if cut == len(ids):
+                    bufs[i] = next(its[i], None)
+                else:
+                    bufs[i] = (ids[cut:], recs[cut:])
+            ids = np.concatenate(ids_parts)
+            src = np.concatenate(src_parts)
+            order = np.lexsort((src, ids))  # by id, the newest source first
+            ids = ids[order]
+            keep = np.ones(len(ids), dtype=bool)
+            keep[1:] = ids[1:] != ids[:-1]
+            pick = order[keep]
+            writer.add(ids[keep], np.concatenate(rec_parts)[pick])
+    finally:
+        for t in txns:
+            t.abort()
+    return writer.finish()
