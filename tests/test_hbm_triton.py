@@ -48,3 +48,29 @@ def test_kernels_equal_torch_on_a_loaded_cache():
     got = tri.choose(absent)
     assert torch.equal(got, tri.choose_torch(absent))
     assert (got >= 0).any() and (got < 0).any()  # some sets ran out of unlocked lines
+
+
+def test_store_on_sets_with_triton_kernels_equals_numba_on_the_slab(tmp_path):
+    import tierstore as ts
+
+    specs = [ts.TableSpec("a", 60, 4, optimizer=ts.RowWiseAdagrad(0.1)),
+             ts.TableSpec("b", 40, 3, optimizer=ts.Adam(0.01))]
+    final = []
+    for kernels, cache in (("numba", "slab"), ("triton", "sets")):
+        with ts.TierStore(tmp_path / kernels, specs, device="cpu", kernels=kernels, device_cache=cache,
+                          device_capacity=32, host_capacity=20, policy="lru") as store:
+            ebc = ts.TieredEmbeddingBagCollection(store, {"x": "a", "y": "b"})
+            g = torch.Generator().manual_seed(5)
+            for _ in range(4):
+                lengths = torch.randint(0, 4, (8,), generator=g)
+                n = int(lengths[:4].sum())
+                values = torch.cat([torch.randint(0, 60, (n,), generator=g),
+                                    torch.randint(0, 40, (int(lengths[4:].sum()),), generator=g)])
+                out = ebc(["x", "y"], values, lengths)
+                (out * torch.randn(out.shape, generator=g)).sum().backward()
+            if cache == "sets":
+                assert store.device_tier.cache.kernels == "triton"
+            final.append({t: store.cascade.access(store.tables[t], torch.arange(r), None,
+                                                  promote=False).clone() for t, r in (("a", 60), ("b", 40))})
+    for t in ("a", "b"):
+        assert torch.equal(final[0][t].view(torch.int32), final[1][t].view(torch.int32)), t

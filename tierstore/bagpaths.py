@@ -64,19 +64,29 @@ class BagPaths:
                 self._end_unlocked()
         with self.exclusive():
             self.check_live()
-            gs, weights = [], []
-            for tab, i in zip(tabs, ids):
-                self.record_access(tab.spec.name, i)
-                mask = self.admit_mask(tab, i)
-                if mask is not None:  # some ids not admitted yet: they read their initial rows
-                    g = _adm.gather_masked(self, tab, i, mask)
+            gs, weights, held = [], [], []
+            dev = self.device_tier
+            try:
+                for tab, i in zip(tabs, ids):
+                    self.record_access(tab.spec.name, i)
+                    mask = self.admit_mask(tab, i)
+                    if mask is not None:  # some ids not admitted yet: they read their initial rows
+                        g = _adm.gather_masked(self, tab, i, mask)
+                        gs.append(g)
+                        weights.append(g.weights)
+                        continue
+                    g = self._step_rows(tab, i)
                     gs.append(g)
-                    weights.append(g.weights)
-                    continue
-                g = self._step_rows(tab, i)
-                gs.append(g)
-                weights.append(None if g.slots is not None else g.weights)
-            return pool(gs, weights, self.device_tier.slab), gs
+                    weights.append(None if g.slots is not None else g.weights)
+                    if g.slots is not None and g.slots.numel():
+                        # pinned until the pool reads them: a later table's misses must not
+                        # evict them (the pool reads every table's slots at the end)
+                        dev.pin(g.slots, 1)
+                        held.append(g.slots)
+                return pool(gs, weights, dev.slab), gs
+            finally:
+                for slots in held:
+                    dev.pin(slots, -1)
 
     def _step_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered:
         """A table's rows for a step's forward (store lock held): device slots when every one

@@ -124,6 +124,7 @@ class TableSpec:
 
 
 KERNELS = ("auto", "numba", "triton")
+DEVICE_CACHES = ("auto", "slab", "sets")  # StoreConfig.device_cache
 DAMAGED_LOG = ("raise", "last_flush")  # StoreConfig.damaged_log
 
 
@@ -140,7 +141,9 @@ class StoreConfig:
     `LogCorruptError`, or "last_flush": drop the log and open as the tables hold the rows (the
     rows written back after the last flush, which the log held, are lost).
     `policy` / `staging_capacity` None: the store resolves them and the tier split
-    (`tierstore.resolve`).
+    (`tierstore.resolve`). `device_cache`: the device tier's structure: "slab" (a slab with a
+    hash index and the policy registry), "sets" (a set-associative cache whose state is tensors
+    on the device, LRU or LFU; docs/design.md), or "auto": "sets" on CUDA, "slab" on the CPU.
     """
 
     device_capacity: int | str = "64MiB"
@@ -156,6 +159,7 @@ class StoreConfig:
     staging_capacity: int | str | None = None  # None: automatic where the layout uses them
     kernels: str = "auto"
     damaged_log: str = "raise"  # a damaged crash-left log: "raise", or "last_flush" (drop it)
+    device_cache: str = "auto"  # the device tier: "slab", "sets", or "auto" (sets on CUDA)
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -167,6 +171,8 @@ class StoreConfig:
         if not isinstance(self.add_tables, bool):
             raise ConfigError(f"add_tables must be a bool, got {self.add_tables!r}")
         parse_map_limit(self.map_limit)  # None or a positive size
+        if self.device_cache not in DEVICE_CACHES:
+            raise ConfigError(f"device_cache must be one of {DEVICE_CACHES}, got {self.device_cache!r}")
         if self.damaged_log not in DAMAGED_LOG:
             raise ConfigError(f"damaged_log must be one of {DAMAGED_LOG}, got {self.damaged_log!r}")
 

@@ -186,16 +186,19 @@ class HbmCache:
         return torch.where((rank < self.ways) & free, s * self.ways + pick, -1)
 
     def insert(self, keys: torch.Tensor, payload: torch.Tensor, dirty: torch.Tensor | None = None,
-               lock: int = 0) -> Victims:
+               lock: int | torch.Tensor = 0, slots: torch.Tensor | None = None) -> Victims:
         """Insert absent, unique `keys` with their payloads [m, width], evicting per set.
 
-        Each key takes the line `choose` names; a key whose set has no unlocked line left is
+        Each key takes the line `choose` names (`slots`: the caller's own `choose` of the same
+        keys, or of a longer list they begin); a key whose set has no unlocked line left is
         not inserted (its slot is -1: the caller sends it down a tier). Returns the victims, one
         entry per key, for the caller to write down (their dirty rows). New lines start with
-        `lock` pins, a fresh stamp (LRU: the clock; LFU: 1) and the given dirty bits.
+        `lock` pins (one count, or one per key), a fresh stamp (LRU: the clock; LFU: 1) and the
+        given dirty bits.
         """
         m = keys.numel()
-        slots = self.choose(keys)
+        if slots is None:
+            slots = self.choose(keys)
         at = self._to_trash(slots)
         old = self._keys.index_select(0, at)
         old = torch.where(slots >= 0, old, -1)
@@ -206,7 +209,10 @@ class HbmCache:
         self._keys.index_copy_(0, at, keys)
         fresh = self.clock if self.policy == "lru" else 1
         self._stamp.index_fill_(0, at, fresh)
-        self._lock.index_fill_(0, at, int(lock))
+        if isinstance(lock, torch.Tensor):
+            self._lock.index_copy_(0, at, lock.to(self.device, torch.int32))
+        else:
+            self._lock.index_fill_(0, at, int(lock))
         d = torch.zeros(m, dtype=torch.bool, device=self.device) if dirty is None else dirty
         self._dirty.index_copy_(0, at, d.to(self.device))
         self.slab.index_copy_(0, at, payload.to(self.device, torch.float32))

@@ -19,6 +19,7 @@ import tierstore.expiry as _exp
 import tierstore.store as _st  # the package: HAVE_NUMBA is read there, where tests patch it
 
 from ..backends.lmdb_backend import LmdbBackend
+from ..backends.set_tier import SetTier, keys_fit
 from ..backends.slab import SlabTier
 from ..backends.upgrade import replay_and_convert
 from ..backends.wal import HEADER, WriteLog
@@ -121,6 +122,12 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         from ..policies import make_policy
 
         probe = make_policy(policy, 0)  # an unknown policy is refused before the store is touched
+        self.device_cache = _device_cache(cfg.device_cache, self.device, tables)
+        if self.device_cache == "sets":
+            if staging_capacity is not None:
+                raise ConfigError("staging_capacity extends a slab device tier: it needs "
+                                  "device_cache='slab' (the sets cache has no staging slots)")
+            scap = 0
         if scap and not self.layout.staging_auto and (
                 self.device.type != "cpu" or hcap or not probe.selective):
             raise ConfigError(
@@ -131,8 +138,12 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         try:
             self._check_config(tables, cfg.add_tables)
             self.backend.open_tables(names)
-            self.device_tier = SlabTier("device", dcap, width, policy, self.device, staging=scap,
-                                        staging_active=0 if self.layout.staging_auto else None)
+            if self.device_cache == "sets":
+                self.device_tier = SetTier("device", dcap, width, policy, self.device,
+                                           kernels="triton" if self.kernels == "triton" else "torch")
+            else:
+                self.device_tier = SlabTier("device", dcap, width, policy, self.device, staging=scap,
+                                            staging_active=0 if self.layout.staging_auto else None)
             self.host_tier = SlabTier("host", hcap, width, policy, "cpu",
                                       pin_memory=self.device.type == "cuda")
             self.host_tier.policy.follow(self.device_tier.policy)  # device victims move down
@@ -216,3 +227,15 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
     def store_id(self) -> str:
         """This store's identity (32 hex digits; its checkpoints and restores keep it)."""
         return self.log.owner
+
+
+def _device_cache(name: str, device: torch.device, tables: Sequence[TableSpec]) -> str:
+    """The device tier's structure `name` resolves to: "auto" is "sets" on CUDA (when every key
+    packs into the cache's int64 keys), else "slab"; "sets" with keys that do not fit is refused."""
+    fits = keys_fit(len(tables), max(t.num_rows for t in tables))
+    if name == "sets" and not fits:
+        raise ConfigError("device_cache='sets' packs (table, row) into one int64 key: it takes "
+                          "at most 2**15 tables of at most 2**48 rows; use device_cache='slab'")
+    if name == "auto":
+        return "sets" if device.type == "cuda" and fits else "slab"
+    return name

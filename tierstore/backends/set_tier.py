@@ -1,0 +1,271 @@
+"""The device tier over the set-associative cache: `SlabTier`'s interface on an `HbmCache`.
+
+A key is `table << 48 | row` (tables below 2**15, rows below 2**48: `keys_fit`). The cascade,
+staging and the bag paths call this tier as they call a `SlabTier`; the cache's own policy is
+LRU or LFU (`set_policy` maps the other names), the host tier keeps the whole registry.
+Victim choice is per set, so an insert of rows whose sets are full of locked lines stops at
+the first such row: the rows after it go down a tier, as rows that do not fit a slab tier do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ..stats import TierStats
+from .hbm_cache import POLICIES, HbmCache
+from .slab import Rows
+
+TAB_SHIFT = 48
+ROW_MASK = (1 << TAB_SHIFT) - 1
+MAX_TABLES = 1 << 15
+LFU_NAMES = ("lfu", "hlfu", "wtinylfu")  # ranked by counts: the cache's LFU; the rest: LRU
+
+
+def keys_fit(num_tables: int, max_rows: int) -> bool:
+    """Whether every (table, row) key packs into one int64 key of the cache."""
+    return num_tables <= MAX_TABLES and max_rows <= ROW_MASK + 1
+
+
+def set_policy(name: str) -> str:
+    """The cache policy a registry policy name maps to on the sets tier ("lru" or "lfu")."""
+    return name if name in POLICIES else ("lfu" if name in LFU_NAMES else "lru")
+
+
+def pack(tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """One int64 key per (table, row)."""
+    return (tabs.to(rows.device, torch.int64) << TAB_SHIFT) | rows
+
+
+def unpack(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tables, rows) of packed keys."""
+    return keys >> TAB_SHIFT, keys & ROW_MASK
+
+
+class SetPolicy:
+    """What the store asks of a device tier's policy, for the cache's built-in LRU/LFU."""
+
+    wants_future = False  # no look-ahead hints: the stamps rank lines
+    selective = False  # every arriving row is admitted
+    wants_keys = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def on_use(self, slots: torch.Tensor) -> None:
+        """Staging stamped the lines when it locked them: nothing to add."""
+
+    def on_future(self, slots: torch.Tensor, next_use: torch.Tensor) -> None:
+        """Look-ahead hints are not used."""
+
+    def check(self) -> None:
+        """No state of its own."""
+
+
+class SetIndex:
+    """The tier's keys seen as a hash index (what the store's checks and expiry read)."""
+
+    def __init__(self, cache: HbmCache) -> None:
+        self.cache = cache
+        self.device = cache.device
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The key lines (their bytes count in the memory budget)."""
+        return self.cache.keys
+
+    def fast(self, rows: torch.Tensor) -> bool:
+        """No compiled probe: `absent_from` takes its torch path."""
+        return False
+
+    def find(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Slots of the keys, -1 where absent."""
+        return self.cache.lookup(pack(tabs, rows.to(self.cache.device, torch.int64)))
+
+    def keys(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tables, rows) held at these slots."""
+        return unpack(self.cache.keys.view(-1).index_select(0, slots.to(self.cache.device)))
+
+    def check(self) -> None:
+        """The cache checks itself."""
+
+
+class SetTier:
+    """A device tier on the set-associative cache, called as a `SlabTier` is."""
+
+    staging = 0  # no staging slots, no scratch pad
+    scratch_slots = 0
+    gather_pins = True
+
+    def __init__(self, name: str, capacity: int, width: int, policy: str,
+                 device: torch.device | str = "cpu", kernels: str = "torch") -> None:
+        self.name = name
+        self.device = torch.device(device)
+        self.cache = HbmCache(capacity, width, self.device, set_policy(policy), kernels=kernels)
+        self.capacity = self.cache.capacity
+        self.slots = self.capacity
+        self.usable = self.capacity
+        self.width = int(width)
+        self.policy = SetPolicy(self.cache.policy)
+        self.index = SetIndex(self.cache)
+        self.stats = TierStats()
+        self.generation = 0  # bumped whenever a slot changes owner
+        self.pin_epoch = 0  # bumped whenever a pinned row leaves
+        self.last_slots = torch.empty(0, dtype=torch.int64, device=self.device)
+
+    @property
+    def slab(self) -> torch.Tensor:
+        """Payloads by slot (one trash row past the last slot)."""
+        return self.cache.slab
+
+    @property
+    def dirty(self) -> torch.Tensor:
+        """Dirty bits by slot (a view: writes go to the cache)."""
+        return self.cache.dirty.view(-1)
+
+    @property
+    def occupied(self) -> torch.Tensor:
+        """Occupied lines by slot."""
+        return self.cache.keys.view(-1) >= 0
+
+    @property
+    def size(self) -> int:
+        """Occupied lines."""
+        return self.cache.size
+
+    @property
+    def selective(self) -> bool:
+        """Every arriving row is admitted."""
+        return False
+
+    def lookup(self, tabs: torch.Tensor, rows: torch.Tensor, count: bool = True) -> torch.Tensor:
+        """Slots holding the keys (-1 where absent); counts lookups, hits and misses."""
+        slots = self.index.find(tabs, rows)
+        if count:
+            self.count_lookups(rows.numel(), int((slots >= 0).sum()))
+        return slots
+
+    def count_lookups(self, n: int, hits: int) -> None:
+        """Add `n` lookups, `hits` of which hit, to the tier's counters."""
+        st = self.stats
+        st.lookups += n
+        st.hits += hits
+        st.misses += n - hits
+
+    def touch(self, slots: torch.Tensor) -> None:
+        """Stamp these lines as used now, then advance the clock."""
+        if slots.numel():
+            self.cache.touch(slots)
+            self.cache.tick()
+
+    def ranked(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every line is ranked (no staging slots)."""
+        return slots
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """Payloads of resident slots."""
+        return self.cache.slab.index_select(0, slots)
+
+    def write(self, slots: torch.Tensor, payload: torch.Tensor) -> None:
+        """Overwrite payloads of resident slots and mark them dirty."""
+        self.cache.slab.index_copy_(0, slots, payload.to(self.device, non_blocking=True))
+        self.cache.mark_dirty(slots)
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """Set the dirty bits of resident slots."""
+        self.cache.mark_dirty(slots.to(self.device))
+
+    def pin(self, slots: torch.Tensor, delta: int) -> None:
+        """Add `delta` to the locks of resident slots (never below zero)."""
+        self.cache.pin(slots.to(self.device), delta)
+
+    def remove(self, slots: torch.Tensor) -> Rows:
+        """Take rows out of the tier; returns them with dirty bits and pins."""
+        slots = slots.to(self.device)
+        pins = self.cache.lock.view(-1).index_select(0, slots)
+        out = self.cache.remove(slots)
+        if bool((pins > 0).any()):
+            self.pin_epoch += 1
+        self.generation += 1
+        return Rows(*unpack(out.keys), out.payload, out.dirty, pins)
+
+    def insert(self, rows: Rows, protect: torch.Tensor | None = None,
+               keep_clean: bool = True) -> tuple[int, Rows | None]:
+        """Insert the longest prefix of `rows` (absent keys) whose sets have room, evicting
+        unlocked lines; returns (k, victims: all, or the dirty ones without `keep_clean`)."""
+        n = len(rows)
+        self.last_slots = self.last_slots[:0]
+        if n == 0 or self.capacity == 0:
+            return 0, None
+        rows = rows.to(self.device)
+        keys = pack(rows.tabs, rows.rows)
+        cache = self.cache
+        guard = protect is not None and protect.numel() > 0
+        if guard:
+            cache.pin(protect.to(self.device), 1)  # the batch's hits stay
+        try:
+            choice = cache.choose(keys)
+            full = torch.nonzero(choice < 0).flatten()
+            k = int(full[0]) if full.numel() else n
+            if k == 0:
+                return 0, None
+            if k < n:
+                rows, keys, choice = rows.take(slice(0, k)), keys[:k], choice[:k]
+            lock = rows.pins if rows.pins is not None else 0
+            v = cache.insert(keys, rows.payload, rows.dirty, lock=lock, slots=choice)
+        finally:
+            if guard:
+                cache.pin(protect.to(self.device), -1)
+        self.generation += 1
+        self.stats.insertions += k
+        self.last_slots = v.slots
+        gone = torch.nonzero(v.keys >= 0).flatten()
+        if not gone.numel():
+            return k, None
+        dirty = v.dirty.index_select(0, gone)
+        self.stats.evictions += gone.numel()
+        self.stats.writebacks += int(dirty.sum())
+        if not keep_clean:
+            gone = gone[dirty]
+            dirty = dirty[dirty]
+            if not gone.numel():
+                return k, None
+        return k, Rows(*unpack(v.keys.index_select(0, gone)), v.payload.index_select(0, gone), dirty)
+
+    def admit(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """Every arriving row is admitted."""
+        return None
+
+    def grow_staging(self, n: int) -> int:
+        """No staging slots."""
+        return 0
+
+    def reserve_scratch(self, n: int) -> int:
+        """No scratch pad."""
+        return 0
+
+    def insert_scratch(self, rows: Rows) -> int:
+        """No scratch pad: nothing is inserted."""
+        self.last_slots = self.last_slots[:0]
+        return 0
+
+    def take_expired(self) -> Rows | None:
+        """No scratch pad: nothing expires."""
+        return None
+
+    def dirty_chunks(self, chunk: int) -> Iterator[tuple[torch.Tensor, Rows]]:
+        """Slots and rows of the dirty resident rows, `chunk` rows at a time (for flushing)."""
+        dirty = torch.nonzero(self.dirty & self.occupied).flatten()
+        for lo in range(0, dirty.numel(), chunk):
+            slots = dirty[lo : lo + chunk]
+            yield slots, Rows(*self.index.keys(slots), self.cache.slab.index_select(0, slots),
+                              self.dirty.index_select(0, slots))
+
+    def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tabs, rows) of every occupied slot."""
+        return unpack(self.cache.resident()[0])
+
+    def check(self) -> None:
+        """Assert the cache's invariants."""
+        self.cache.check()
