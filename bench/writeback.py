@@ -25,7 +25,16 @@ One store of `--tables` x `--rows` populated rows (dim 64 + row-wise Adagrad: 66
   distinct random rows into a table of `T` rows: the bytes its commit wrote (`wchar` of
   /proc/self/io) in 4 KiB pages, pages per row, rows/s, and the model `L (1 - exp(-N / L))` for a
   table of `L` leaves. `--floor-tables` sets the `T`s, `--merge-sizes` the `N`s; the steady cases
-  print, beside their rate, the floor of the store's own merge (half its log into its tables).
+  print, beside their rate, the floor of the store's own merge (half its log into its tables);
+- `lsm_*` (issue 36's LSM of sorted-chunk runs, `tierstore/backends/runs.py`, which the store
+  does not use yet): a base of `--lsm-table` rows written as sorted chunks (`lsm_base_write`);
+  `--lsm-cycles` times, `--lsm-k` runs of `--lsm-run` random rows each sorted, sealed and written
+  as chunks (`lsm_runs`: what a log merge would cost), then merged with the base into a new base
+  that frees each chunk it consumed (`lsm_merges`: rows fed a second); `lsm_steady` is both
+  (the file's peak and the final base's pages against the raw rows beside it), `lsm_get` reads
+  random rows through the runs newest first and the base, and `lsm_end_to_end` projects the
+  writer's whole cost on one core: `log_append` and `lsm_steady` one after the other.
+  `--lsm-only` runs these and `log_append` alone.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import lmdb
 import numpy as np
 
 from tierstore import RowWiseAdagrad, TableSpec, TierStore
+from tierstore.backends import runs
 from tierstore.backends.lmdb_backend import encode_keys
 from tierstore.backends.record import seal
 
@@ -227,6 +237,88 @@ def read_cases(store: TierStore, n: int, seed: int) -> list[dict]:
     return out
 
 
+def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, get_rows: int,
+              seed: int) -> list[dict]:
+    """The merge side of issue 36's LSM, on `backends/runs.py` (not yet the store's format): a
+    base of `table_rows` rows as sorted chunks; each cycle writes `k` runs of `run_rows` random
+    rows (sorted, sealed, appended as chunks: the log's merge into a run) and merges them with the
+    base into a new base that frees what it consumed. Reads go through the `k` runs, then the base."""
+    rng = np.random.default_rng(seed)
+    w = DIM + 2
+    rb = 4 * w + 4
+    env = lmdb.open(str(work / "lsm"), map_size=max(1 << 30, table_rows * 1200), max_dbs=64,
+                    sync=False, metasync=False, readahead=False)
+    piece = 1 << 18
+    names = iter(range(1 << 30))
+
+    def fresh():
+        return env.open_db(f"r{next(names)}".encode())
+
+    def write(ids: np.ndarray) -> tuple[object, float]:  # a run of sorted distinct ids
+        db, sec = fresh(), 0.0
+        writer = runs.RunWriter(env, db, rb)
+        for lo in range(0, len(ids), piece):
+            part = ids[lo : lo + piece]
+            pay = rng.standard_normal((len(part), w), dtype=np.float32)
+            t0 = time.perf_counter()
+            writer.add(part, seal(part, pay))
+            sec += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        writer.finish()
+        return db, sec + time.perf_counter() - t0
+
+    base, base_s = write(np.arange(table_rows, dtype=np.int64))
+    run_s = merge_s = get_s = 0.0
+    fed = got = 0
+    for c in range(cycles):
+        levels = []
+        for _ in range(k):
+            draw = rng.integers(0, table_rows, run_rows)
+            t0 = time.perf_counter()
+            ids = np.unique(draw)  # the log merge's sort (it keeps each key's newest version)
+            run_s += time.perf_counter() - t0
+            db, sec = write(ids)
+            run_s += sec
+            fed += run_rows
+            levels.insert(0, db)
+        sources = [runs.SortedRun(env, db, "t", w) for db in levels + [base]]
+        if c == cycles - 1 and get_rows:  # reads through k runs, newest first, then the base
+            ids = np.sort(rng.choice(table_rows, get_rows, replace=False))
+            t0 = time.perf_counter()
+            found = np.zeros(len(ids), dtype=bool)
+            for src in sources:
+                todo = np.flatnonzero(~found)
+                _, hit = src.get(ids[todo])
+                found[todo[hit]] = True
+            get_s, got = time.perf_counter() - t0, len(ids)
+        t0 = time.perf_counter()
+        out = fresh()
+        runs.merge_runs(sources, runs.RunWriter(env, out, rb), free=True)
+        with env.begin(write=True) as txn:  # the emptied sources' databases go
+            for src in sources:
+                txn.drop(src.db, delete=True)
+        merge_s += time.perf_counter() - t0
+        base = out
+    with env.begin(db=base) as txn:
+        st = txn.stat(base)
+    chunks = st["entries"]
+    peak = (work / "lsm" / "data.mdb").stat().st_blocks * 512  # the file never shrinks: its peak
+    # what the base's own pages hold (a compaction's file: the rest of the file is free pages)
+    used = (st["leaf_pages"] + st["branch_pages"] + st["overflow_pages"]) * st["psize"]
+    env.close()
+    shutil.rmtree(work / "lsm", ignore_errors=True)
+    raw = table_rows * 4 * w
+    geo = {"table_rows": table_rows, "run_rows": run_rows, "runs_a_merge": k, "cycles": cycles}
+    return [{"case": "lsm_base_write", "rows": table_rows, "rows_per_s": _rate(table_rows, base_s),
+             **geo},
+            {"case": "lsm_runs", "rows": fed, "rows_per_s": _rate(fed, run_s), **geo},
+            {"case": "lsm_merges", "rows": fed, "rows_per_s": _rate(fed, merge_s), **geo,
+             "base_chunks": chunks},
+            {"case": "lsm_steady", "rows": fed, "rows_per_s": _rate(fed, run_s + merge_s), **geo,
+             "disk_peak_over_raw": peak / raw, "disk_after_over_raw": used / raw},
+            {"case": "lsm_get", "rows": got, "rows_per_s": _rate(got, get_s), **geo}]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.writeback", description=__doc__.splitlines()[0])
     ap.add_argument("--tables", type=int, default=8)
@@ -238,6 +330,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="rows per merge case (at most the log's capacity)")
     ap.add_argument("--floor-tables", default="1000000,8000000",
                     help="table sizes (rows) of the page-write floor cases; '' skips them")
+    ap.add_argument("--lsm-table", type=int, default=8_000_000,
+                    help="rows of the LSM cases' base (0 skips them)")
+    ap.add_argument("--lsm-run", type=int, default=1_500_000, help="random rows a run")
+    ap.add_argument("--lsm-k", type=int, default=2, help="runs merged into the base at a time")
+    ap.add_argument("--lsm-cycles", type=int, default=3, help="merges into the base")
+    ap.add_argument("--lsm-only", action="store_true", help="run the LSM cases (and log_append) alone")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
@@ -247,52 +345,70 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.tables, args.rows, args.rows_per_case, args.steady, args.batch = 2, 50_000, 20_000, 60_000, 5_000
         args.merge_sizes, args.floor_tables = "5000,20000", "50000"
+        args.lsm_table, args.lsm_run, args.lsm_k, args.lsm_cycles = 60_000, 10_000, 2, 2
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench_writeback_", dir=args.workdir))
+    full = not args.lsm_only
     try:
-        recs = raw_cases(work, args.rows, args.rows_per_case, args.seed)
+        recs = raw_cases(work, args.rows, args.rows_per_case, args.seed) if full else []
         sizes = [int(v) for v in args.merge_sizes.split(",") if v]
         store_rows = args.tables * args.rows
         floors = floor_cases(work, [int(v) for v in args.floor_tables.split(",") if v], sizes,
-                             args.seed + 4)
+                             args.seed + 4) if full else []
         store = _store(work, args.tables, args.rows, args.seed)
         try:
             store.writeback.drain()
             room = store.log.capacity * 3 // 4 - store.log.size - args.batch
             recs.append(writer_case(store, "log_append", max(args.batch, min(args.rows_per_case, room)),
                                     args.batch, None, args.seed))
-            recs.append(writer_case(store, "steady_uniform", args.steady, args.batch, None, args.seed + 1))
-            recs.append(writer_case(store, "steady_zipf", args.steady, args.batch, 1.05, args.seed + 2))
-            recs += read_cases(store, args.rows_per_case, args.seed)
-            recs += merge_cases(store, [int(v) for v in args.merge_sizes.split(",") if v], args.seed + 3)
+            if full:
+                recs.append(writer_case(store, "steady_uniform", args.steady, args.batch, None,
+                                        args.seed + 1))
+                recs.append(writer_case(store, "steady_zipf", args.steady, args.batch, 1.05, args.seed + 2))
+                recs += read_cases(store, args.rows_per_case, args.seed)
+                recs += merge_cases(store, sizes, args.seed + 3)
             log_capacity = store.log.capacity
         finally:
             store.close()
-        # the floor beside the steady state: the store's own merge (half its log into its tables)
-        recs += floors + floor_cases(work, [store_rows], [min(log_capacity // 2, store_rows)],
-                                     args.seed + 5)
+        if full:  # the floor beside the steady state: the store's own merge (half its log into its tables)
+            recs += floors + floor_cases(work, [store_rows], [min(log_capacity // 2, store_rows)],
+                                         args.seed + 5)
+        own = recs[-1]["case"] if full else None
+        if args.lsm_table:
+            lsm = lsm_cases(work, args.lsm_table, args.lsm_run, args.lsm_k, args.lsm_cycles,
+                            args.rows_per_case, args.seed + 6)
+            append = next(r["rows_per_s"] for r in recs if r["case"] == "log_append")
+            steady = next(r["rows_per_s"] for r in lsm if r["case"] == "lsm_steady")
+            # the log's append and the LMDB-free merge side, one after the other on one core
+            lsm.append({"case": "lsm_end_to_end", "rows": lsm[1]["rows"],
+                        "rows_per_s": 1 / (1 / append + 1 / steady), "projected": True})
+            recs += lsm
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = {r["case"]: r["rows_per_s"] for r in recs}
-    own = recs[-1]["case"]  # the store's own merge geometry, for the steady cases
     for r in recs:
-        if r["case"].startswith("floor"):
+        if r["case"].startswith(("floor", "lsm")) or r["case"] in ("raw_append", "raw_update") or \
+                (r["case"].startswith("steady") and own is None):
             r["vs_floor"] = r["floor"] = None
             continue
         floor = "raw_append" if r["case"] in ("log_append",) else own if r["case"].startswith(
             "steady") else "raw_update" if r["case"].startswith("merge") else "get_pylmdb"
-        r["vs_floor"] = r["rows_per_s"] / base[floor] if r["case"] not in ("raw_append", "raw_update") \
-            else None
-        r["floor"] = floor if r["vs_floor"] is not None else None
+        if floor not in base:
+            r["vs_floor"] = r["floor"] = None
+            continue
+        r["vs_floor"] = r["rows_per_s"] / base[floor]
+        r["floor"] = floor
     print(table(recs, [("case", "case", ""), ("rows", "rows", ",d"), ("rows_per_s", "rows/s", ",.0f"),
                        ("floor", "floor", ""), ("vs_floor", "vs floor", ".2f"),
                        ("merged", "merged", ",d"), ("rows_per_leaf", "rows/leaf", ".2f"),
                        ("cpu_us_per_row", "cpu us/row", ".2f"), ("pages_per_row", "pages/row", ".3f"),
-                       ("model_pages", "model pages", ",.0f"), ("pages_written", "pages", ",.0f")]))
+                       ("model_pages", "model pages", ",.0f"), ("pages_written", "pages", ",.0f"),
+                       ("disk_peak_over_raw", "disk peak x raw", ".2f"),
+                       ("disk_after_over_raw", "base x raw", ".2f")]))
     meta = {"bench": "writeback", "argv": sys.argv[1:] if argv is None else argv, "tables": args.tables,
             "rows": args.rows, "record_bytes": (DIM + 2) * 4 + 4, "log_capacity": log_capacity}
     path = save("writeback", recs, meta, args.out)

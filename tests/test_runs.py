@@ -61,7 +61,8 @@ def test_merge_keeps_each_ids_newest_row_and_reads_match_a_dict(tmp_path_factory
         assert np.array_equal(got[found], _rows(probe[found], salt))
         sources.insert(0, run)  # newest first
     out = env.open_db(b"merged")
-    n = runs.merge_runs(sources, runs.RunWriter(env, out, RB, txn_chunks=3))
+    free = data.draw(st.booleans())
+    n = runs.merge_runs(sources, runs.RunWriter(env, out, RB, txn_chunks=3), free=free)
     assert n == len(model)
     merged = runs.SortedRun(env, out, "t", W)
     every = np.arange(0, 402, dtype=np.int64)
@@ -69,11 +70,13 @@ def test_merge_keeps_each_ids_newest_row_and_reads_match_a_dict(tmp_path_factory
     assert np.array_equal(found[::-1], np.isin(every, list(model)))
     for i, row in model.items():
         assert np.array_equal(got[::-1][i], row)
-    with env.begin(buffers=True) as txn:  # the chunks are dense and in id order
-        parts = list(merged.chunks(txn))
-    ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+    parts = list(merged.chunks())  # the chunks are dense and in id order
+    ids = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
     assert np.array_equal(ids, np.array(sorted(model), dtype=np.int64))
-    assert all(len(p[0]) == runs.CHUNK_ROWS for p in parts[:-1])
+    assert all(len(p[1]) == runs.CHUNK_ROWS for p in parts[:-1])
+    if free:  # every source chunk was freed with the commit that made its rows durable
+        with env.begin() as txn:
+            assert all(txn.stat(s.db)["entries"] == 0 for s in sources)
     env.close()
 
 
@@ -116,4 +119,54 @@ def test_damage_is_detected_by_reads_and_merges(tmp_path, where):
     assert found.all()
     with pytest.raises(StoreCorruptError):
         runs.merge_runs([run], runs.RunWriter(env, env.open_db(b"out"), RB))
+    env.close()
+
+
+class _Cut(Exception):
+    pass
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 300), min_size=1, max_size=100), min_size=2, max_size=4),
+       st.integers(0, 12))
+def test_a_freeing_merge_cut_after_any_commit_reads_every_newest_row(tmp_path_factory, levels, stop):
+    """A merge that frees what it consumed, stopped after commit `stop` (as a kill would leave
+    it): the output, then the sources newest first, still read each id's newest row."""
+    env = _env(tmp_path_factory.mktemp("cut"))
+    model: dict[int, np.ndarray] = {}
+    sources = []
+    for salt, ids in enumerate(levels):
+        ids = np.array(sorted(ids), dtype=np.int64)
+        sources.insert(0, _write(env, f"r{salt}".encode(), ids, salt))
+        model.update(zip(ids.tolist(), _rows(ids, salt)))
+    out = env.open_db(b"merged")
+    writer = runs.RunWriter(env, out, RB, txn_chunks=1)
+    commits = []
+    original = runs.RunWriter._commit
+
+    def commit(self):
+        if self._ready and len(commits) == stop:
+            raise _Cut  # before this transaction: the state after `stop` commits stays
+        if self._ready:
+            commits.append(1)
+        original(self)
+
+    runs.RunWriter._commit = commit
+    try:
+        runs.merge_runs(sources, writer, free=True)
+    except _Cut:
+        pass
+    finally:
+        runs.RunWriter._commit = original
+    levels_now = [runs.SortedRun(env, out, "t", W)] + [runs.SortedRun(env, s.db, "t", W) for s in sources]
+    every = np.arange(0, 301, dtype=np.int64)
+    got = np.zeros((len(every), W), dtype=np.float32)
+    found = np.zeros(len(every), dtype=bool)
+    for level in levels_now:  # newest first: the first level that has an id has its newest row
+        rows, hit = level.get(every)
+        new = hit & ~found
+        got[new], found[new] = rows[new], True
+    assert np.array_equal(found, np.isin(every, list(model)))
+    for i, row in model.items():
+        assert np.array_equal(got[i], row)
     env.close()

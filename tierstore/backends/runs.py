@@ -20,7 +20,7 @@ state with merges"); the store does not use them yet.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import lmdb
 import numpy as np
@@ -81,6 +81,14 @@ class RunWriter:
         self._recs: list[np.ndarray] = []
         self._held = 0  # rows buffered, not yet in a chunk
         self._ready: list[tuple[bytes, bytes]] = []  # chunks not yet committed
+        self._ready_last = -1  # the last id of those chunks
+        # called inside each commit's write transaction with the last id it makes durable
+        self.before_commit: Callable[[lmdb.Transaction, int], None] | None = None
+
+    @property
+    def last_id(self) -> int:
+        """The largest id added so far (-1 before any)."""
+        return self._last
 
     def add(self, ids: np.ndarray, records: np.ndarray) -> None:
         """Buffer rows: ids int64 [n], increasing and above every id added before; records uint8
@@ -116,6 +124,7 @@ class RunWriter:
         for lo in range(0, whole, CHUNK_ROWS):
             hi = min(lo + CHUNK_ROWS, whole)
             self._ready.append((encode_keys(ids[lo : lo + 1])[0], chunk_value(ids[lo:hi], recs[lo:hi])))
+            self._ready_last = int(ids[hi - 1])
             self.rows += hi - lo
         self._ids, self._recs = ([ids[whole:]], [recs[whole:]]) if whole < len(ids) else ([], [])
         self._held = len(ids) - whole
@@ -130,6 +139,8 @@ class RunWriter:
             if added != len(self._ready):  # raised inside: the transaction is not committed
                 raise StoreCorruptError("a run's chunk was refused: its database is not empty or "
                                         "not in id order")
+            if self.before_commit is not None:
+                self.before_commit(txn, self._ready_last)
         self.chunks += len(self._ready)
         self.bytes += sum(len(v) for _, v in self._ready)
         self._ready = []
@@ -176,57 +187,77 @@ class SortedRun:
                                       f"{self.where}, ")
         return out, found
 
-    def chunks(self, txn: lmdb.Transaction) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """The run's chunks in id order as (ids, records) copies, each record's checksum verified;
-        `txn` is a read transaction of the run's environment opened with `buffers=True`."""
+    def chunks(self) -> Iterator[tuple[bytes, np.ndarray, np.ndarray]]:
+        """The run's chunks in id order as (key, ids, records), copies with every record's
+        checksum verified; each is read in a short transaction of its own, so a merge that frees
+        chunks it consumed does not pin the pages they held."""
         for c, key in enumerate(encode_keys(self.firsts)):
-            ids, recs = parse_chunk(txn.get(key, db=self.db), int(self.firsts[c]),
-                                    self.record_bytes, self.where)
+            with self.env.begin(db=self.db, buffers=True) as txn:
+                ids, recs = parse_chunk(txn.get(key), int(self.firsts[c]), self.record_bytes,
+                                        self.where)
+                ids, recs = ids.copy(), recs.copy()
             words = recs.view(np.uint32)
             bad = np.flatnonzero(row_checks(ids, words[:, : self.row_dim]) != words[:, self.row_dim])
             if bad.size:
                 raise StoreCorruptError(f"{self.where}, table {self.table!r}: row {int(ids[bad[0]])} "
                                         f"failed its checksum; the run is damaged")
-            yield ids.copy(), recs.copy()
+            yield key, ids, recs
 
 
-def merge_runs(sources: list[SortedRun], writer: RunWriter) -> int:
+def merge_runs(sources: list[SortedRun], writer: RunWriter, free: bool = False) -> int:
     """Merge runs of one table, newest first (a base last), into `writer`'s empty run: each id's
     newest record, in one sequential pass with every record verified; returns the rows written.
 
     Each step takes, from every source, the rows up to the smallest last id among the chunks
-    loaded, so memory is a chunk or two a source."""
+    loaded, so memory is a chunk or two a source. With `free` (sources and writer in one
+    environment), each source chunk is deleted in the write transaction that commits the last of
+    its rows: the old and the new rows never coexist whole on disk, and after any commit the
+    output, then the sources newest first, read every id's newest row (a merge cut short is a
+    consistent state; the caller resumes it or reads through it)."""
     if any(s.record_bytes != writer.record_bytes for s in sources):
         raise TierstoreError("runs of one merge must have one record size")
-    txns = [s.env.begin(buffers=True) for s in sources]
-    try:
-        its = [s.chunks(t) for s, t in zip(sources, txns)]
-        bufs: list[tuple[np.ndarray, np.ndarray] | None] = [next(it, None) for it in its]
-        while True:
-            live = [i for i, b in enumerate(bufs) if b is not None]
-            if not live:
-                break
-            bound = min(int(bufs[i][0][-1]) for i in live)
-            ids_parts, rec_parts, src_parts = [], [], []
-            for i in live:
-                ids, recs = bufs[i]
-                cut = int(np.searchsorted(ids, bound, side="right"))
-                ids_parts.append(ids[:cut])
-                rec_parts.append(recs[:cut])
-                src_parts.append(np.full(cut, i, dtype=np.int32))
-                if cut == len(ids):
-                    bufs[i] = next(its[i], None)
-                else:
-                    bufs[i] = (ids[cut:], recs[cut:])
-            ids = np.concatenate(ids_parts)
-            src = np.concatenate(src_parts)
-            order = np.lexsort((src, ids))  # by id, the newest source first
-            ids = ids[order]
-            keep = np.ones(len(ids), dtype=bool)
-            keep[1:] = ids[1:] != ids[:-1]
-            pick = order[keep]
-            writer.add(ids[keep], np.concatenate(rec_parts)[pick])
-    finally:
-        for t in txns:
-            t.abort()
-    return writer.finish()
+    done: list[tuple[object, bytes, int]] = []  # source chunks wholly taken: (db, key, last id)
+
+    def drop_taken(txn: lmdb.Transaction, durable: int) -> None:
+        keep = []
+        for db, key, last in done:
+            if last <= durable:
+                txn.delete(key, db=db)
+            else:
+                keep.append((db, key, last))
+        done[:] = keep
+
+    if free:
+        writer.before_commit = drop_taken
+    its = [s.chunks() for s in sources]
+    # per source: the rows loaded and not yet taken, and the chunk they came from
+    bufs: list[tuple[bytes, np.ndarray, np.ndarray] | None] = [next(it, None) for it in its]
+    while True:
+        live = [i for i, b in enumerate(bufs) if b is not None]
+        if not live:
+            break
+        bound = min(int(bufs[i][1][-1]) for i in live)
+        ids_parts, rec_parts, src_parts = [], [], []
+        for i in live:
+            key, ids, recs = bufs[i]
+            cut = int(np.searchsorted(ids, bound, side="right"))
+            ids_parts.append(ids[:cut])
+            rec_parts.append(recs[:cut])
+            src_parts.append(np.full(cut, i, dtype=np.int32))
+            if cut == len(ids):
+                done.append((sources[i].db, key, int(ids[-1])))
+                bufs[i] = next(its[i], None)
+            else:
+                bufs[i] = (key, ids[cut:], recs[cut:])
+        ids = np.concatenate(ids_parts)
+        src = np.concatenate(src_parts)
+        order = np.lexsort((src, ids))  # by id, the newest source first
+        ids = ids[order]
+        keep = np.ones(len(ids), dtype=bool)
+        keep[1:] = ids[1:] != ids[:-1]
+        writer.add(ids[keep], np.concatenate(rec_parts)[order[keep]])
+    rows = writer.finish()
+    if free and done:  # sources holding only ids the output already had (no commit after them)
+        with writer.env.begin(write=True) as txn:
+            drop_taken(txn, writer.last_id)
+    return rows
