@@ -459,10 +459,12 @@ def test_optimizer_defaults_are_torch_optims():
 
 
 def test_every_optimizer_has_a_fused_kernel():
+    from tierstore.engine.plan import KINDS
     from tierstore.fused import KERNELS
     from tierstore.optimizers import OPTIMIZERS
 
     assert set(KERNELS) == set(OPTIMIZERS)
+    assert KERNELS == KINDS  # the engine's plan codes the optimizers as the per-table path does
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])

@@ -83,75 +83,85 @@ if HAVE_NUMBA:
             part[d - full] += g[d] * g[d]
         return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]))
 
-    @numba.njit(cache=True, nogil=True)
-    def sgd_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params, lo,
-                   hi):  # pragma: no cover
+    # One row update per optimizer: payload row `row` ([weights | state]) from its summed
+    # gradient g; the engine's kernel and the per-table kernel below both call these.
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def sgd_row(row, g, dim, params):  # pragma: no cover - compiled
         lr, wd = np.float32(params[0]), np.float32(params[1])
-        g = np.empty(dim, dtype=np.float32)
-        for u in range(lo, hi):
-            _prefetch_next(table, slots, u)
-            _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
-            row = table[slots[u]]
-            for d in range(dim):
-                row[d] = row[d] - lr * (g[d] + wd * row[d])
+        for d in range(dim):
+            row[d] = row[d] - lr * (g[d] + wd * row[d])
 
-    @numba.njit(cache=True, nogil=True)
-    def adagrad_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params, lo,
-                       hi):  # pragma: no cover
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def adagrad_row(row, g, dim, params):  # pragma: no cover - compiled
         lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
-        g = np.empty(dim, dtype=np.float32)
-        for u in range(lo, hi):
-            _prefetch_next(table, slots, u)
-            _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
-            row = table[slots[u]]
-            for d in range(dim):
-                gd = g[d] + wd * row[d]
-                acc = row[dim + d] + gd * gd
-                row[dim + d] = acc
-                row[d] = row[d] - lr * gd / (np.sqrt(acc) + eps)
+        for d in range(dim):
+            gd = g[d] + wd * row[d]
+            acc = row[dim + d] + gd * gd
+            row[dim + d] = acc
+            row[d] = row[d] - lr * gd / (np.sqrt(acc) + eps)
 
-    @numba.njit(cache=True, nogil=True)
-    def rowwise_adagrad_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale,
-                               params, lo, hi):  # pragma: no cover
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def rowwise_adagrad_row(row, g, part, dim, params):  # pragma: no cover - compiled
+        """Row-wise Adagrad; g gets the weight decay added in place, `part` is 8 floats of scratch."""
         lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
-        g = np.empty(dim, dtype=np.float32)
-        part = np.empty(8, dtype=np.float32)
         inv_dim = np.float32(1.0) / np.float32(dim)
-        for u in range(lo, hi):
-            _prefetch_next(table, slots, u)
-            _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
-            row = table[slots[u]]
-            for d in range(dim):
-                g[d] = g[d] + wd * row[d]
-            sq = _sum_squares(g, dim, part)
-            acc = row[dim] + sq * inv_dim
-            row[dim] = acc
-            mult = lr / (np.sqrt(acc) + eps)
-            for d in range(dim):
-                row[d] = row[d] - mult * g[d]
+        for d in range(dim):
+            g[d] = g[d] + wd * row[d]
+        sq = _sum_squares(g, dim, part)
+        acc = row[dim] + sq * inv_dim
+        row[dim] = acc
+        mult = lr / (np.sqrt(acc) + eps)
+        for d in range(dim):
+            row[d] = row[d] - mult * g[d]
 
-    @numba.njit(cache=True, nogil=True)
-    def adam_kernel(table, slots, dim, perm, starts, bag_of, grad_out, scale, params, lo,
-                    hi):  # pragma: no cover
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def adam_row(row, g, dim, params):  # pragma: no cover - compiled
         lr, b1, b2 = params[0], params[1], params[2]
         eps, wd = np.float32(params[3]), np.float32(params[4])
         one_b1, one_b2 = np.float32(1.0 - b1), np.float32(1.0 - b2)
+        t = row[3 * dim] + np.float32(1.0)
+        row[3 * dim] = t
+        tt = np.float64(t)
+        step = np.float32(lr * np.sqrt(1.0 - b2**tt) / (1.0 - b1**tt))
+        for d in range(dim):
+            gd = g[d] + wd * row[d]
+            m = row[dim + d] + (gd - row[dim + d]) * one_b1
+            v = row[2 * dim + d] + (gd * gd - row[2 * dim + d]) * one_b2
+            row[dim + d] = m
+            row[2 * dim + d] = v
+            row[d] = row[d] - step * (m / (np.sqrt(v) + eps))
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def update_row(row, g, part, dim, kind, params):  # pragma: no cover - compiled
+        """One optimizer step of payload row `row` (kind: `KERNELS`' code of the optimizer)."""
+        if kind == 0:
+            sgd_row(row, g, dim, params)
+        elif kind == 1:
+            adagrad_row(row, g, dim, params)
+        elif kind == 2:
+            rowwise_adagrad_row(row, g, part, dim, params)
+        else:
+            adam_row(row, g, dim, params)
+
+    @numba.njit(cache=True, nogil=True)
+    def update_kernel(table, slots, dim, kind, perm, starts, bag_of, grad_out, scale, params, lo,
+                      hi):  # pragma: no cover - compiled
+        """Unique rows [lo, hi): sum each one's gradient in input order, then update it."""
         g = np.empty(dim, dtype=np.float32)
+        part = np.empty(8, dtype=np.float32)
         for u in range(lo, hi):
             _prefetch_next(table, slots, u)
             _sum_grad(g, u, perm, starts, bag_of, grad_out, scale, dim)
-            row = table[slots[u]]
-            t = row[3 * dim] + np.float32(1.0)
-            row[3 * dim] = t
-            tt = np.float64(t)
-            step = np.float32(lr * np.sqrt(1.0 - b2**tt) / (1.0 - b1**tt))
-            for d in range(dim):
-                gd = g[d] + wd * row[d]
-                m = row[dim + d] + (gd - row[dim + d]) * one_b1
-                v = row[2 * dim + d] + (gd * gd - row[2 * dim + d]) * one_b2
-                row[dim + d] = m
-                row[2 * dim + d] = v
-                row[d] = row[d] - step * (m / (np.sqrt(v) + eps))
+            update_row(table[slots[u]], g, part, dim, kind, params)
+
+    @numba.njit(cache=True, nogil=True)
+    def summed_kernel(perm, starts, bag_of, grad_out, scale, dim):  # pragma: no cover - compiled
+        """Each unique row's gradient [u, dim], its positions' rows summed in input order."""
+        n_u = starts.shape[0] - 1
+        out = np.empty((n_u, dim), dtype=np.float32)
+        for u in range(n_u):
+            _sum_grad(out[u], u, perm, starts, bag_of, grad_out, scale, dim)
+        return out
 
     @numba.njit(cache=True, nogil=True)
     def pool_kernel(table, rows, inverse, offsets, n_total, dim, psw, mean, out, lo,
@@ -191,10 +201,8 @@ if HAVE_NUMBA:
             for p in range(offsets[b], hi):
                 out[p] = b
 
-    KERNELS = {"sgd": sgd_kernel, "adagrad": adagrad_kernel,
-               "rowwise_adagrad": rowwise_adagrad_kernel, "adam": adam_kernel}
-else:  # pragma: no cover
-    KERNELS = {}
+# the code `update_row` dispatches on, per optimizer kind (the engine's plan uses the same)
+KERNELS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3} if HAVE_NUMBA else {}
 
 
 def pool(table: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
@@ -261,8 +269,8 @@ class BatchUpdate:
         self._csr = None
         self.codec = CODECS[self.dtype]
 
-    def kernel_for(self, table: torch.Tensor):
-        """The numba kernel to use on `table`, or None for the torch path."""
+    def kernel_for(self, table: torch.Tensor) -> int | None:
+        """The optimizer's code for `update_kernel` on `table`, or None for the torch path."""
         if not (self.use_kernel and table.device.type == "cpu" and self.grad_out.device.type == "cpu"):
             return None
         return KERNELS.get(self.optimizer.kind)
@@ -278,19 +286,19 @@ class BatchUpdate:
             return
         self._run_kernel(kernel, table, slots)
 
-    def _run_kernel(self, kernel, table: torch.Tensor, slots: torch.Tensor) -> None:
-        """Run an optimizer's numba kernel over the unique rows, split over threads."""
+    def _run_kernel(self, kind: int, table: torch.Tensor, slots: torch.Tensor) -> None:
+        """Run `update_kernel` for the optimizer over the unique rows, split over threads."""
         if self._csr is None:
             self._csr = csr_by_group(self.inverse.numpy(), self.n_unique)
         perm, starts = self._csr
         empty_i = np.empty(0, dtype=np.int64)
         empty_f = np.empty(0, dtype=np.float32)
-        args = (table.numpy(), slots.numpy(), self.dim, perm, starts,
+        args = (table.numpy(), slots.numpy(), self.dim, kind, perm, starts,
                 empty_i if self.bag_of is None else self.bag_of.numpy(),
                 self.grad_out.contiguous().numpy(),
                 empty_f if self.scale is None else self.scale.contiguous().numpy(),
                 _params(self.optimizer))
-        parallel_for(lambda lo, hi: kernel(*args, lo, hi), slots.numel())
+        parallel_for(lambda lo, hi: update_kernel(*args, lo, hi), slots.numel())
 
     def _apply_packed(self, table: torch.Tensor, slots: torch.Tensor) -> None:
         """16-bit weights: decode to a float32 payload, update it as usual, re-encode (rounded)."""

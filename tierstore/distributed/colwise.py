@@ -25,28 +25,7 @@ from ..optimizers import SGD, RowWiseAdagrad
 LOCAL_OPTIMIZER = SGD(lr=1.0)
 
 if HAVE_NUMBA:
-    import numba
-
-    from ..fused import csr_by_group
-
-    @numba.njit(cache=True, nogil=True)
-    def _summed(perm, starts, bag_of, grad_out, scale, dim):  # pragma: no cover - compiled
-        """Gradient of each unique row: its positions' rows summed in input order."""
-        n_u = starts.shape[0] - 1
-        out = np.zeros((n_u, dim), dtype=np.float32)
-        for u in range(n_u):
-            g = out[u]
-            for k in range(starts[u], starts[u + 1]):
-                p = perm[k]
-                b = bag_of[p]
-                if scale.shape[0]:
-                    s = scale[p]
-                    for d in range(dim):
-                        g[d] += grad_out[b, d] * s
-                else:
-                    for d in range(dim):
-                        g[d] += grad_out[b, d]
-        return out
+    from ..fused import csr_by_group, summed_kernel
 
 
 def summed_grads(inverse: torch.Tensor, n_unique: int, offsets: torch.Tensor,
@@ -61,7 +40,7 @@ def summed_grads(inverse: torch.Tensor, n_unique: int, offsets: torch.Tensor,
         return upd.summed_grads()
     perm, starts = csr_by_group(inverse.numpy(), n_unique)
     sc = np.empty(0, dtype=np.float32) if scale is None else scale.contiguous().numpy()
-    return torch.from_numpy(_summed(perm, starts, bag_of.numpy(), grad_out.numpy(), sc,
+    return torch.from_numpy(summed_kernel(perm, starts, bag_of.numpy(), grad_out.numpy(), sc,
                                     grad_out.shape[1]))
 
 

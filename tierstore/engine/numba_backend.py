@@ -1,9 +1,9 @@
 """The CPU backend: one numba kernel pools every (feature, bag) pair of a step, one updates every
 unique row of every table.
 
-Each kernel reproduces the float32 operations of the fused per-table kernels
-(`tierstore.fused`) in the same order, so a row's bits do not depend on which path or how many
-tables shared the call; no fast-math flag is set, so LLVM contracts no multiply-add into an FMA.
+The update sums each row's gradient in the per-table path's order and calls its row update
+(`tierstore.fused.update_row`, one per optimizer), so a row's bits do not depend on which path or
+how many tables shared the call; no fast-math flag is set, so LLVM contracts no multiply-add into an FMA.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if HAVE_NUMBA:
     import numba
 
     from .._kernels import PREFETCH_AHEAD, prefetch_row
-    from ..fused import csr_by_group
+    from ..fused import csr_by_group, update_row
 
     @numba.njit(cache=True, nogil=True, inline="always")
     def _row(src, slots, work, work_of, u):  # pragma: no cover - compiled
@@ -74,66 +74,12 @@ if HAVE_NUMBA:
                     acc[d] = acc[d] / cnt
 
     @numba.njit(cache=True, nogil=True, inline="always")
-    def _sum_squares(g, dim, part):  # pragma: no cover - compiled
-        """Sum of g[d]**2 in the fused kernels' fixed order (8 lanes, then a fixed tree)."""
-        for j in range(8):
-            part[j] = np.float32(0.0)
-        full = dim - dim % 8
-        for base in range(0, full, 8):
-            for j in range(8):
-                part[j] += g[base + j] * g[base + j]
-        for d in range(full, dim):
-            part[d - full] += g[d] * g[d]
-        return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]))
-
-    @numba.njit(cache=True, nogil=True, inline="always")
     def _clipped(x, clip):  # pragma: no cover - compiled
         if x > clip:
             return clip
         if x < -clip:
             return -clip
         return x
-
-    @numba.njit(cache=True, nogil=True, inline="always")
-    def _update(row, g, part, dim, kind, params):  # pragma: no cover - compiled
-        """One optimizer step of payload row `row` from summed gradient g (the fused kernels' math)."""
-        if kind == 0:  # sgd
-            lr, wd = np.float32(params[0]), np.float32(params[1])
-            for d in range(dim):
-                row[d] = row[d] - lr * (g[d] + wd * row[d])
-        elif kind == 1:  # adagrad
-            lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
-            for d in range(dim):
-                gd = g[d] + wd * row[d]
-                acc = row[dim + d] + gd * gd
-                row[dim + d] = acc
-                row[d] = row[d] - lr * gd / (np.sqrt(acc) + eps)
-        elif kind == 2:  # rowwise_adagrad
-            lr, eps, wd = np.float32(params[0]), np.float32(params[1]), np.float32(params[2])
-            inv_dim = np.float32(1.0) / np.float32(dim)
-            for d in range(dim):
-                g[d] = g[d] + wd * row[d]
-            sq = _sum_squares(g, dim, part)
-            acc = row[dim] + sq * inv_dim
-            row[dim] = acc
-            mult = lr / (np.sqrt(acc) + eps)
-            for d in range(dim):
-                row[d] = row[d] - mult * g[d]
-        else:  # adam
-            lr, b1, b2 = params[0], params[1], params[2]
-            eps, wd = np.float32(params[3]), np.float32(params[4])
-            one_b1, one_b2 = np.float32(1.0 - b1), np.float32(1.0 - b2)
-            t = row[3 * dim] + np.float32(1.0)
-            row[3 * dim] = t
-            tt = np.float64(t)
-            step = np.float32(lr * np.sqrt(1.0 - b2**tt) / (1.0 - b1**tt))
-            for d in range(dim):
-                gd = g[d] + wd * row[d]
-                m = row[dim + d] + (gd - row[dim + d]) * one_b1
-                v = row[2 * dim + d] + (gd * gd - row[2 * dim + d]) * one_b2
-                row[dim + d] = m
-                row[2 * dim + d] = v
-                row[d] = row[d] - step * (m / (np.sqrt(v) + eps))
 
     @numba.njit(cache=True, nogil=True)
     def backward_kernel(table, slots, work, work_of, u_table, perm, starts, bag_of, bag_out,
@@ -168,7 +114,7 @@ if HAVE_NUMBA:
                 else:
                     for d in range(dim):
                         g[d] += _clipped(gr[d], clip)
-            _update(_row(table, slots, work, work_of, u), g, part, dim, tab_kind[t], tab_params[t])
+            update_row(_row(table, slots, work, work_of, u), g, part, dim, tab_kind[t], tab_params[t])
 
     @numba.njit(cache=True, nogil=True)
     def bag_of_kernel(offsets, out):  # pragma: no cover - compiled
