@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .common import table
+
 PAGE = 4096
 
 
@@ -98,3 +100,32 @@ def random_read_iops(path: Path, depth: int, seconds: float = 2.0, seed: int = 0
 def disk_iops(path: Path, seconds: float = 2.0) -> dict[str, dict]:
     """The disk's random-read IOPS at queue depth 1 and 32 on `path` (a store's data.mdb)."""
     return {f"qd{d}": random_read_iops(path, d, seconds) for d in (1, 32)}
+
+
+def print_cold(records: list[dict], iops: dict[str, list[dict]]) -> None:
+    """The cold regime: rows read below the caches per second against the disk's 4 KiB random
+    read IOPS (queue depth 1 and 32, before and after the blocks), and the step's disk floor."""
+    rows = []
+    for r in records:
+        if r["config"] not in iops or "per_step" not in r:
+            continue
+        qd1 = min(m["qd1"]["iops"] for m in iops[r["config"]])
+        qd32 = min(m["qd32"]["iops"] for m in iops[r["config"]])
+        read = r["per_step"]["rows_read"]
+        floor_ms = 1000 * read / qd32  # one random page a row: the step's reads at QD32
+        r["cold"] = {"rows_read_per_s": read / (r["ms_per_step"] / 1000), "iops_qd1": qd1,
+                     "iops_qd32": qd32, "disk_floor_ms": floor_ms,
+                     "direct": all(m["qd32"]["direct"] for m in iops[r["config"]])}
+        r["cold"]["vs_qd32"] = r["cold"]["rows_read_per_s"] / qd32
+        r["cold"]["vs_floor"] = r["ms_per_step"] / floor_ms if floor_ms else None
+        r["cold"]["reads_ahead_peak"] = r.get("stats", {}).get("prefetch", {}).get("reads_ahead_peak")
+        rows.append({"config": r["config"], "threads": r["threads"], "ms": r["ms_per_step"],
+                     "train_ms": r["per_step"].get("cpu_training_ms", 0.0), **r["cold"]})
+    print("cold regime: files dropped from the page cache before each block; rows read/s against "
+          "the disk's 4 KiB random-read IOPS (same run; the lower of before/after)")
+    print(table(rows, [("config", "config", "s"), ("threads", "thr", "d"), ("ms", "ms/step", ".1f"),
+                       ("train_ms", "train cpu ms", ".1f"), ("rows_read_per_s", "rows read/s", ",.0f"),
+                       ("iops_qd1", "IOPS qd1", ",.0f"), ("iops_qd32", "IOPS qd32", ",.0f"),
+                       ("vs_qd32", "vs qd32", ".2f"), ("disk_floor_ms", "floor ms", ".1f"),
+                       ("vs_floor", "step/floor", ".2f"), ("reads_ahead_peak", "ahead", ""),
+                       ("direct", "O_DIRECT", "")]))

@@ -42,7 +42,7 @@ from torch import nn
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore, _parallel
 from tierstore.prefetch import Prefetcher
 
-from .cold import disk_iops, drop_cache, store_files
+from .cold import disk_iops, drop_cache, print_cold, store_files
 from .common import OUT_DIR, bar_plot, num_threads, save, table, thread_settings
 from .cpu_calls import thread_cpu
 
@@ -209,15 +209,21 @@ class TierstoreRunner(Runner):
 
     cold = False  # --cold: the store's files leave the page cache before each timed block
 
-    def before_block(self) -> None:
-        """With --cold: let the background work finish, then drop the store's files from the
-        page cache (the window already staged for the block's first steps stays warm). The
-        process's own mappings of the file go first: the page cache keeps a page that a
-        process still maps, whatever `posix_fadvise(DONTNEED)` asks."""
-        if self.cold:
-            self.quiesce()
-            self.store.backend.trim_map()
-            drop_cache(store_files(self.path))
+    def before_block(self, i: int) -> int:
+        """With --cold: let the background work finish, drop the store's files from the page
+        cache, then run untimed steps from pool step `i` until the pipeline reads ahead from
+        the disk again (its look-ahead read before the drop would serve the block from memory);
+        returns the steps run. The process's own mappings of the file go first: the page cache
+        keeps a page that a process still maps, whatever `posix_fadvise(DONTNEED)` asks."""
+        if not self.cold:
+            return 0
+        self.quiesce()
+        self.store.backend.trim_map()
+        drop_cache(store_files(self.path))
+        settle = self.pf.depth + self.pf.reads_ahead + 1
+        for k in range(settle):
+            self.step(i + k)
+        return settle
 
     def quiesce(self, timeout: float = 5.0) -> None:
         """Wait until this runner's background work is idle (its window staged, its write-behind
@@ -353,10 +359,10 @@ def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, bloc
             for other in runners:
                 if other is not r and hasattr(other, "quiesce"):
                     other.quiesce()
+            if hasattr(r, "before_block"):
+                pos[id(r)] += r.before_block(pos[id(r)])
             i = pos[id(r)]
             n_ids = sum(wl.ids_per_step(j) for j in range(i, i + steps))
-            if hasattr(r, "before_block"):
-                r.before_block()
             before = r.counters() if hasattr(r, "counters") else None
             _sync()
             t0 = time.perf_counter()
@@ -466,33 +472,6 @@ def add_cache_options(p: argparse.ArgumentParser) -> None:
                         "rows (e.g. 0.025): slots beyond the caches for the staged rows the "
                         "policy refuses (with --policy: needs --split device --policy hlfu); "
                         "default: the store's (automatic without --policy)")
-
-
-def print_cold(records: list[dict], iops: dict[str, list[dict]]) -> None:
-    """The cold regime: rows read below the caches per second against the disk's 4 KiB random
-    read IOPS (queue depth 1 and 32, before and after the blocks), and the step's disk floor."""
-    rows = []
-    for r in records:
-        if r["config"] not in iops or "per_step" not in r:
-            continue
-        qd1 = min(m["qd1"]["iops"] for m in iops[r["config"]])
-        qd32 = min(m["qd32"]["iops"] for m in iops[r["config"]])
-        read = r["per_step"]["rows_read"]
-        floor_ms = 1000 * read / qd32  # one random page a row: the step's reads at QD32
-        r["cold"] = {"rows_read_per_s": read / (r["ms_per_step"] / 1000), "iops_qd1": qd1,
-                     "iops_qd32": qd32, "disk_floor_ms": floor_ms,
-                     "direct": all(m["qd32"]["direct"] for m in iops[r["config"]])}
-        r["cold"]["vs_qd32"] = r["cold"]["rows_read_per_s"] / qd32
-        r["cold"]["vs_floor"] = r["ms_per_step"] / floor_ms if floor_ms else None
-        rows.append({"config": r["config"], "threads": r["threads"], "ms": r["ms_per_step"],
-                     "train_ms": r["per_step"].get("cpu_training_ms", 0.0), **r["cold"]})
-    print("cold regime: files dropped from the page cache before each block; rows read/s against "
-          "the disk's 4 KiB random-read IOPS (same run; the lower of before/after)")
-    print(table(rows, [("config", "config", "s"), ("threads", "thr", "d"), ("ms", "ms/step", ".1f"),
-                       ("train_ms", "train cpu ms", ".1f"), ("rows_read_per_s", "rows read/s", ",.0f"),
-                       ("iops_qd1", "IOPS qd1", ",.0f"), ("iops_qd32", "IOPS qd32", ",.0f"),
-                       ("vs_qd32", "vs qd32", ".2f"), ("disk_floor_ms", "floor ms", ".1f"),
-                       ("vs_floor", "step/floor", ".2f"), ("direct", "O_DIRECT", "")]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,6 +102,11 @@ class PrefetchStats:
     # window stays pinned while this fits the caches (twice over), or the cache plus its
     # staging slots (once, with `staging_capacity`); what to size `staging_capacity` by
     window_rows: int = 0
+    # batches read ahead beyond the one being staged (while reads are cold the pipeline reads
+    # further ahead, within `Prefetcher(read_ahead_bytes=...)`): the most at once, and the most
+    # bytes (ids plus rows read) all batches read ahead held
+    reads_ahead_peak: int = 0
+    read_ahead_bytes_peak: int = 0
 
     def as_dict(self) -> dict:
         """The counters plus the prefetch hit rate (rows resident when their batch ran)."""

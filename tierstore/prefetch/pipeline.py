@@ -6,6 +6,7 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -27,6 +28,11 @@ _END = object()
 DEFAULT_READERS = min(4, CPUS)
 READ_CHUNK = 16384  # rows per reader task: page-cached reads gain nothing from more GIL hand-offs
 CLOSE_TIMEOUT_S = 2.0  # how long close() waits for the staging thread before leaving it (daemon)
+# while reads wait on the disk, batches are read further ahead than the one being staged: up to
+# this many, and within `read_ahead_bytes` (their ids plus the rows read), so the disk's queue
+# never empties between batches. Page-cached reads take less time than staging: one is enough
+READS_AHEAD = 8
+READ_AHEAD_BYTES = 64 << 20
 
 
 def _jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, list[torch.Tensor]]:
@@ -54,6 +60,8 @@ class Prefetcher:
     the GIL), which pulls their pages into the page cache; staging then moves them into the
     caches under the store lock, so a row staged early still reflects every update made before
     its batch runs. Look-ahead policies receive each staged row's next use within the window.
+    While those reads wait on the disk, later batches are read ahead too: up to `reads_ahead`
+    beyond the one being staged, within `read_ahead_bytes` of ids and rows read.
     Use it with `with` or call `close()`; one dropped without either is stopped (threads ended,
     pins released) when it is garbage-collected or when its store closes (docs/reliability.md).
     """
@@ -67,11 +75,14 @@ class Prefetcher:
     def __init__(self, store: TierStore | Any, batches: Iterable[Any], depth: int = 2, *,
                  features: Mapping[str, str] | None = None,
                  extract: Callable[[Any], Any] | None = None, readers: int = DEFAULT_READERS,
+                 reads_ahead: int = READS_AHEAD, read_ahead_bytes: int = READ_AHEAD_BYTES,
                  delay: Callable[[], float] | None = None) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ConfigError(f"depth must be an int >= 0, got {depth!r}")
-        if readers < 1:
-            raise ConfigError(f"readers must be >= 1, got {readers!r}")
+        for name, value, low in (("readers", readers, 1), ("reads_ahead", reads_ahead, 1),
+                                 ("read_ahead_bytes", read_ahead_bytes, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
         if not isinstance(store, TierStore) and hasattr(store, "store") and hasattr(store, "features"):
             # a TieredEmbeddingBagCollection: take its store and feature -> table map
             features = store.features if features is None else features
@@ -80,6 +91,8 @@ class Prefetcher:
             raise ConfigError("Prefetcher needs a TierStore or a TieredEmbeddingBagCollection")
         self.store = store
         self.depth = depth
+        self.reads_ahead = reads_ahead  # batches read ahead at most while reads are cold
+        self.read_ahead_bytes = read_ahead_bytes  # and the memory they may hold
         if features is None:  # feature names the store's collections registered, if any
             features = {f: t for f, t in store.feature_tables.items() if t is not None}
         self.features = dict(features)
@@ -293,6 +306,27 @@ class Prefetcher:
                             ahead=ASK_AHEAD and self._pool.cold)
         return per_table, tabs, since, warm_only, ringed, cold, reads
 
+    def prep_bytes(self, prep: Any) -> int:
+        """Memory a batch read ahead holds: its ids, and its rows once read (buffers, found)."""
+        if isinstance(prep, BaseException):
+            return 0
+        per_table, tabs, _, _, _, cold, _ = prep
+        return sum(8 * u.numel() + cold[t].numel() * (4 * tabs[t].spec.row_dim + 9)
+                   for t, u in per_table.items())
+
+    def keep_ahead(self, pending: deque) -> bool:
+        """Whether to read another batch before staging the oldest of `pending` (read ahead,
+        not staged): one beyond the oldest while reads are page-cached; while they wait on the
+        disk, up to `reads_ahead` until the batches read ahead hold over `read_ahead_bytes` (so
+        they hold at most that plus one batch)."""
+        if len(pending) <= 1:
+            return True
+        held = sum(self.prep_bytes(p[2]) for p in pending)
+        stats = self.store.prefetch_stats
+        stats.reads_ahead_peak = max(stats.reads_ahead_peak, len(pending) - 1)
+        stats.read_ahead_bytes_peak = max(stats.read_ahead_bytes_peak, held)
+        return self._pool.cold and len(pending) <= self.reads_ahead and held <= self.read_ahead_bytes
+
     def finish_batch(self, step: int, prep: tuple) -> None:
         """Phase 2: register the rows read ahead and stage the batch (pins, hints) under the lock."""
         store = self.store
@@ -373,12 +407,14 @@ class Prefetcher:
 def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
          stop: threading.Event, ready: queue.Queue, errbox: list,
          in_source: threading.Event) -> None:
-    """The staging loop. While the window stays cached, one batch deep: take batch i+1 from the
+    """The staging loop. While the window stays cached, read ahead: take batch i+1 from the
     source and start reading its rows, then wait for a window slot, stage batch i and hand it
-    over (reads overlap staging). In warm-only mode a batch is read ahead right before it is
-    handed over, after its window slot: its buffers must outlive the ring's turnover until use."""
+    over (reads overlap staging); while reads wait on the disk, keep several batches read ahead
+    (`Prefetcher.keep_ahead`). In warm-only mode a batch is read ahead right before it is
+    handed over, after its window slot: its buffers must outlive the ring's turnover until use.
+    An error of the source is raised after the batches taken before it."""
     step = -1
-    pending = None  # (step, batch, prep) read ahead, not yet staged
+    pending: deque = deque()  # (step, batch, prep) read ahead, not yet staged, oldest first
 
     def prepare(pf, batch):
         try:
@@ -395,10 +431,13 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
     try:
         while not stop.is_set():
             in_source.set()
+            failed = None
             try:
                 batch = next(source)
             except StopIteration:
                 batch = _END
+            except Exception as exc:  # raised to the consumer after the batches read ahead
+                batch, failed = _END, exc
             finally:
                 in_source.clear()
             pf = ref()
@@ -408,17 +447,19 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
                 ahead = batch is not _END and not pf.warm_only
                 if ahead:
                     step += 1
-                    nxt = (step, batch, prepare(pf, batch))
-                if pending is not None:
+                    pending.append((step, batch, prepare(pf, batch)))
+                # stage the oldest batches read ahead: all of them at the end or before a
+                # warm-only batch, else while the look-ahead holds enough
+                while pending and (not ahead or not pf.keep_ahead(pending)):
                     permits.acquire()
                     if stop.is_set():
                         return
-                    finish(pf, pending)
-                    pending = None
+                    finish(pf, pending.popleft())
+                if failed is not None:
+                    raise failed
                 if batch is _END:
                     return
                 if ahead:
-                    pending = nxt
                     continue
                 step += 1
                 permits.acquire()
