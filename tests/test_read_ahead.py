@@ -77,8 +77,10 @@ def test_the_look_ahead_stays_within_its_memory_budget(tmp_path, always_cold):
         assert mid["read_ahead_bytes_peak"] <= budget + batch_max
 
 
-def test_warm_reads_look_one_batch_ahead(tmp_path):
-    _, stats = _train(tmp_path / "s", steps=20, reads_ahead=8)
+def test_warm_reads_look_one_batch_ahead(tmp_path, monkeypatch):
+    monkeypatch.setattr(reads, "COLD_ROW_S", 1.0)  # no read counts as cold (the test's rows are
+    monkeypatch.setattr(reads, "COLD_STAY_ROW_S", 1.0)  # few: a task's overhead, on a loaded
+    _, stats = _train(tmp_path / "s", steps=20, reads_ahead=8)  # machine, may look like a disk)
     assert stats["cold_read_batches"] == 0 and stats["reads_ahead_peak"] == 1
 
 
