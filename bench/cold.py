@@ -10,6 +10,7 @@ from the page cache first and reads are buffered (`direct` says which).
 
 from __future__ import annotations
 
+import argparse
 import mmap
 import os
 import threading
@@ -129,3 +130,24 @@ def print_cold(records: list[dict], iops: dict[str, list[dict]]) -> None:
                        ("vs_qd32", "vs qd32", ".2f"), ("disk_floor_ms", "floor ms", ".1f"),
                        ("vs_floor", "step/floor", ".2f"), ("reads_ahead_peak", "ahead", ""),
                        ("direct", "O_DIRECT", "")]))
+
+
+def add_cold_options(p: argparse.ArgumentParser) -> None:
+    """bench.training's options of the cold regime and of the pipeline's reads."""
+    p.add_argument("--cold", action="store_true",
+                   help="the cold regime: drop the stores' files from the page cache before each "
+                        "timed block, and measure the disk's 4 KiB random-read IOPS (QD1, QD32)")
+    p.add_argument("--iops-seconds", type=float, default=2.0, help="--cold: seconds per IOPS case")
+    p.add_argument("--reads-ahead", type=int, default=None,
+                   help="Prefetcher(reads_ahead=...): batches read ahead at most while reads are "
+                        "cold (default: the pipeline's)")
+    p.add_argument("--ask-ahead", choices=("on", "off"), default="on",
+                   help="Prefetcher(ask_ahead=...): cold reads ask the disk for all their pages first")
+
+
+def pipeline_options(args: argparse.Namespace) -> dict:
+    """The Prefetcher keyword arguments the options above name."""
+    out: dict = {"ask_ahead": args.ask_ahead == "on"}
+    if args.reads_ahead is not None:
+        out["reads_ahead"] = args.reads_ahead
+    return out

@@ -42,7 +42,7 @@ from torch import nn
 from tierstore import RowWiseAdagrad, TableSpec, TieredEmbeddingBagCollection, TierStore, _parallel
 from tierstore.prefetch import Prefetcher
 
-from .cold import disk_iops, drop_cache, print_cold, store_files
+from .cold import add_cold_options, disk_iops, drop_cache, pipeline_options, print_cold, store_files
 from .common import OUT_DIR, bar_plot, num_threads, save, table, thread_settings
 from .cpu_calls import thread_cpu
 
@@ -108,7 +108,8 @@ class TierstoreRunner(Runner):
     def __init__(self, wl: Workload, name: str, work: Path, frac: float | None, init: str,
                  depth: int = 2, log=print, write_log: int | str | None = None,
                  split: str = "even", policy: str | None = None,
-                 staging: float | None = None, device: str = "cpu", kernels: str = "auto") -> None:
+                 staging: float | None = None, device: str = "cpu", kernels: str = "auto",
+                 pipeline: dict | None = None) -> None:
         self.name, self.wl = name, wl
         self.depth = depth
         total = wl.tables * wl.rows
@@ -148,7 +149,7 @@ class TierstoreRunner(Runner):
         log(f"{name}: setup {self.setup_s:.1f} s", file=sys.stderr, flush=True)
         self.ebc = TieredEmbeddingBagCollection(self.store, wl.names)
         self._next = 0
-        self.pf = Prefetcher(self.ebc, self._batches(), depth=depth)
+        self.pf = Prefetcher(self.ebc, self._batches(), depth=depth, **(pipeline or {}))
 
     def _batches(self):
         """The pool's batches in step order, forever (what the pipeline reads ahead)."""
@@ -424,10 +425,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=2, help="prefetch depth of the tierstore configs")
     add_cache_options(p)
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--cold", action="store_true",
-                   help="the cold regime: drop the stores' files from the page cache before each "
-                        "timed block, and measure the disk's 4 KiB random-read IOPS (QD1, QD32)")
-    p.add_argument("--iops-seconds", type=float, default=2.0, help="--cold: seconds per IOPS case")
+    add_cold_options(p)
     p.add_argument("--quick", action="store_true", help="a short run: 8 x 100k rows, batch 512")
     args = p.parse_args(argv)
     if args.quick:
@@ -507,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                                                depth=args.depth, write_log=args.write_log,
                                                split=args.split, policy=args.policy,
                                                staging=args.staging, device=args.device,
-                                               kernels=args.kernels))
+                                               kernels=args.kernels,
+                                               pipeline=pipeline_options(args)))
             else:
                 raise SystemExit(f"unknown config {name!r}")
         cold_runners = [r for r in runners if isinstance(r, TierstoreRunner) and r.capacity["device"]
@@ -579,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
             "tables": args.tables, "rows": args.rows, "dim": args.dim, "batch": args.batch,
             "max_len": args.max_len, "alpha": args.alpha, "pool": args.pool, "init": args.init,
             "threads": threads, "quick": args.quick, "skipped": skipped, "cold": args.cold,
-            "iops": iops,
+            "iops": iops, "pipeline": pipeline_options(args),
             "targets": {"tierstore_resident vs fbgemm_cpu": 1.0, "tierstore_cache1 vs resident": 0.5}}
     path = save("training", records, meta, out_dir)
     print(f"wrote {path}")

@@ -40,3 +40,14 @@ def test_bench_training_cold_smoke(tmp_path):
     assert cold["rows_read_per_s"] >= 0 and cold["disk_floor_ms"] >= 0
     assert cold["reads_ahead_peak"] >= 1  # the pipeline read ahead
     assert len(data["meta"]["iops"]["tierstore_cache1"]) == 2  # before and after the blocks
+    assert data["meta"]["pipeline"] == {"ask_ahead": True}
+
+
+def test_bench_training_pipeline_options(tmp_path):
+    rc = bench_training.main(["--tables", "1", "--rows", "2000", "--dim", "8", "--batch", "16",
+                              "--pool", "2", "--warmup", "1", "--blocks", "1", "--steps", "1",
+                              "--threads", "1", "--configs", "tierstore_cache1", "--reads-ahead",
+                              "3", "--ask-ahead", "off", "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    meta = json.loads((tmp_path / "training.json").read_text())["meta"]
+    assert meta["pipeline"] == {"ask_ahead": False, "reads_ahead": 3}

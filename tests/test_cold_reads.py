@@ -40,7 +40,7 @@ def test_cold_reads_train_the_same_bits(tmp_path, monkeypatch):
     base, _ = _train(tmp_path / "base", 2, device_capacity=4, host_capacity=8)
     monkeypatch.setattr(reads, "COLD_READERS", 8)  # on (the default is off)
     monkeypatch.setattr(reads, "COLD_ROW_S", 0.0)  # every batch's reads count as cold
-    monkeypatch.setattr(reads, "COLD_STAY_ROW_S", 0.0)  # (and ask the disk ahead: ASK_AHEAD)
+    monkeypatch.setattr(reads, "COLD_STAY_ROW_S", 0.0)  # (and ask the disk ahead: ask_ahead)
     monkeypatch.setattr(reads, "COLD_CPU_SHARE", 10.0)
     monkeypatch.setattr(reads, "COLD_PART_ROWS", 1)
     got, stats = _train(tmp_path / "cold", 2, device_capacity=4, host_capacity=8)

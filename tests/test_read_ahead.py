@@ -49,13 +49,13 @@ def _train(path, steps=30, depth=2, **pf_kw):
 @settings(max_examples=examples(0.15), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ahead=st.integers(1, 12), readers=st.integers(1, 4), depth=st.integers(1, 4),
-       budget=st.sampled_from([0, 1 << 10, 1 << 20]))
+       budget=st.sampled_from([0, 1 << 10, 1 << 20]), ask=st.booleans())
 def test_any_look_ahead_trains_the_same_bits(tmp_path_factory, always_cold, ahead, readers, depth,
-                                              budget):
+                                              budget, ask):
     if "base" not in _BASE:  # the pipeline off: the reference
         _BASE["base"], _ = _train(tmp_path_factory.mktemp("base") / "s", depth=0)
     got, stats = _train(tmp_path_factory.mktemp("t") / "s", depth=depth, reads_ahead=ahead,
-                        readers=readers, read_ahead_bytes=budget)
+                        readers=readers, read_ahead_bytes=budget, ask_ahead=ask)
     assert stats["cold_read_batches"] > 0
     assert 1 <= stats["reads_ahead_peak"] <= ahead
     for k, v in _BASE["base"].items():
@@ -86,7 +86,7 @@ def test_warm_reads_look_one_batch_ahead(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kw", [{"reads_ahead": 0}, {"reads_ahead": True}, {"reads_ahead": 2.0},
                                 {"read_ahead_bytes": -1}, {"read_ahead_bytes": "1M"},
-                                {"readers": 0}])
+                                {"readers": 0}, {"ask_ahead": 1}, {"ask_ahead": None}])
 def test_bad_look_ahead_settings_are_refused(tmp_path, kw):
     with ts.TierStore(tmp_path / "s", _specs(), device_capacity=4, host_capacity=8,
                       device="cpu") as store:

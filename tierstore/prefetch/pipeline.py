@@ -20,7 +20,7 @@ from ..errors import ConfigError, ShapeError, TierstoreError
 from ..index import sorted_unique
 from ..jagged import JaggedBatch, is_keyed_jagged
 from ..store import TierStore
-from .reads import ASK_AHEAD, ReaderPool, StoredReads
+from .reads import ReaderPool, StoredReads
 
 _END = object()
 # reader threads of a pipeline: more than one per CPU only queue for cores. On the 2-core VM, 2
@@ -61,7 +61,8 @@ class Prefetcher:
     caches under the store lock, so a row staged early still reflects every update made before
     its batch runs. Look-ahead policies receive each staged row's next use within the window.
     While those reads wait on the disk, later batches are read ahead too: up to `reads_ahead`
-    beyond the one being staged, within `read_ahead_bytes` of ids and rows read.
+    beyond the one being staged, within `read_ahead_bytes` of ids and rows read, and each read
+    first asks the disk for all its pages at once (`ask_ahead`).
     Use it with `with` or call `close()`; one dropped without either is stopped (threads ended,
     pins released) when it is garbage-collected or when its store closes (docs/reliability.md).
     """
@@ -76,13 +77,15 @@ class Prefetcher:
                  features: Mapping[str, str] | None = None,
                  extract: Callable[[Any], Any] | None = None, readers: int = DEFAULT_READERS,
                  reads_ahead: int = READS_AHEAD, read_ahead_bytes: int = READ_AHEAD_BYTES,
-                 delay: Callable[[], float] | None = None) -> None:
+                 ask_ahead: bool = True, delay: Callable[[], float] | None = None) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ConfigError(f"depth must be an int >= 0, got {depth!r}")
         for name, value, low in (("readers", readers, 1), ("reads_ahead", reads_ahead, 1),
                                  ("read_ahead_bytes", read_ahead_bytes, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(ask_ahead, bool):
+            raise ConfigError(f"ask_ahead must be a bool, got {ask_ahead!r}")
         if not isinstance(store, TierStore) and hasattr(store, "store") and hasattr(store, "features"):
             # a TieredEmbeddingBagCollection: take its store and feature -> table map
             features = store.features if features is None else features
@@ -93,6 +96,9 @@ class Prefetcher:
         self.depth = depth
         self.reads_ahead = reads_ahead  # batches read ahead at most while reads are cold
         self.read_ahead_bytes = read_ahead_bytes  # and the memory they may hold
+        # while reads are cold, each read task first asks the disk for all its rows' pages at
+        # once, in page order (`PageReader.ask_ahead`): one thread keeps a batch of reads in flight
+        self.ask_ahead = ask_ahead
         if features is None:  # feature names the store's collections registered, if any
             features = {f: t for f, t in store.feature_tables.items() if t is not None}
         self.features = dict(features)
@@ -303,7 +309,7 @@ class Prefetcher:
         reads = StoredReads(store, {t: (tabs[t], rows.numpy()) for t, rows in cold.items()},
                             self._pool.submit,
                             self._pool.part_rows(sum(c.numel() for c in cold.values()), READ_CHUNK),
-                            ahead=ASK_AHEAD and self._pool.cold)
+                            ahead=self.ask_ahead and self._pool.cold)
         return per_table, tabs, since, warm_only, ringed, cold, reads
 
     def prep_bytes(self, prep: Any) -> int:

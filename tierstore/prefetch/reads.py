@@ -18,9 +18,6 @@ COLD_CPU_SHARE = 0.5
 # reads asked ahead (below) take less wall time a row than COLD_ROW_S on a fast disk: they stay
 # cold while a row takes more than COLD_STAY_ROW_S and the threads still wait most of the time
 COLD_STAY_ROW_S = 5e-6
-# while reads are cold, each task first asks the disk for all its rows' pages at once, in page
-# order (`PageReader.ask_ahead`): one thread keeps a whole batch of reads in flight
-ASK_AHEAD = True
 # reader threads while reads are cold: enough reads in flight for a disk's queue depth (the
 # page reader and py-lmdb release the GIL while they wait on a page fault). 0: off, the default
 # until an A/B on a quiet machine shows a gain (BENCHMARKS.md: one run 1.56x slower, one faster)
