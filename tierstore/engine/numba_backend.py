@@ -73,6 +73,32 @@ if HAVE_NUMBA:
                 for d in range(dim):
                     acc[d] = acc[d] / cnt
 
+    @numba.njit(cache=True, nogil=True)
+    def sum_kernel(src, slots, inverse, offsets, bag_out, bag_feat, feat_table, feat_col,
+                   feat_mode, tab_dim, out, lo, hi):  # pragma: no cover - compiled
+        """`forward_kernel` for a step of sum and mean bags whose rows are all read from `src`
+        with no per-sample weights: the same float32 sums, in a loop LLVM vectorizes."""
+        n_total = inverse.shape[0]
+        for b in range(lo, hi):
+            f = bag_feat[b]
+            dim = tab_dim[feat_table[f]]
+            col = feat_col[f]
+            acc = out[bag_out[b], col : col + dim]
+            p0, p1 = offsets[b], offsets[b + 1]
+            for d in range(dim):
+                acc[d] = np.float32(0.0)
+            for p in range(p0, p1):
+                q = p + PREFETCH_AHEAD
+                if q < n_total:
+                    prefetch_row(src, slots[inverse[q]])
+                row = src[slots[inverse[p]]]
+                for d in range(dim):
+                    acc[d] += row[d]
+            if feat_mode[f] == 1 and p1 > p0:
+                cnt = np.float32(p1 - p0)
+                for d in range(dim):
+                    acc[d] = acc[d] / cnt
+
     @numba.njit(cache=True, nogil=True, inline="always")
     def _clipped(x, clip):  # pragma: no cover - compiled
         if x > clip:
@@ -117,6 +143,29 @@ if HAVE_NUMBA:
             update_row(_row(table, slots, work, work_of, u), g, part, dim, tab_kind[t], tab_params[t])
 
     @numba.njit(cache=True, nogil=True)
+    def plain_backward_kernel(table, slots, u_table, perm, starts, bag_of, bag_out, bag_feat,
+                              grad_out, feat_col, tab_dim, tab_kind, tab_params, max_dim, lo,
+                              hi):  # pragma: no cover - compiled
+        """`backward_kernel` for a step with no clip, scale or max bag and every row in `table`:
+        the same float32 sums and updates, in loops LLVM vectorizes."""
+        g = np.empty(max_dim, dtype=np.float32)
+        part = np.empty(8, dtype=np.float32)
+        for u in range(lo, hi):
+            nxt = u + PREFETCH_AHEAD
+            if nxt < hi:
+                prefetch_row(table, slots[nxt])
+            t = u_table[u]
+            dim = tab_dim[t]
+            for d in range(dim):
+                g[d] = np.float32(0.0)
+            for k in range(starts[u], starts[u + 1]):
+                b = bag_of[perm[k]]
+                gr = grad_out[bag_out[b], feat_col[bag_feat[b]] : feat_col[bag_feat[b]] + dim]
+                for d in range(dim):
+                    g[d] += gr[d]
+            update_row(table[slots[u]], g, part, dim, tab_kind[t], tab_params[t])
+
+    @numba.njit(cache=True, nogil=True)
     def bag_of_kernel(offsets, out):  # pragma: no cover - compiled
         """out[p] = the bag holding position p (`offsets` has one entry past the last bag)."""
         for b in range(offsets.shape[0] - 1):
@@ -143,15 +192,23 @@ class NumbaBackend:
         self._arrays = tuple(a.numpy() for a in (plan.feat_table, plan.feat_col, plan.feat_mode,
                                                  plan.tab_dim, plan.tab_kind, plan.tab_params,
                                                  plan.tab_clip))
+        self.no_clip = all(t.clip == float("inf") for t in plan.tables)
 
     def forward(self, batch: StepBatch, src: torch.Tensor, slots: torch.Tensor,
                 work: torch.Tensor | None, work_of: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pooled (or per-id) rows [out_rows, out_width] and the max bags' arg-max positions."""
         ft, fc, fm, td = self._arrays[:4]
-        out = torch.zeros((batch.out_rows, batch.out_width), dtype=torch.float32)
+        # pooled: every (feature, sample) bag writes all its columns; unpooled rows may be narrower
+        alloc = torch.empty if self.plan.pooled else torch.zeros
+        out = alloc((batch.out_rows, batch.out_width), dtype=torch.float32)
         argmax = torch.empty((batch.n_bags, self.plan.max_dim) if self.plan.has_max else (0, 0),
                              dtype=torch.int64)
+        if work is None and batch.psw is None and not self.plan.has_max:  # sum and mean bags
+            sargs = (src.numpy(), slots.numpy(), batch.inverse.numpy(), batch.offsets.numpy(),
+                     batch.bag_out.numpy(), batch.bag_feat.numpy(), ft, fc, fm, td, out.numpy())
+            parallel_for(lambda lo, hi: sum_kernel(*sargs, lo, hi), batch.n_bags, POOL_CHUNK)
+            return out, None
         w = _np(work, np.empty((0, 1), dtype=np.float32))
         args = (src.numpy(), slots.numpy(), w, _np(work_of, _I64), batch.inverse.numpy(),
                 batch.offsets.numpy(), batch.bag_out.numpy(), batch.bag_feat.numpy(),
@@ -169,6 +226,12 @@ class NumbaBackend:
         perm, starts = csr_by_group(batch.inverse.numpy(), batch.n_unique)
         bag_of = np.empty(batch.inverse.numel(), dtype=np.int64)
         bag_of_kernel(batch.offsets.numpy(), bag_of)
+        if work is None and scale is None and argmax is None and self.no_clip:
+            pargs = (table.numpy(), slots.numpy(), batch.u_table.numpy(), perm, starts, bag_of,
+                     batch.bag_out.numpy(), batch.bag_feat.numpy(), grad_out.contiguous().numpy(),
+                     fc, td, tk, tp, self.plan.max_dim)
+            parallel_for(lambda a, b: plain_backward_kernel(*pargs, lo + a, lo + b), hi - lo)
+            return
         w = _np(work, np.empty((0, 1), dtype=np.float32))
         args = (table.numpy(), slots.numpy(), w, _np(work_of, _I64), batch.u_table.numpy(), perm,
                 starts, bag_of, batch.bag_out.numpy(), batch.bag_feat.numpy(),

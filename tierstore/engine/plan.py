@@ -155,6 +155,7 @@ class Plan:
         self.tab_state = torch.tensor([t.state for t in self.tables], dtype=torch.int64)
         self.tab_params = torch.tensor([t.params for t in self.tables], dtype=torch.float64)
         self.tab_clip = torch.tensor([t.clip for t in self.tables], dtype=torch.float32)
+        self._bag_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def step(self, inverse: Sequence[torch.Tensor], n_unique: Sequence[int],
              lengths: torch.Tensor, psw: torch.Tensor | None = None) -> StepBatch:
@@ -168,32 +169,43 @@ class Plan:
         starts = [0]
         for n in n_unique:
             starts.append(starts[-1] + int(n))
-        base = torch.tensor(starts[:-1], dtype=torch.int64)
-        sizes = torch.tensor([int(i.numel()) for i in inverse], dtype=torch.int64)
-        feat_of_pos = torch.repeat_interleave(self.feat_table, sizes)
-        inv = torch.cat([i.to("cpu", torch.int64) for i in inverse]) if inverse else \
-            torch.empty(0, dtype=torch.int64)
-        inv = inv + base.index_select(0, feat_of_pos)
-        n = inv.numel()
+        counts = [int(i.numel()) for i in inverse]
+        n = sum(counts)
+        inv = torch.empty(n, dtype=torch.int64)
+        at = 0
+        for f, i in enumerate(inverse):  # each feature's indexes, shifted to its table's rows
+            torch.add(i.to("cpu", torch.int64), starts[self.features[f].table],
+                      out=inv[at : at + counts[f]])
+            at += counts[f]
         if self.pooled:
             nf = len(self.features)
             lengths = lengths.to("cpu", torch.int64)
             batch = lengths.numel() // nf if nf else 0
             offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
             torch.cumsum(lengths, 0, out=offsets[1:])
-            bag_out = torch.arange(batch, dtype=torch.int64).repeat(nf)
-            bag_feat = torch.arange(nf, dtype=torch.int64).repeat_interleave(batch)
+            bag_out, bag_feat = self._bags(nf, batch)
             out_rows = batch
         else:
             offsets = torch.arange(n + 1, dtype=torch.int64)
             bag_out = torch.arange(n, dtype=torch.int64)
-            bag_feat = torch.repeat_interleave(torch.arange(len(self.features)), sizes)
+            bag_feat = torch.repeat_interleave(torch.arange(len(self.features)),
+                                               torch.tensor(counts, dtype=torch.int64))
             out_rows = n
-        u_table = torch.repeat_interleave(torch.arange(len(self.tables)),
-                                          torch.tensor([int(x) for x in n_unique], dtype=torch.int64))
+        u_table = torch.empty(starts[-1], dtype=torch.int64)
+        for t in range(len(self.tables)):
+            u_table[starts[t] : starts[t + 1]] = t
         w = None if psw is None else psw.detach().to("cpu", torch.float32).reshape(-1).contiguous()
         return StepBatch(inv, offsets, bag_out, bag_feat, w, u_table, tuple(starts), out_rows,
                          self.out_width)
+
+    def _bags(self, nf: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each pooled bag's output row and feature (read-only; kept for the latest batch size)."""
+        got = self._bag_cache
+        if got is None or got[0] != batch:
+            got = (batch, torch.arange(batch, dtype=torch.int64).repeat(nf),
+                   torch.arange(nf, dtype=torch.int64).repeat_interleave(batch))
+            self._bag_cache = got
+        return got[1], got[2]
 
     def scale(self, batch: StepBatch) -> torch.Tensor | None:
         """Per-position gradient scale: 1/len for mean bags (float32, as the fused path), times
