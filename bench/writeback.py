@@ -165,18 +165,20 @@ def writer_case(store: TierStore, name: str, n: int, batch: int, alpha: float | 
     tables, rows = len(store.tables), next(iter(store.tables.values())).spec.num_rows
     log = store.log
     appended0, merged0 = log.rows_appended, log.rows_merged
-    done, t = 0, 0.0
+    done, t, cpu = 0, 0.0, 0.0
     while done < n:
         tabs = rng.integers(0, tables, batch)
         ids = (rng.zipf(alpha, batch) - 1) % rows if alpha else rng.integers(0, rows, batch)
         _, first = np.unique(tabs * rows + ids, return_index=True)
         tabs, ids = tabs[first], ids[first]
         pay = rng.standard_normal((len(ids), store.width), dtype=np.float32)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()  # every thread: the sink and the merger
         store._write_rows(tabs, ids, pay)
         t += time.perf_counter() - t0
+        cpu += time.process_time() - c0
         done += len(ids)
     return {"case": name, "rows": done, "rows_per_s": _rate(done, t),
+            "cpu_us_per_row": cpu / max(done, 1) * 1e6, "rows_per_cpu_s": _rate(done, cpu),
             "appended": log.rows_appended - appended0, "merged": log.rows_merged - merged0}
 
 
@@ -254,50 +256,58 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
     def fresh():
         return env.open_db(f"r{next(names)}".encode())
 
-    def write(ids: np.ndarray) -> tuple[object, float]:  # a run of sorted distinct ids
+    cpu = {"base": 0.0, "runs": 0.0, "merges": 0.0, "get": 0.0}
+
+    def write(ids: np.ndarray, what: str) -> tuple[object, float]:  # a run of sorted distinct ids
         db, sec = fresh(), 0.0
         writer = runs.RunWriter(env, db, rb)
         for lo in range(0, len(ids), piece):
             part = ids[lo : lo + piece]
             pay = rng.standard_normal((len(part), w), dtype=np.float32)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             writer.add(part, seal(part, pay))
             sec += time.perf_counter() - t0
-        t0 = time.perf_counter()
+            cpu[what] += time.process_time() - c0
+        t0, c0 = time.perf_counter(), time.process_time()
         writer.finish()
+        cpu[what] += time.process_time() - c0
         return db, sec + time.perf_counter() - t0
 
-    base, base_s = write(np.arange(table_rows, dtype=np.int64))
+    base, base_s = write(np.arange(table_rows, dtype=np.int64), "base")
     run_s = merge_s = get_s = 0.0
     fed = got = 0
     for c in range(cycles):
         levels = []
         for _ in range(k):
             draw = rng.integers(0, table_rows, run_rows)
-            t0 = time.perf_counter()
-            ids = np.unique(draw)  # the log merge's sort (it keeps each key's newest version)
+            t0, c0 = time.perf_counter(), time.process_time()
+            ids = np.sort(draw)  # the log merge's sort (it keeps each key's newest version)
+            ids = ids[np.append(True, ids[1:] != ids[:-1])]
             run_s += time.perf_counter() - t0
-            db, sec = write(ids)
+            cpu["runs"] += time.process_time() - c0
+            db, sec = write(ids, "runs")
             run_s += sec
             fed += run_rows
             levels.insert(0, db)
         sources = [runs.SortedRun(env, db, "t", w) for db in levels + [base]]
         if c == cycles - 1 and get_rows:  # reads through k runs, newest first, then the base
             ids = np.sort(rng.choice(table_rows, get_rows, replace=False))
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             found = np.zeros(len(ids), dtype=bool)
             for src in sources:
                 todo = np.flatnonzero(~found)
                 _, hit = src.get(ids[todo])
                 found[todo[hit]] = True
             get_s, got = time.perf_counter() - t0, len(ids)
-        t0 = time.perf_counter()
+            cpu["get"] = time.process_time() - c0
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fresh()
         runs.merge_runs(sources, runs.RunWriter(env, out, rb), free=True)
         with env.begin(write=True) as txn:  # the emptied sources' databases go
             for src in sources:
                 txn.drop(src.db, delete=True)
         merge_s += time.perf_counter() - t0
+        cpu["merges"] += time.process_time() - c0
         base = out
     with env.begin(db=base) as txn:
         st = txn.stat(base)
@@ -309,14 +319,21 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
     shutil.rmtree(work / "lsm", ignore_errors=True)
     raw = table_rows * 4 * w
     geo = {"table_rows": table_rows, "run_rows": run_rows, "runs_a_merge": k, "cycles": cycles}
+    def us(what: str, rows: int) -> float:
+        return cpu[what] / max(rows, 1) * 1e6
+
+    steady = cpu["runs"] + cpu["merges"]
     return [{"case": "lsm_base_write", "rows": table_rows, "rows_per_s": _rate(table_rows, base_s),
-             **geo},
-            {"case": "lsm_runs", "rows": fed, "rows_per_s": _rate(fed, run_s), **geo},
-            {"case": "lsm_merges", "rows": fed, "rows_per_s": _rate(fed, merge_s), **geo,
-             "base_chunks": chunks},
-            {"case": "lsm_steady", "rows": fed, "rows_per_s": _rate(fed, run_s + merge_s), **geo,
-             "disk_peak_over_raw": peak / raw, "disk_after_over_raw": used / raw},
-            {"case": "lsm_get", "rows": got, "rows_per_s": _rate(got, get_s), **geo}]
+             "cpu_us_per_row": us("base", table_rows), **geo},
+            {"case": "lsm_runs", "rows": fed, "rows_per_s": _rate(fed, run_s),
+             "cpu_us_per_row": us("runs", fed), **geo},
+            {"case": "lsm_merges", "rows": fed, "rows_per_s": _rate(fed, merge_s),
+             "cpu_us_per_row": us("merges", fed), **geo, "base_chunks": chunks},
+            {"case": "lsm_steady", "rows": fed, "rows_per_s": _rate(fed, run_s + merge_s),
+             "cpu_us_per_row": steady / max(fed, 1) * 1e6, "rows_per_cpu_s": _rate(fed, steady),
+             **geo, "disk_peak_over_raw": peak / raw, "disk_after_over_raw": used / raw},
+            {"case": "lsm_get", "rows": got, "rows_per_s": _rate(got, get_s),
+             "cpu_us_per_row": us("get", got), **geo}]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -384,8 +401,11 @@ def main(argv: list[str] | None = None) -> int:
             append = next(r["rows_per_s"] for r in recs if r["case"] == "log_append")
             steady = next(r["rows_per_s"] for r in lsm if r["case"] == "lsm_steady")
             # the log's append and the LMDB-free merge side, one after the other on one core
+            cpu = next(r["cpu_us_per_row"] for r in recs if r["case"] == "log_append") + \
+                next(r["cpu_us_per_row"] for r in lsm if r["case"] == "lsm_steady")
             lsm.append({"case": "lsm_end_to_end", "rows": lsm[1]["rows"],
-                        "rows_per_s": 1 / (1 / append + 1 / steady), "projected": True})
+                        "rows_per_s": 1 / (1 / append + 1 / steady), "projected": True,
+                        "cpu_us_per_row": cpu, "rows_per_cpu_s": 1e6 / cpu})
             recs += lsm
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -407,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("merged", "merged", ",d"), ("rows_per_leaf", "rows/leaf", ".2f"),
                        ("cpu_us_per_row", "cpu us/row", ".2f"), ("pages_per_row", "pages/row", ".3f"),
                        ("model_pages", "model pages", ",.0f"), ("pages_written", "pages", ",.0f"),
+                       ("rows_per_cpu_s", "rows/cpu-s", ",.0f"),
                        ("disk_peak_over_raw", "disk peak x raw", ".2f"),
                        ("disk_after_over_raw", "base x raw", ".2f")]))
     meta = {"bench": "writeback", "argv": sys.argv[1:] if argv is None else argv, "tables": args.tables,

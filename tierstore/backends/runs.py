@@ -35,15 +35,6 @@ CHUNK_ROWS = 4096  # rows a value: ~1.1 MB of 272-byte records, a few hundred ov
 TXN_CHUNKS = 64  # chunks a write transaction (~70 MB of 272-byte rows: the heap copies it holds)
 
 
-def chunk_value(ids: np.ndarray, records: np.ndarray) -> bytes:
-    """One chunk's value: ids int64 [k] (increasing) and their records uint8 [k, record bytes]."""
-    head = np.zeros(4, dtype=np.uint32)
-    head[0] = np.frombuffer(RUN_MAGIC, dtype=np.uint32)[0]
-    keys = np.ascontiguousarray(ids, dtype="<i8").tobytes()
-    head[1], head[2], head[3] = records.shape[1], len(ids), zlib.crc32(keys)
-    return b"".join((head.tobytes(), keys, np.ascontiguousarray(records).tobytes()))
-
-
 def parse_chunk(val, first: int, record_bytes: int, where: str) -> tuple[np.ndarray, np.ndarray]:
     """A chunk's (ids int64 [k], records uint8 [k, record bytes]) as views of `val`, checked
     against its header, its key `first` and its id order (a damaged chunk is a StoreCorruptError)."""
@@ -77,10 +68,9 @@ class RunWriter:
         self.txn_chunks = max(1, int(txn_chunks))
         self.rows = self.chunks = self.bytes = 0
         self._last = -1  # the last id added
-        self._ids: list[np.ndarray] = []
-        self._recs: list[np.ndarray] = []
-        self._held = 0  # rows buffered, not yet in a chunk
-        self._ready: list[tuple[bytes, bytes]] = []  # chunks not yet committed
+        self._open: np.ndarray | None = None  # the chunk being filled (a whole value's bytes)
+        self._fill = 0  # its rows
+        self._ready: list[tuple[bytes, memoryview]] = []  # chunks not yet committed
         self._ready_last = -1  # the last id of those chunks
         # called inside each commit's write transaction with the last id it makes durable
         self.before_commit: Callable[[lmdb.Transaction, int], None] | None = None
@@ -91,8 +81,8 @@ class RunWriter:
         return self._last
 
     def add(self, ids: np.ndarray, records: np.ndarray) -> None:
-        """Buffer rows: ids int64 [n], increasing and above every id added before; records uint8
-        [n, record bytes]. Full chunks go to disk in transactions of `txn_chunks`."""
+        """Copy rows into chunks: ids int64 [n], increasing and above every id added before;
+        records uint8 [n, record bytes]. Full chunks go to disk in transactions of `txn_chunks`."""
         ids = np.asarray(ids, dtype=np.int64)
         if records.ndim != 2 or records.shape != (len(ids), self.record_bytes):
             raise TierstoreError(f"a run's records are [n, {self.record_bytes}] bytes, got "
@@ -103,31 +93,42 @@ class RunWriter:
                 (len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1]))):
             raise TierstoreError("a run's ids must be non-negative, increasing and above those added")
         self._last = int(ids[-1])
-        self._ids.append(ids)
-        self._recs.append(records)
-        self._held += len(ids)
-        if self._held >= CHUNK_ROWS:
-            self._cut(final=False)
+        rows, rb, lo = CHUNK_ROWS, self.record_bytes, 0
+        while lo < len(ids):  # one copy of each row, straight into its chunk's value
+            if self._open is None:
+                self._open, self._fill = np.empty(HEADER + rows * (8 + rb), dtype=np.uint8), 0
+            take = min(rows - self._fill, len(ids) - lo)
+            at = self._fill
+            self._open[HEADER : HEADER + 8 * rows].view("<i8")[at : at + take] = ids[lo : lo + take]
+            self._open[HEADER + 8 * rows :].reshape(rows, rb)[at : at + take] = records[lo : lo + take]
+            self._fill += take
+            lo += take
+            if self._fill == rows:
+                self._seal()
 
     def finish(self) -> int:
         """Write what is buffered; returns the rows of the run."""
-        self._cut(final=True)
+        if self._open is not None and self._fill:
+            self._seal()
         self._commit()
         return self.rows
 
-    def _cut(self, final: bool) -> None:
-        if not self._held:
-            return
-        ids = np.concatenate(self._ids) if len(self._ids) > 1 else self._ids[0]
-        recs = np.concatenate(self._recs) if len(self._recs) > 1 else self._recs[0]
-        whole = len(ids) if final else len(ids) // CHUNK_ROWS * CHUNK_ROWS
-        for lo in range(0, whole, CHUNK_ROWS):
-            hi = min(lo + CHUNK_ROWS, whole)
-            self._ready.append((encode_keys(ids[lo : lo + 1])[0], chunk_value(ids[lo:hi], recs[lo:hi])))
-            self._ready_last = int(ids[hi - 1])
-            self.rows += hi - lo
-        self._ids, self._recs = ([ids[whole:]], [recs[whole:]]) if whole < len(ids) else ([], [])
-        self._held = len(ids) - whole
+    def _seal(self) -> None:
+        """Close the open chunk: its header, and its records moved up behind its ids when short."""
+        buf, k, rows, rb = self._open, self._fill, CHUNK_ROWS, self.record_bytes
+        if k < rows:
+            recs = buf[HEADER + 8 * rows : HEADER + 8 * rows + k * rb].copy()
+            buf = buf[: HEADER + k * (8 + rb)]
+            buf[HEADER + 8 * k :] = recs
+        ids = buf[HEADER : HEADER + 8 * k]
+        head = buf[:HEADER].view(np.uint32)
+        head[0] = np.frombuffer(RUN_MAGIC, dtype=np.uint32)[0]
+        head[1], head[2], head[3] = rb, k, zlib.crc32(ids)
+        first = ids[:8].view("<i8")
+        self._ready.append((encode_keys(first)[0], memoryview(buf)))
+        self._ready_last = int(ids[-8:].view("<i8")[0])
+        self.rows += k
+        self._open, self._fill = None, 0
         if len(self._ready) >= self.txn_chunks:
             self._commit()
 
@@ -237,21 +238,19 @@ def merge_runs(sources: list[SortedRun], writer: RunWriter, free: bool = False) 
         if not live:
             break
         bound = min(int(bufs[i][1][-1]) for i in live)
-        ids_parts, rec_parts, src_parts = [], [], []
+        ids_parts, rec_parts = [], []
         for i in live:
             key, ids, recs = bufs[i]
             cut = int(np.searchsorted(ids, bound, side="right"))
             ids_parts.append(ids[:cut])
             rec_parts.append(recs[:cut])
-            src_parts.append(np.full(cut, i, dtype=np.int32))
             if cut == len(ids):
                 done.append((sources[i].db, key, int(ids[-1])))
                 bufs[i] = next(its[i], None)
             else:
                 bufs[i] = (key, ids[cut:], recs[cut:])
-        ids = np.concatenate(ids_parts)
-        src = np.concatenate(src_parts)
-        order = np.lexsort((src, ids))  # by id, the newest source first
+        ids = np.concatenate(ids_parts)  # sources newest first: a stable sort keeps that order
+        order = np.argsort(ids, kind="stable")  # (k sorted runs: timsort merges them)
         ids = ids[order]
         keep = np.ones(len(ids), dtype=bool)
         keep[1:] = ids[1:] != ids[:-1]
