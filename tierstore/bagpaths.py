@@ -11,6 +11,7 @@ import torch
 import tierstore.admission as _adm
 import tierstore.cascade as _cas
 
+from .errors import InvalidGradientError
 from .fused import BatchUpdate, bag_positions
 from .gathered import Gathered as Gathered  # re-exported
 from .index import dedup, sort_unique
@@ -108,9 +109,25 @@ class BagPaths:
         # the rows as read: the backward updates a copy of them while the table has no write
         return Gathered(uniq, inv, weights, None, dev.generation, payload=payload, writes=tab.writes)
 
+    def defers_checks(self, gs: Sequence[Gathered]) -> bool:
+        """Whether a step's gradient check is left to the device: a batch staged on the sets
+        cache (every table pinned), whose lock-free update reads nothing back to the host."""
+        return self.device_cache == "sets" and all(g.pinned for g in gs)
+
+    def raise_deferred(self) -> None:
+        """Raise `InvalidGradientError` if a staged step's deferred gradient check failed (its
+        update was discarded, its rows left as they were); reads the flags back (a sync)."""
+        flags = []
+        while self.deferred_checks:
+            flags.append(self.deferred_checks.popleft())
+        if flags and not bool(torch.stack(flags).all()):
+            raise InvalidGradientError("a staged step's output gradient held NaN/Inf values; "
+                                       "its update was discarded (nothing changed)")
+
     def step_backward(self, items: Sequence[tuple[str, Gathered]],
                       update: Callable[[torch.Tensor, torch.Tensor | None,
-                                        list[tuple[torch.Tensor | None, int]]], None]) -> None:
+                                        list[tuple[torch.Tensor | None, int]]], None],
+                      finite: torch.Tensor | None = None) -> None:
         """A training step's update over several tables, after `step_forward`: one engine call.
 
         `update(table, slots, salts)` runs the engine's backward+update in place on
@@ -119,17 +136,22 @@ class BagPaths:
         device slots the forward found, it updates the device slab (without the store lock for
         a pinned batch). Otherwise it updates a payload gathered by unique row (reused from the
         forward when the table had no write since), which the cascade then writes back where
-        the rows are (`Assign`); rows not admitted are left as they were.
+        the rows are (`Assign`); rows not admitted are left as they were. `finite` (a device
+        bool, `defers_checks`): whether the gradient is finite, checked without a sync on the
+        lock-free path (an update it refuses is undone, `raise_deferred` reports it), at once on
+        the locked one.
         """
         tabs = [self.table_record(t) for t, _ in items]
         gs = [g for _, g in items]
         if all(g.pinned for g in gs) and self._begin_unlocked():
             try:
                 if self._in_place(tabs, gs):
-                    self._update_in_place(tabs, gs, update)
+                    self._update_in_place(tabs, gs, update, finite)
                     return
             finally:
                 self._end_unlocked()
+        if finite is not None and not bool(finite):
+            raise InvalidGradientError("the output gradient holds NaN/Inf values; nothing was updated")
         with self.exclusive():
             self.check_live()
             tabs = [self.table_record(t) for t, _ in items]
@@ -154,13 +176,20 @@ class BagPaths:
                 for tab, g in zip(tabs, gs)]
 
     def _update_in_place(self, tabs: list[_Table], gs: list[Gathered],
-                         update: Callable[..., None]) -> None:
+                         update: Callable[..., None], finite: torch.Tensor | None = None) -> None:
+        """The engine's update in the device slab; with `finite`, undone (sync-free) unless it holds."""
         dev = self.device_tier
+        if finite is not None:  # the rows as they were, to put back if the gradient was not finite
+            slots = torch.cat([g.slots for g in gs])
+            before = dev.slab.index_select(0, slots)
         update(dev.slab, None, self._salts(tabs, gs))
         for tab, g in zip(tabs, gs):
             if g.slots.numel():
                 self._stamp(tab, dev.slab, g.slots)
                 dev.dirty[g.slots] = True
+        if finite is not None:
+            dev.slab.index_copy_(0, slots, torch.where(finite, dev.slab.index_select(0, slots), before))
+            self.deferred_checks.append(finite)
 
     def _update_gathered(self, tabs: list[_Table], gs: list[Gathered],
                          update: Callable[..., None]) -> None:

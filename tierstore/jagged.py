@@ -78,7 +78,8 @@ class JaggedBatch:
                 raise ShapeError("give lengths or offsets")
             lengths = torch.diff(offsets.to("cpu", torch.int64))
         lengths = lengths.to("cpu", torch.int64).reshape(-1)
-        if bool((lengths < 0).any()) or int(lengths.sum()) != values.numel():
+        lens = lengths.numpy()  # host-side metadata, read without a torch scalar read
+        if (lens < 0).any() or int(lens.sum()) != values.numel():
             raise ShapeError("lengths must be >= 0 and sum to len(values)")
         if weights is not None and weights.shape != values.shape:
             raise ShapeError("weights must have the same shape as values")

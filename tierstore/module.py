@@ -242,8 +242,7 @@ class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
         if weights is not None and self.mode != "sum":
             raise ConfigError("weights are only supported with mode='sum'")
         batch = lengths.numel() // len(keys)
-        starts = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-        torch.cumsum(lengths, 0, out=starts[1:])
+        starts = [0, *lengths.numpy().cumsum().tolist()]  # host-side metadata (CPU lengths)
         kpos = {k: i for i, k in enumerate(keys)}
         ids, lens, wparts = [], [], []
         for f in self.feature_names:  # the plan's order: one engine step for every feature

@@ -119,8 +119,10 @@ class PinnedSteps:
 
     def _pinnable(self, tabs: list[_Table]) -> bool:
         """Whether a step over these tables may read the pipeline's pinned rows lock-free (not
-        while recording a trace or with admission: both count under the lock)."""
-        return (self.device_tier.device.type == "cpu" and self._recorder is None
+        while recording a trace or with admission: both count under the lock). A CUDA device
+        tier reads them so only as the sets cache (its pins and slots need no host reads)."""
+        return ((self.device_tier.device.type == "cpu" or self.device_cache == "sets")
+                and self._recorder is None
                 and not any(tab.spec.name in self._admission for tab in tabs))
 
     def _pinned_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered | None:
@@ -129,12 +131,13 @@ class PinnedSteps:
         dev = self.device_tier
         if ids.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64)
-            return Gathered(empty, empty, torch.empty(0, tab.spec.dim), empty, dev.pin_epoch,
-                            pinned=True)
-        uniq, inv = dedup(ids)
+            return Gathered(empty, empty, torch.empty(0, tab.spec.dim), empty.to(dev.device),
+                            dev.pin_epoch, pinned=True)
+        uniq, inv = dedup(ids)  # the ids are host-side (validated there): no device sync
         dslots = self._pinned_slots(tab, uniq)
         if dslots is None:
             return None
+        dslots = dslots.to(dev.device, non_blocking=True)  # a copy to the device, not from it
         return Gathered(uniq, inv, torch.empty(0, tab.spec.dim), dslots, dev.pin_epoch, pinned=True)
 
     # staging (called by tierstore.prefetch with the store lock held) ---------------------

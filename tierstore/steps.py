@@ -44,9 +44,9 @@ class EngineStep(torch.autograd.Function):
                     inverse[f] = part
             batch = plan.step(inverse, [g.unique.numel() for g in gs], lengths, weights_w)
             batch = batch.to(slab.device)
-            slots = torch.cat([g.slots if w is None else
+            slots = torch.cat([g.slots.to(slab.device, non_blocking=True) if w is None else
                                torch.zeros(g.unique.numel(), dtype=torch.int64, device=slab.device)
-                               for g, w in zip(gs, weights)]).to(slab.device)
+                               for g, w in zip(gs, weights)])
             out, fwd = engine.forward(batch, slab, slots, weights)
             rows = None
             if need_rows:  # each table's rows [u, dim], for the weights' gradient
@@ -66,13 +66,16 @@ class EngineStep(torch.autograd.Function):
         store, engine, names, gs, fwd, batch, slots, rows = ctx.state
         ctx.state = None
         grad = grad_out.detach().to(device=slots.device, dtype=torch.float32).contiguous()
-        if grad.numel() and not validate.all_finite(grad):
+        # a staged step on the sets cache checks on the device (no sync): `raise_deferred`
+        deferred = bool(grad.numel()) and store.defers_checks(gs)
+        if grad.numel() and not deferred and not validate.all_finite(grad):
             raise InvalidGradientError("the output gradient holds NaN/Inf values; nothing was updated")
         if psw is not None and psw.numel() and not validate.all_finite(psw.detach().float()):
             raise InvalidGradientError("per_sample_weights hold NaN/Inf; nothing was updated")
         store.step_backward(list(zip(names, gs)),
                             lambda table, at, salts: engine.backward(
-                                batch, fwd, grad, table, slots if at is None else at, salts=salts))
+                                batch, fwd, grad, table, slots if at is None else at, salts=salts),
+                            finite=torch.isfinite(grad).all() if deferred else None)
         g_psw = None
         if rows is not None:
             g_psw = _weights_grad(engine.plan, batch, fwd, grad, rows).to(psw.device)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import launching
+
 BLOCK = 64  # keys a lookup program compares at once
 
 
@@ -60,7 +62,9 @@ def lookup(table: torch.Tensor, keys: torch.Tensor, sets: int, ways: int) -> tor
     out = torch.empty_like(keys)
     n = keys.numel()
     if n:
-        _lookup_kernel[(triton.cdiv(n, BLOCK),)](table, keys, out, n, sets, WAYS=ways, BLOCK_N=BLOCK)
+        with launching():
+            _lookup_kernel[(triton.cdiv(n, BLOCK),)](table, keys, out, n, sets, WAYS=ways,
+                                                     BLOCK_N=BLOCK)
     return out
 
 
@@ -71,5 +75,6 @@ def choose(table: torch.Tensor, stamp: torch.Tensor, lock: torch.Tensor, keys: t
     out = torch.empty_like(keys)
     n = keys.numel()
     if n:
-        _choose_kernel[(n,)](table, stamp, lock, keys, rank.contiguous(), out, sets, WAYS=ways)
+        with launching():
+            _choose_kernel[(n,)](table, stamp, lock, keys, rank.contiguous(), out, sets, WAYS=ways)
     return out

@@ -103,9 +103,12 @@ class StepBatch:
         """The same batch with its tensors on `device`."""
         if self.inverse.device == device:
             return self
-        return StepBatch(self.inverse.to(device), self.offsets.to(device), self.bag_out.to(device),
-                         self.bag_feat.to(device), None if self.psw is None else self.psw.to(device),
-                         self.u_table.to(device), self.u_start, self.out_rows, self.out_width)
+        nb = True  # host-to-device copies the step does not wait for (no sync)
+        return StepBatch(self.inverse.to(device, non_blocking=nb), self.offsets.to(device, non_blocking=nb),
+                         self.bag_out.to(device, non_blocking=nb), self.bag_feat.to(device, non_blocking=nb),
+                         None if self.psw is None else self.psw.to(device, non_blocking=nb),
+                         self.u_table.to(device, non_blocking=nb), self.u_start, self.out_rows,
+                         self.out_width)
 
     @property
     def n_unique(self) -> int:

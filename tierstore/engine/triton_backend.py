@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import launching
 from .plan import Plan, StepBatch
 
 
@@ -197,13 +198,14 @@ class TritonBackend:
         dummy_i = torch.zeros(1, dtype=torch.int64, device=dev)
         wk = work if work is not None else dummy_f.view(1, 1)
         if batch.n_bags:
-            _forward_kernel[(batch.n_bags,)](
-                src, src.stride(0), slots, wk, wk.stride(0),
-                work_of if work_of is not None else dummy_i, batch.inverse, batch.offsets,
-                batch.bag_out, batch.bag_feat, batch.psw if batch.psw is not None else dummy_f,
-                ft, fc, fm, td, out, out.stride(0), argmax, argmax.stride(0),
-                HAS_WORK=work is not None, HAS_PSW=batch.psw is not None, HAS_MAX=has_max,
-                BLOCK_D=_pow2(self.plan.max_dim), enable_fp_fusion=False)
+            with launching():
+                _forward_kernel[(batch.n_bags,)](
+                    src, src.stride(0), slots, wk, wk.stride(0),
+                    work_of if work_of is not None else dummy_i, batch.inverse, batch.offsets,
+                    batch.bag_out, batch.bag_feat, batch.psw if batch.psw is not None else dummy_f,
+                    ft, fc, fm, td, out, out.stride(0), argmax, argmax.stride(0),
+                    HAS_WORK=work is not None, HAS_PSW=batch.psw is not None, HAS_MAX=has_max,
+                    BLOCK_D=_pow2(self.plan.max_dim), enable_fp_fusion=False)
         return out, (argmax if has_max else None)
 
     def csr(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -254,11 +256,12 @@ class TritonBackend:
         am = argmax if argmax is not None else dummy_i.view(1, 1)
         grad_out = grad_out.contiguous()
         step = self.adam_steps(batch, table, slots, work, work_of, lo, hi)
-        _backward_kernel[(hi - lo,)](
-            table, table.stride(0), slots, wk, wk.stride(0),
-            work_of if work_of is not None else dummy_i, batch.u_table, perm, starts, bag_of,
-            batch.bag_out, batch.bag_feat, grad_out, grad_out.stride(0),
-            scale if scale is not None else dummy_f, am, am.stride(0), fc, fm, td, tk, tp, tc,
-            step, lo, HAS_WORK=work is not None, HAS_SCALE=scale is not None,
-            HAS_MAX=argmax is not None, NCH=max(1, _pow2(self.plan.max_dim) // 8),
-            enable_fp_fusion=False)
+        with launching():
+            _backward_kernel[(hi - lo,)](
+                table, table.stride(0), slots, wk, wk.stride(0),
+                work_of if work_of is not None else dummy_i, batch.u_table, perm, starts, bag_of,
+                batch.bag_out, batch.bag_feat, grad_out, grad_out.stride(0),
+                scale if scale is not None else dummy_f, am, am.stride(0), fc, fm, td, tk, tp, tc,
+                step, lo, HAS_WORK=work is not None, HAS_SCALE=scale is not None,
+                HAS_MAX=argmax is not None, NCH=max(1, _pow2(self.plan.max_dim) // 8),
+                enable_fp_fusion=False)

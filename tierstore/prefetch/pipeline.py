@@ -147,6 +147,7 @@ class Prefetcher:
         if self._closed:
             raise StopIteration
         self._release(self._consumed)
+        self.store.raise_deferred()  # a staged step's gradient check left to the device
         if self.depth == 0:
             try:
                 batch = next(self._source)

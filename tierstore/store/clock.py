@@ -54,7 +54,8 @@ class StoreClock:
         """Record the clock as the last-update stamp of updated rows `target[slots]` (and count
         the update in the table's `writes`)."""
         tab.writes += 1
-        target[:, tab.spec.stamp_col].index_fill_(0, slots, self._clock_value().to(target.device))
+        target[:, tab.spec.stamp_col].index_fill_(
+            0, slots, self._clock_value().to(target.device, non_blocking=True))
 
     def _count_update(self, tab: _Table) -> int:
         """Count an update call on `tab`; a 16-bit table's count salts its stochastic rounding."""

@@ -1,0 +1,103 @@
+"""A training step of a batch the Prefetcher staged on the sets cache makes no call that would
+synchronize a CUDA device: counted over the CUDA code path on CPU tensors (Triton's interpreter),
+and, on a CUDA machine, under `torch.cuda.set_sync_debug_mode("error")`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") in (None, "", "0") and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import: kernels on CPU tensors
+triton = pytest.importorskip("triton")
+
+import tierstore as ts  # noqa: E402
+from tests.syncs import SyncCounter  # noqa: E402
+from tierstore.engine import interpreting  # noqa: E402
+from tierstore.errors import InvalidGradientError  # noqa: E402
+from tierstore.prefetch import Prefetcher  # noqa: E402
+
+FEATS = {"x": "a", "y": "b", "z": "a"}
+SPECS = [ts.TableSpec("a", 10**6, 8, optimizer=ts.RowWiseAdagrad(0.1)),
+         ts.TableSpec("b", 500, 4, optimizer=ts.Adam(0.01, weight_decay=0.01))]
+
+
+def _batches(n, batch=6, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        lengths = torch.randint(0, 4, (3 * batch,), generator=g)
+        parts = [torch.randint(0, 500, (int(lengths[i * batch:(i + 1) * batch].sum()),), generator=g)
+                 for i in range(3)]
+        yield (list(FEATS), torch.cat(parts), lengths), torch.randn(batch, 20, generator=g)
+
+
+def _staged_steps(store, steps, watch):
+    """Train `steps` prefetched batches; each step after the warm-up runs inside `watch()`."""
+    ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+    with Prefetcher(store, _batches(steps), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
+        for i, (sparse, weight) in enumerate(pf):
+            weight = weight.to(store.device)
+            with watch() if i >= 2 else contextlib.nullcontext():  # plan tensors cached by then
+                out = ebc(*sparse)
+                (out * weight).sum().backward()
+    return ebc
+
+
+@pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
+def test_staged_step_on_sets_makes_no_syncing_call(tmp_path):
+    counters = []
+
+    def watch():
+        counters.append(SyncCounter())
+        return counters[-1]
+
+    with ts.TierStore(tmp_path / "s", SPECS, device="cpu", kernels="triton", device_cache="sets",
+                      device_capacity=2048, host_capacity=64, policy="lru") as store:
+        _staged_steps(store, 6, watch)
+        assert store.prefetch_stats.lock_free_bags == 6 * 2  # every step took the staged path
+        store.check()
+    assert len(counters) == 4
+    assert [c.calls for c in counters] == [[]] * 4
+
+
+@pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
+def test_a_non_finite_staged_gradient_changes_nothing_and_is_raised_at_the_next_batch(tmp_path):
+    with ts.TierStore(tmp_path / "n", SPECS, device="cpu", kernels="triton", device_cache="sets",
+                      device_capacity=2048, host_capacity=64, policy="lru") as store:
+        ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+        with Prefetcher(store, _batches(3), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
+            sparse, weight = next(pf)
+            ebc(*sparse).mul(weight).sum().backward()
+            sparse, weight = next(pf)
+            before = {t: store.cascade.access(store.tables[t], torch.arange(500), None,
+                                              promote=False).clone() for t in ("a", "b")}
+            weight[0, 0] = float("nan")
+            ebc(*sparse).mul(weight).sum().backward()  # the update is undone on the device
+            with pytest.raises(InvalidGradientError, match="discarded"):
+                next(pf)
+        after = {t: store.cascade.access(store.tables[t], torch.arange(500), None,
+                                         promote=False) for t in ("a", "b")}
+        for t in before:  # weights and optimizer state as they were
+            assert torch.equal(before[t][:, :-1], after[t][:, :-1]), t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_staged_step_on_cuda_sets_never_syncs(tmp_path):
+    def watch():
+        @contextlib.contextmanager
+        def mode():
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return mode()
+
+    with ts.TierStore(tmp_path / "c", SPECS, device="cuda", kernels="triton", device_cache="sets",
+                      device_capacity=2048, host_capacity=64, policy="lru") as store:
+        _staged_steps(store, 6, watch)
+        assert store.prefetch_stats.lock_free_bags == 6 * 2
+        store.check()
