@@ -148,7 +148,7 @@ class TierstoreRunner(Runner):
         self.setup_s = time.perf_counter() - t0
         log(f"{name}: setup {self.setup_s:.1f} s", file=sys.stderr, flush=True)
         self.ebc = TieredEmbeddingBagCollection(self.store, wl.names)
-        self._next = 0
+        self.next_step = 0  # the pool step the pipeline delivers next
         self.pf = Prefetcher(self.ebc, self._batches(), depth=depth, **(pipeline or {}))
 
     def _batches(self):
@@ -161,9 +161,9 @@ class TierstoreRunner(Runner):
 
     def step(self, i: int) -> None:
         """One training step (batch i of the pool, delivered by the prefetch pipeline)."""
-        if i != self._next:
+        if i != self.next_step:
             raise RuntimeError("TierstoreRunner steps must be consecutive")
-        self._next += 1
+        self.next_step += 1
         keys, values, lengths = next(self.pf)
         out = self.ebc(keys, values, lengths)
         out.backward(self.wl.grad_out.to(out.device))
@@ -342,7 +342,7 @@ def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, bloc
     block, every other runner's background work (staging, write-behind, log merges) is let
     finish, so a block pays for its own configuration's background work only.
     """
-    pos = {id(r): 0 for r in runners}
+    pos = {id(r): getattr(r, "next_step", 0) for r in runners}  # a pipeline goes on in order
 
     def run_block(r: Runner) -> None:
         for _ in range(steps):

@@ -46,8 +46,9 @@ def test_bench_training_cold_smoke(tmp_path):
 def test_bench_training_pipeline_options(tmp_path):
     rc = bench_training.main(["--tables", "1", "--rows", "2000", "--dim", "8", "--batch", "16",
                               "--pool", "2", "--warmup", "1", "--blocks", "1", "--steps", "1",
-                              "--threads", "1", "--configs", "tierstore_cache1", "--reads-ahead",
+                              "--threads", "1,2", "--configs", "tierstore_cache1", "--reads-ahead",
                               "3", "--ask-ahead", "off", "--out", str(tmp_path), "--no-plot"])
-    assert rc == 0
-    meta = json.loads((tmp_path / "training.json").read_text())["meta"]
-    assert meta["pipeline"] == {"ask_ahead": False, "reads_ahead": 3}
+    assert rc == 0  # the pipeline goes on in order from one thread setting to the next
+    data = json.loads((tmp_path / "training.json").read_text())
+    assert data["meta"]["pipeline"] == {"ask_ahead": False, "reads_ahead": 3}
+    assert [r["threads"] for r in data["records"]] == [1, 2]
