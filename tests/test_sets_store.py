@@ -103,3 +103,26 @@ def test_device_cache_is_checked_and_reported(tmp_path):
         assert store.host_tier.policy.name == "clock"  # the host tier keeps the registry
     assert [set_policy(p) for p in ("lru", "lfu", "hlfu", "wtinylfu", "fifo", "lookahead")] == \
         ["lru", "lfu", "lfu", "lfu", "lru", "lru"]
+
+
+def test_expiry_and_admission_run_over_the_sets_tier(tmp_path):
+    specs = [ts.TableSpec("t", 10**6, 4, optimizer=ts.Adagrad(0.1)),
+             ts.TableSpec("c", 500, 3, optimizer=ts.SGD(0.1), admission=ts.CountAdmission(min_count=2))]
+    gen = torch.Generator().manual_seed(8)
+    plan = [(torch.randint(0, 300, (20,), generator=gen) * 3001, torch.randint(0, 500, (10,), generator=gen),
+             int(torch.randint(0, 3, (1,), generator=gen))) for _ in range(12)]
+    got = {}
+    for cache in ("slab", "sets"):
+        with ts.TierStore(tmp_path / cache, specs, device="cpu", device_capacity=32, host_capacity=16,
+                          policy="lru", device_cache=cache) as store:
+            for ids, cids, adv in plan:
+                store.apply("t", ids, torch.ones(20, 4))
+                store.apply("c", cids, torch.ones(10, 3))
+                store.advance(adv)
+            deleted = store.expire(older_than=4)
+            store.check()
+            got[cache] = (deleted, store.read("t", torch.arange(300) * 3001),
+                          store.read("c", torch.arange(500)))
+    assert got["slab"][0] == got["sets"][0] and got["sets"][0]["t"] > 0
+    assert torch.equal(got["slab"][1], got["sets"][1])
+    assert torch.equal(got["slab"][2], got["sets"][2])

@@ -65,33 +65,42 @@ class BagPaths:
                 self._end_unlocked()
         with self.exclusive():
             self.check_live()
-            gs, weights, held = [], [], []
+            gs, weights, held, resident = [], [], [], []
             dev = self.device_tier
+
+            def hold() -> None:
+                """Pin the slots of the tables gathered so far before rows move: the pool reads
+                every table's slots at the end, so a later table's misses must not evict them."""
+                while resident:
+                    slots = resident.pop()
+                    dev.pin(slots, 1)
+                    held.append(slots)
+
             try:
                 for tab, i in zip(tabs, ids):
                     self.record_access(tab.spec.name, i)
                     mask = self.admit_mask(tab, i)
                     if mask is not None:  # some ids not admitted yet: they read their initial rows
+                        hold()
                         g = _adm.gather_masked(self, tab, i, mask)
                         gs.append(g)
                         weights.append(g.weights)
                         continue
-                    g = self._step_rows(tab, i)
+                    g = self._step_rows(tab, i, hold)
                     gs.append(g)
                     weights.append(None if g.slots is not None else g.weights)
                     if g.slots is not None and g.slots.numel():
-                        # pinned until the pool reads them: a later table's misses must not
-                        # evict them (the pool reads every table's slots at the end)
-                        dev.pin(g.slots, 1)
-                        held.append(g.slots)
+                        resident.append(g.slots)
                 return pool(gs, weights, dev.slab), gs
             finally:
                 for slots in held:
                     dev.pin(slots, -1)
 
-    def _step_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered:
+    def _step_rows(self, tab: _Table, ids: torch.Tensor,
+                   hold: Callable[[], None] | None = None) -> Gathered:
         """A table's rows for a step's forward (store lock held): device slots when every one
-        is resident, else the weights of its sorted unique rows (brought up the tiers)."""
+        is resident, else the weights of its sorted unique rows (brought up the tiers, after
+        `hold()` pinned the earlier tables' slots)."""
         dim = tab.spec.dim
         dev = self.device_tier
         if ids.numel() == 0:
@@ -104,6 +113,8 @@ class BagPaths:
             return Gathered(uniq, inv, torch.empty(0, dim), dslots, dev.generation)
         uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
         promote = self._promoting()
+        if hold is not None:
+            hold()
         payload = self.cascade.access(tab, uniq, None, promote=promote)
         weights = tab.spec.codec.decode(payload, dim).contiguous()
         # the rows as read: the backward updates a copy of them while the table has no write
