@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 
 import pytest
 
@@ -94,3 +95,37 @@ def test_a_store_abandoned_without_close_stops_counting(tmp_path, fresh_interval
     with _open(tmp_path / "b"):
         assert sys.getswitchinterval() == pytest.approx(_switch.STORE_DEFAULT)
     assert sys.getswitchinterval() == _switch.PYTHON_DEFAULT
+
+
+def test_release_from_a_finalizer_during_a_walk_does_not_deadlock():
+    """A store's __del__ run by the garbage collector while this thread walks the holders closes
+    the store and calls release here: it must return, not wait on the lock the walk holds."""
+    counter = _switch.SwitchInterval()
+
+    class Holder:
+        closed = False
+
+    dropped = Holder()
+
+    class Collecting:  # its `closed` runs the finalizer of another holder, as GC may
+        @property
+        def closed(self) -> bool:
+            dropped.closed = True
+            counter.release(dropped)
+            return False
+
+    walker = Collecting()
+    counter.acquire(dropped, None)
+    counter.acquire(walker, None)
+    done = threading.Event()
+
+    def walk() -> None:
+        counter.acquire(Holder(), None)
+        done.set()
+
+    t = threading.Thread(target=walk, daemon=True)
+    t.start()
+    t.join(10)
+    assert done.is_set(), "acquire deadlocked on a release from its own walk"
+    assert counter.users == 1  # the walker: the closed holder is dropped, the temporary one collected
+    assert walker.closed is False

@@ -15,10 +15,12 @@ the old value back when the last open store closes, unless someone changed it me
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 
 from .errors import ConfigError
 
@@ -49,10 +51,16 @@ class SwitchInterval:
     Holders are kept weakly and count while their `closed` is false, so a store that was
     dropped or abandoned without `close()` (a simulated kill in the tests) stops counting too;
     the interval is put back at the next `acquire` or `release` after that.
+
+    Walking the holders can run the garbage collector, and with it a dropped store's `__del__`,
+    which closes the store and calls `release` on this thread while it is inside a call here. Such
+    a nested `release` returns at once (its holder's `closed` is already set, so the walk in
+    progress or the next one drops it) instead of waiting on the lock this thread holds.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._inside = threading.local()  # .active: this thread is in a call that walks the holders
         self._holders: weakref.WeakSet = weakref.WeakSet()
         # the interval we set, as the interpreter reports it (None: we changed nothing); we only
         # ever replace the interpreter's default, so that is what goes back
@@ -61,17 +69,26 @@ class SwitchInterval:
     @property
     def users(self) -> int:
         """Holders still open."""
-        with self._lock:
+        with self._walking():
             return self._prune()
 
+    @contextlib.contextmanager
+    def _walking(self) -> Iterator[None]:
+        with self._lock:
+            self._inside.active = True
+            try:
+                yield
+            finally:
+                self._inside.active = False
+
     def _prune(self) -> int:
-        for h in [h for h in self._holders if getattr(h, "closed", False)]:
+        for h in [h for h in list(self._holders) if getattr(h, "closed", False)]:
             self._holders.discard(h)
         return len(self._holders)
 
     def acquire(self, holder: object, want: float | None) -> None:
         """Count `holder`; the first sets `want` if the interval is still the interpreter's default."""
-        with self._lock:
+        with self._walking():
             first = self._prune() == 0
             if first:
                 self._restore()  # what a holder abandoned since the last call left set
@@ -84,7 +101,9 @@ class SwitchInterval:
 
     def release(self, holder: object) -> None:
         """Stop counting `holder`; the last puts back the interval it replaced, unless changed since."""
-        with self._lock:
+        if getattr(self._inside, "active", False):  # a finalizer run by this thread's own walk
+            return
+        with self._walking():
             self._holders.discard(holder)
             if self._prune() == 0:
                 self._restore()
