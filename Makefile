@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check tierstore tests bench integration
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 bench: $(STAMP)
 	$(PY) -m bench.store
