@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from hypothesis import strategies as st
 
-from tierstore.backends.hbm_cache import HbmCache, set_of
+from tierstore.backends.hbm_cache import HbmCache
 
 OPS = ("access", "unpin", "dirty", "remove", "tick")
 
@@ -31,7 +31,7 @@ def expected_choice(cache: HbmCache, model: Model, keys: list[int]) -> list[int]
     taken: dict[int, int] = {}
     out = []
     for k in keys:
-        s = int(set_of(torch.tensor([k]), cache.sets))
+        s = int(cache.set_of(torch.tensor([k])))
         lines = []
         for w in range(cache.ways):
             key = int(cache.keys[s, w])

@@ -23,6 +23,18 @@ def test_behaves_like_a_dict_and_never_evicts_a_locked_line(seq, policy, sets, w
     run(cache, seq)
 
 
+@settings(max_examples=examples(0.5))
+@given(seq=ops(max_key=47), policy=st.sampled_from(["lru", "lfu"]), ways=st.sampled_from([1, 4, 16]))
+def test_a_direct_cache_holds_every_key_and_never_evicts(seq, policy, ways):
+    cache = HbmCache(48, 2, policy=policy, ways=ways, direct=True)
+    model = run(cache, seq)
+    for op, ks in seq:  # every key ever accessed and not removed since is still there
+        if op == "access":
+            assert all(k in model.rows or any(o == "remove" and k in r for o, r in seq) for k in ks)
+    keys, slots = cache.resident()
+    assert torch.equal(keys // ways, slots // ways)  # each key in its own block
+
+
 def test_lru_evicts_the_oldest_unlocked_line_of_the_set():
     cache = HbmCache(4, 1, ways=4)  # one set
     keys = torch.tensor([10, 11, 12, 13])

@@ -57,7 +57,7 @@ def _collection_run(path, opt, dtype, device_cache, caps, steps=6):
 
 @settings(max_examples=examples(0.2))
 @given(opt=st.sampled_from(OPTIMIZERS), dtype=st.sampled_from(["float32", "bfloat16"]),
-       caps=st.sampled_from([(32, 0), (32, 40), (64, 17), (96, 500)]))
+       caps=st.sampled_from([(32, 0), (32, 40), (64, 17), (96, 500), (600, 0)]))
 def test_every_optimizer_trains_the_same_bits_on_sets_and_slab(tmp_path_factory, opt, dtype, caps):
     root = tmp_path_factory.mktemp("opt")
     resident = _collection_run(root / "slab", opt, dtype, "slab", (10**4, 0))
@@ -80,6 +80,22 @@ def test_rows_survive_close_and_reopen_with_the_sets_tier(tmp_path):
         assert store.stats()["device"]["evictions"] > 0
     with ts.TierStore(tmp_path / "s", spec, device="cpu", device_cache="slab") as again:
         assert torch.equal(again.read("t", ids), want)
+
+
+def test_a_sets_tier_that_holds_every_row_maps_them_directly(tmp_path):
+    specs = [ts.TableSpec("u", 300, 6), ts.TableSpec("v", 200, 3)]
+    with ts.TierStore(tmp_path / "d", specs, device="cpu", device_capacity=10**4, host_capacity=0,
+                      device_cache="sets") as store:
+        dev = store.device_tier
+        assert dev.cache.direct and dev.capacity == 512  # 500 rows in whole sets of 32
+        for t, r in (("u", 300), ("v", 200)):
+            store.apply(t, torch.randperm(r), torch.ones(r, 3 if t == "v" else 6))
+        st_ = store.stats()["device"]
+        assert st_["resident"] == 500 and st_["evictions"] == 0
+        tabs, rows = dev.resident()
+        assert sorted(zip(tabs.tolist(), rows.tolist())) == \
+            [(0, i) for i in range(300)] + [(1, i) for i in range(200)]
+        store.check()
 
 
 def test_device_cache_is_checked_and_reported(tmp_path):

@@ -26,8 +26,11 @@ HASH_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonac
 _LOCKED = 2**62  # the victim-order key of a locked line: after every unlocked one
 
 
-def set_of(keys: torch.Tensor, sets: int) -> torch.Tensor:
-    """The set each key hashes to: bits 32..62 of `key * HASH_MUL` (wrapping), modulo `sets`."""
+def set_of(keys: torch.Tensor, sets: int, direct_ways: int = 0) -> torch.Tensor:
+    """The set each key hashes to: bits 32..62 of `key * HASH_MUL` (wrapping), modulo `sets`;
+    with `direct_ways`, the key's own block of that many (keys are dense ids below the capacity)."""
+    if direct_ways:
+        return keys.clamp(0, sets * direct_ways - 1) // direct_ways
     return ((keys * HASH_MUL) >> 32).bitwise_and_(0x7FFFFFFF).remainder_(sets)
 
 
@@ -64,11 +67,14 @@ class HbmCache:
     `capacity` rows round up to whole sets of `ways` lines. `policy` is "lru" (stamp = the clock
     at the last use) or "lfu" (stamp = uses since the line was filled). `kernels="triton"` runs
     lookup and victim choice as Triton kernels (CUDA, or the interpreter on CPU tensors); "torch"
-    runs the same rules as torch ops; both give the same slots.
+    runs the same rules as torch ops; both give the same slots. `direct=True`: keys are dense ids
+    below the capacity and key k's set is k // ways, so every key has a line of its own and no
+    set ever overflows (a cache that holds every row).
     """
 
     def __init__(self, capacity: int, width: int, device: torch.device | str = "cpu",
-                 policy: str = "lru", ways: int = WAYS, kernels: str = "torch") -> None:
+                 policy: str = "lru", ways: int = WAYS, kernels: str = "torch",
+                 direct: bool = False) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"the set-associative cache offers {POLICIES}, got {policy!r}")
         if ways < 1 or ways & (ways - 1):
@@ -82,6 +88,7 @@ class HbmCache:
         self.device = torch.device(device)
         self.policy = policy
         self.kernels = kernels
+        self.direct = bool(direct)
         n = self.capacity + 1  # one trash line past the last slot absorbs writes for "no slot"
         dev = self.device
         self._keys = torch.full((n,), -1, dtype=torch.int64, device=dev)
@@ -113,6 +120,10 @@ class HbmCache:
         """Dirty bits [sets, ways]: the line differs from the tiers below."""
         return self._dirty[: self.capacity].view(self.sets, self.ways)
 
+    def set_of(self, keys: torch.Tensor) -> torch.Tensor:
+        """The set of each key (hashed, or its block when `direct`)."""
+        return set_of(keys, self.sets, self.ways if self.direct else 0)
+
     def tick(self) -> int:
         """Advance the LRU clock (once a step); returns the new value."""
         self.clock += 1
@@ -133,7 +144,7 @@ class HbmCache:
 
     def lookup_torch(self, keys: torch.Tensor) -> torch.Tensor:
         """`lookup` as torch ops (the reference the Triton kernel equals)."""
-        s = set_of(keys, self.sets)
+        s = self.set_of(keys)
         ways = self.keys.index_select(0, s)  # [n, ways]
         eq = (ways == keys.unsqueeze(1)) & (keys >= 0).unsqueeze(1)
         way = eq.to(torch.int8).argmax(dim=1)
@@ -176,7 +187,7 @@ class HbmCache:
 
     def choose_torch(self, keys: torch.Tensor) -> torch.Tensor:
         """`choose` as torch ops (the reference the Triton kernel equals)."""
-        s = set_of(keys, self.sets)
+        s = self.set_of(keys)
         rank = rank_in_set(s)
         ok = order_key(self.keys, self.stamp, self.lock).index_select(0, s)  # [m, ways]
         srt, way = torch.sort(ok, dim=1, stable=True)
@@ -256,7 +267,7 @@ class HbmCache:
         keys, slots = self.resident()
         assert keys.unique().numel() == keys.numel(), "a key is cached twice"
         if keys.numel():
-            assert torch.equal(set_of(keys, self.sets), slots // self.ways), "a key outside its set"
+            assert torch.equal(self.set_of(keys), slots // self.ways), "a key outside its set"
         empty = self._keys[: self.capacity] < 0
         assert not bool((self._dirty[: self.capacity] & empty).any()), "a dirty empty line"
         assert not bool((self._lock[: self.capacity] != 0)[empty].any()), "a locked empty line"
@@ -268,13 +279,13 @@ def _triton_lookup(cache: HbmCache, keys: torch.Tensor) -> torch.Tensor:
     """`HbmCache.lookup` by the Triton kernel (imported only when chosen: optional package)."""
     from . import hbm_kernels
 
-    return hbm_kernels.lookup(cache.keys, keys, cache.sets, cache.ways)
+    return hbm_kernels.lookup(cache.keys, keys, cache.sets, cache.ways, cache.direct)
 
 
 def _triton_choose(cache: HbmCache, keys: torch.Tensor) -> torch.Tensor:
     """`HbmCache.choose` by the Triton kernel."""
     from . import hbm_kernels
 
-    rank = rank_in_set(set_of(keys, cache.sets))
+    rank = rank_in_set(cache.set_of(keys))
     return hbm_kernels.choose(cache.keys, cache.stamp, cache.lock, keys, rank, cache.sets,
-                              cache.ways)
+                              cache.ways, cache.direct)

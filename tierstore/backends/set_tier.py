@@ -1,6 +1,8 @@
 """The device tier over the set-associative cache: `SlabTier`'s interface on an `HbmCache`.
 
-A key is `table << 48 | row` (tables below 2**15, rows below 2**48: `keys_fit`). The cascade,
+A key is `table << 48 | row` (tables below 2**15, rows below 2**48: `keys_fit`); when the
+capacity holds every declared row, it is the row's place in the tables laid end to end and the
+cache maps it directly (each key a line of its own: no set overflows, nothing is evicted). The cascade,
 staging and the bag paths call this tier as they call a `SlabTier`; the cache's own policy is
 LRU or LFU (`set_policy` maps the other names), the host tier keeps the whole registry.
 Victim choice is per set, so an insert of rows whose sets are full of locked lines stops at
@@ -33,14 +35,27 @@ def set_policy(name: str) -> str:
     return name if name in POLICIES else ("lfu" if name in LFU_NAMES else "lru")
 
 
-def pack(tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """One int64 key per (table, row)."""
-    return (tabs.to(rows.device, torch.int64) << TAB_SHIFT) | rows
+class Keys:
+    """(table, row) <-> one int64 key: `table << 48 | row`, or with `offsets` (each table's first
+    place, then the total) the row's place in the tables laid end to end."""
 
+    def __init__(self, offsets: torch.Tensor | None = None) -> None:
+        self.offsets = offsets
 
-def unpack(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tables, rows) of packed keys."""
-    return keys >> TAB_SHIFT, keys & ROW_MASK
+    def pack(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One int64 key per (table, row)."""
+        tabs = tabs.to(rows.device, torch.int64)
+        if self.offsets is None:
+            return (tabs << TAB_SHIFT) | rows
+        return self.offsets.to(rows.device)[tabs] + rows
+
+    def unpack(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tables, rows) of keys."""
+        if self.offsets is None:
+            return keys >> TAB_SHIFT, keys & ROW_MASK
+        offsets = self.offsets.to(keys.device)
+        tabs = torch.searchsorted(offsets[1:], keys, right=True)
+        return tabs, keys - offsets.index_select(0, tabs)
 
 
 class SetPolicy:
@@ -66,8 +81,9 @@ class SetPolicy:
 class SetIndex:
     """The tier's keys seen as a hash index (what the store's checks and expiry read)."""
 
-    def __init__(self, cache: HbmCache) -> None:
+    def __init__(self, cache: HbmCache, codec: Keys) -> None:
         self.cache = cache
+        self.codec = codec
         self.device = cache.device
 
     @property
@@ -81,11 +97,11 @@ class SetIndex:
 
     def find(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Slots of the keys, -1 where absent."""
-        return self.cache.lookup(pack(tabs, rows.to(self.cache.device, torch.int64)))
+        return self.cache.lookup(self.codec.pack(tabs, rows.to(self.cache.device, torch.int64)))
 
     def keys(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tables, rows) held at these slots."""
-        return unpack(self.cache.keys.view(-1).index_select(0, slots.to(self.cache.device)))
+        return self.codec.unpack(self.cache.keys.view(-1).index_select(0, slots.to(self.cache.device)))
 
     def check(self) -> None:
         """The cache checks itself."""
@@ -99,16 +115,25 @@ class SetTier:
     gather_pins = True
 
     def __init__(self, name: str, capacity: int, width: int, policy: str,
-                 device: torch.device | str = "cpu", kernels: str = "torch") -> None:
+                 device: torch.device | str = "cpu", kernels: str = "torch",
+                 table_rows: list[int] | None = None) -> None:
         self.name = name
         self.device = torch.device(device)
-        self.cache = HbmCache(capacity, width, self.device, set_policy(policy), kernels=kernels)
+        total = sum(table_rows) if table_rows else None
+        direct = total is not None and 0 < total <= capacity
+        offsets = None
+        if direct:  # every row has a line: keys are places in the tables laid end to end
+            offsets = torch.tensor([0, *table_rows], dtype=torch.int64).cumsum(0).to(self.device)
+            capacity = total
+        self.codec = Keys(offsets)
+        self.cache = HbmCache(capacity, width, self.device, set_policy(policy), kernels=kernels,
+                              direct=direct)
         self.capacity = self.cache.capacity
         self.slots = self.capacity
         self.usable = self.capacity
         self.width = int(width)
         self.policy = SetPolicy(self.cache.policy)
-        self.index = SetIndex(self.cache)
+        self.index = SetIndex(self.cache, self.codec)
         self.stats = TierStats()
         self.generation = 0  # bumped whenever a slot changes owner
         self.pin_epoch = 0  # bumped whenever a pinned row leaves
@@ -188,7 +213,7 @@ class SetTier:
         if bool((pins > 0).any()):
             self.pin_epoch += 1
         self.generation += 1
-        return Rows(*unpack(out.keys), out.payload, out.dirty, pins)
+        return Rows(*self.codec.unpack(out.keys), out.payload, out.dirty, pins)
 
     def insert(self, rows: Rows, protect: torch.Tensor | None = None,
                keep_clean: bool = True) -> tuple[int, Rows | None]:
@@ -199,7 +224,7 @@ class SetTier:
         if n == 0 or self.capacity == 0:
             return 0, None
         rows = rows.to(self.device)
-        keys = pack(rows.tabs, rows.rows)
+        keys = self.codec.pack(rows.tabs, rows.rows)
         cache = self.cache
         guard = protect is not None and protect.numel() > 0
         if guard:
@@ -231,7 +256,8 @@ class SetTier:
             dirty = dirty[dirty]
             if not gone.numel():
                 return k, None
-        return k, Rows(*unpack(v.keys.index_select(0, gone)), v.payload.index_select(0, gone), dirty)
+        return k, Rows(*self.codec.unpack(v.keys.index_select(0, gone)), v.payload.index_select(0, gone),
+                       dirty)
 
     def admit(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         """Every arriving row is admitted."""
@@ -264,7 +290,7 @@ class SetTier:
 
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tabs, rows) of every occupied slot."""
-        return unpack(self.cache.resident()[0])
+        return self.codec.unpack(self.cache.resident()[0])
 
     def check(self) -> None:
         """Assert the cache's invariants."""

@@ -142,7 +142,8 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
             self.backend.open_tables(names)
             if self.device_cache == "sets":
                 self.device_tier = SetTier("device", dcap, width, policy, self.device,
-                                           kernels="triton" if self.kernels == "triton" else "torch")
+                                           kernels="triton" if self.kernels == "triton" else "torch",
+                                           table_rows=[t.num_rows for t in tables])
             else:
                 self.device_tier = SlabTier("device", dcap, width, policy, self.device, staging=scap,
                                             staging_active=0 if self.layout.staging_auto else None)
