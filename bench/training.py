@@ -109,7 +109,7 @@ class TierstoreRunner(Runner):
                  depth: int = 2, log=print, write_log: int | str | None = None,
                  split: str = "even", policy: str | None = None,
                  staging: float | None = None, device: str = "cpu", kernels: str = "auto",
-                 pipeline: dict | None = None) -> None:
+                 pipeline: dict | None = None, device_cache: str = "auto") -> None:
         self.name, self.wl = name, wl
         self.depth = depth
         total = wl.tables * wl.rows
@@ -126,7 +126,7 @@ class TierstoreRunner(Runner):
         self.path = work / name
         self.store = TierStore(self.path, specs, device_capacity=dcap, host_capacity=hcap,
                                write_log=write_log, policy=policy, staging_capacity=scap,
-                               device=device, kernels=kernels)
+                               device=device, kernels=kernels, device_cache=device_cache)
         # the capacities as given; the staging slots the store has (named, or its reserve)
         self.capacity = {"device": dcap, "host": hcap, "staging": self.store.layout.staging_rows}
         self.init = "lazy (touched rows preloaded into the device tier)" if frac is None else init
@@ -419,6 +419,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(fbgemm_cpu stays on the CPU); CUDA blocks are timed synchronized")
     p.add_argument("--kernels", default="auto", choices=("auto", "numba", "triton"),
                    help="TierStore(kernels=...): the step engine's backend")
+    p.add_argument("--device-cache", default="auto", choices=("auto", "slab", "sets"),
+                   help="TierStore(device_cache=...): the device tier's structure (auto: sets on CUDA)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--profile", action="store_true", help="also cProfile one block per config")
@@ -506,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                                                split=args.split, policy=args.policy,
                                                staging=args.staging, device=args.device,
                                                kernels=args.kernels,
-                                               pipeline=pipeline_options(args)))
+                                               pipeline=pipeline_options(args),
+                                               device_cache=args.device_cache))
             else:
                 raise SystemExit(f"unknown config {name!r}")
         cold_runners = [r for r in runners if isinstance(r, TierstoreRunner) and r.capacity["device"]
@@ -522,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             for runner, rec in zip(runners, recs):
                 if isinstance(runner, TierstoreRunner):
                     rec.update(capacity=runner.capacity, policy=runner.store.layout.policy,
+                               device_cache=runner.store.device_cache,
                                layout=runner.store.layout.as_dict(),
                                init=runner.init, setup_s=runner.setup_s,
                                depth=runner.depth, stats=runner.store.stats(),
