@@ -54,8 +54,9 @@ class StoreClock:
         """Record the clock as the last-update stamp of updated rows `target[slots]` (and count
         the update in the table's `writes`)."""
         tab.writes += 1
-        target[:, tab.spec.stamp_col].index_fill_(
-            0, slots, self._clock_value().to(target.device, non_blocking=True))
+        value = self._clock_value().to(target.device, non_blocking=True)
+        # index_copy_ of the value broadcast: index_fill_ with a tensor value reads it back (.item())
+        target[:, tab.spec.stamp_col].index_copy_(0, slots, value.expand(slots.numel()))
 
     def _count_update(self, tab: _Table) -> int:
         """Count an update call on `tab`; a 16-bit table's count salts its stochastic rounding."""
