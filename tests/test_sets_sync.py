@@ -101,3 +101,17 @@ def test_staged_step_on_cuda_sets_never_syncs(tmp_path):
         _staged_steps(store, 6, watch)
         assert store.prefetch_stats.lock_free_bags == 6 * 2
         store.check()
+
+
+@pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
+def test_a_non_finite_last_staged_gradient_is_raised_when_the_batches_end(tmp_path):
+    with ts.TierStore(tmp_path / "l", SPECS, device="cpu", kernels="triton", device_cache="sets",
+                      device_capacity=2048, host_capacity=64, policy="lru") as store:
+        ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+        with Prefetcher(store, _batches(1), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
+            sparse, weight = next(pf)
+            weight[0, 0] = float("inf")
+            ebc(*sparse).mul(weight).sum().backward()
+            with pytest.raises(InvalidGradientError, match="discarded"):
+                next(pf)  # the source is done: its last step's check is read, waiting if need be
+        assert not store.deferred_checks

@@ -125,12 +125,15 @@ class BagPaths:
         cache (every table pinned), whose lock-free update reads nothing back to the host."""
         return self.device_cache == "sets" and all(g.pinned for g in gs)
 
-    def raise_deferred(self) -> None:
+    def raise_deferred(self, wait: bool = False) -> None:
         """Raise `InvalidGradientError` if a staged step's deferred gradient check failed (its
-        update was discarded, its rows left as they were); reads the flags back (a sync)."""
+        update was discarded, its rows left as they were). Reads back only the flags whose step
+        the device has finished (a CUDA event says so), so the host does not wait for the
+        device, unless `wait` (then every flag: a sync)."""
         flags = []
-        while self.deferred_checks:
-            flags.append(self.deferred_checks.popleft())
+        pending = self.deferred_checks
+        while pending and (wait or pending[0][1] is None or pending[0][1].query()):
+            flags.append(pending.popleft()[0])
         if flags and not bool(torch.stack(flags).all()):
             raise InvalidGradientError("a staged step's output gradient held NaN/Inf values; "
                                        "its update was discarded (nothing changed)")
@@ -200,7 +203,11 @@ class BagPaths:
                 dev.dirty[g.slots] = True
         if finite is not None:
             dev.slab.index_copy_(0, slots, torch.where(finite, dev.slab.index_select(0, slots), before))
-            self.deferred_checks.append(finite)
+            done = None
+            if finite.device.type == "cuda":  # when it is safe to read without waiting
+                done = torch.cuda.Event()
+                done.record()
+            self.deferred_checks.append((finite, done))
 
     def _update_gathered(self, tabs: list[_Table], gs: list[Gathered],
                          update: Callable[..., None]) -> None:

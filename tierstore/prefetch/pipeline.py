@@ -153,6 +153,7 @@ class Prefetcher:
                 batch = next(self._source)
             except StopIteration:
                 self.close()
+                self.store.raise_deferred(wait=True)  # the last steps' checks too
                 raise
             self._consumed += 1
             self.store.prefetch_stats.batches += 1
@@ -171,6 +172,7 @@ class Prefetcher:
         if item is _END:
             self._raise_worker_error()
             self.close()
+            self.store.raise_deferred(wait=True)  # the last steps' checks too
             raise StopIteration
         step, batch = item
         self._consumed = step

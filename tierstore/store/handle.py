@@ -113,8 +113,9 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self.pending_unpins: collections.deque = collections.deque()
         # device hits of lock-free gathers, not yet told (a deque: append and popleft are atomic)
         self._pending_hits: collections.deque[torch.Tensor] = collections.deque()
-        # device flags of staged steps' gradient checks not read yet (`raise_deferred`)
-        self.deferred_checks: collections.deque[torch.Tensor] = collections.deque()
+        # device flags of staged steps' gradient checks not read yet, each with the CUDA event
+        # recorded after its step (None on the CPU): `raise_deferred`
+        self.deferred_checks: collections.deque = collections.deque()
         self.prefetch_stats = PrefetchStats()
         # feature name -> table, registered by TieredEmbeddingBagCollection (None: ambiguous);
         # lets a Prefetcher over the store read jagged batches keyed by feature
