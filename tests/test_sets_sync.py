@@ -34,9 +34,9 @@ def _batches(n, batch=6, seed=2):
         yield (list(FEATS), torch.cat(parts), lengths), torch.randn(batch, 20, generator=g)
 
 
-def _staged_steps(store, steps, watch):
+def _staged_steps(store, steps, watch, mode="sum"):
     """Train `steps` prefetched batches; each step after the warm-up runs inside `watch()`."""
-    ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+    ebc = ts.TieredEmbeddingBagCollection(store, FEATS, mode=mode)
     with Prefetcher(store, _batches(steps), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
         for i, (sparse, weight) in enumerate(pf):
             weight = weight.to(store.device)
@@ -47,7 +47,8 @@ def _staged_steps(store, steps, watch):
 
 
 @pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
-def test_staged_step_on_sets_makes_no_syncing_call(tmp_path):
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_staged_step_on_sets_makes_no_syncing_call(tmp_path, mode):
     counters = []
 
     def watch():
@@ -56,7 +57,7 @@ def test_staged_step_on_sets_makes_no_syncing_call(tmp_path):
 
     with ts.TierStore(tmp_path / "s", SPECS, device="cpu", kernels="triton", device_cache="sets",
                       device_capacity=2048, host_capacity=64, policy="lru") as store:
-        _staged_steps(store, 6, watch)
+        _staged_steps(store, 6, watch, mode)
         assert store.prefetch_stats.lock_free_bags == 6 * 2  # every step took the staged path
         store.check()
     assert len(counters) == 4

@@ -221,7 +221,7 @@ class Plan:
         pos = torch.arange(batch.inverse.numel(), dtype=torch.int64, device=dev)
         bag_of = torch.searchsorted(offsets[1:], pos, right=True)  # no host sync, unlike repeat
         inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)
-        mean_bag = self.feat_mode.to(dev).index_select(0, batch.bag_feat) == MEAN
+        mean_bag = self.feat_mode.to(dev, non_blocking=True).index_select(0, batch.bag_feat) == MEAN
         per_bag = torch.where(mean_bag, inv_len, torch.ones_like(inv_len))
         scale = per_bag.index_select(0, bag_of)
         return scale if batch.psw is None else scale * batch.psw
