@@ -116,6 +116,7 @@ def test_device_cache_is_checked_and_reported(tmp_path):
                       **small) as store:
         layout = store.stats()["layout"]
         assert (layout["device_cache"], layout["device_policy"], layout["policy"]) == ("sets", "lru", "clock")
+        assert layout["staging_rows"] == 0 and "device_cache='sets'" in layout["reasons"][-1]
         assert store.host_tier.policy.name == "clock"  # the host tier keeps the registry
     assert [set_policy(p) for p in ("lru", "lfu", "hlfu", "wtinylfu", "fifo", "lookahead")] == \
         ["lru", "lfu", "lfu", "lfu", "lru", "lru"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import threading
 import weakref
@@ -19,7 +20,7 @@ import tierstore.expiry as _exp
 import tierstore.store as _st  # the package: HAVE_NUMBA is read there, where tests patch it
 
 from ..backends.lmdb_backend import LmdbBackend
-from ..backends.set_tier import SetTier, keys_fit
+from ..backends.set_tier import SetTier, keys_fit, set_policy
 from ..backends.slab import SlabTier
 from ..backends.upgrade import replay_and_convert
 from ..backends.wal import HEADER, WriteLog
@@ -131,6 +132,9 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
                 raise ConfigError("staging_capacity extends a slab device tier: it needs "
                                   "device_cache='slab' (the sets cache has no staging slots)")
             scap = 0
+            why = f"device_cache='sets': the device tier ranks by {set_policy(policy)}, no staging slots"
+            self.layout = dataclasses.replace(self.layout, staging_rows=0, staging_auto=False,
+                                              reasons=(*self.layout.reasons, why))
         if scap and not self.layout.staging_auto and (
                 self.device.type != "cpu" or hcap or not probe.selective):
             raise ConfigError(
