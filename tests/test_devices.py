@@ -10,11 +10,11 @@ SPECS = [ts.TableSpec("u", 5000, 8, optimizer=ts.RowWiseAdagrad(0.1)),
          ts.TableSpec("v", 3000, 4, optimizer=ts.Adam(0.01, weight_decay=0.01))]
 
 
-def _train(path, device, dcap, hcap, steps=8):
+def _train(path, device, dcap, hcap, steps=8, device_cache="auto"):
     """A bag collection trained for a few steps; returns every touched row's payload, on the CPU."""
     gen = torch.Generator().manual_seed(4)
     with ts.TierStore(path, SPECS, device=device, device_capacity=dcap, host_capacity=hcap,
-                      write_buffer=64) as store:
+                      write_buffer=64, device_cache=device_cache) as store:
         ebc = ts.TieredEmbeddingBagCollection(store, {"fu": "u", "fv": "v"})
         touched = {"u": set(), "v": set()}
         for _ in range(steps):
@@ -35,3 +35,7 @@ def test_placement_never_changes_bits_on_a_device(tmp_path, device):
     tiny = _train(tmp_path / "b", device, 7, 11)  # rows move through every tier and the ring
     for t in resident:
         assert torch.equal(resident[t], tiny[t]), t
+    for cache, caps in (("slab", (7, 11)), ("sets", (40, 11)), ("sets", ("64MiB", 0))):
+        other = _train(tmp_path / f"{cache}{caps[0]}", device, *caps, device_cache=cache)
+        for t in resident:  # either device tier, any capacity: the same bits
+            assert torch.equal(resident[t], other[t]), (cache, caps, t)
