@@ -118,7 +118,10 @@ class RowLoader:
         """
         wb = self.writeback
         todo = np.flatnonzero(~known)  # positions still unknown: each buffer searches only these
-        for since, brows, bdata, bfound in buffers:
+        # newest first: staging loads the rows its own batch just read, so the newest buffer
+        # serves nearly all of them and the older ones search only the few left (any current
+        # buffer holds the same newest values, so the order changes no value)
+        for since, brows, bdata, bfound in reversed(buffers):
             tail, lseq = since if isinstance(since, tuple) else (since, None)
             wrapped = not wb.still_current(tail)
             if (wrapped and lseq is None) or not len(brows):

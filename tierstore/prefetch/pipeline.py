@@ -366,8 +366,9 @@ class Prefetcher:
                         store.loader.add_read_ahead(t, since, rows_np[order], np.concatenate(data)[order],
                                               np.concatenate(found)[order], keep=self.depth + 2)
                     else:  # the cold rows, in sorted chunks read in order: sorted already
-                        store.loader.add_read_ahead(t, since, rows[0], np.concatenate(data),
-                                              np.concatenate(found), keep=self.depth + 2)
+                        # (the reads' own arrays, fresh per batch: kept without a copy)
+                        store.loader.add_read_ahead(t, since, rows[0], data[0], found[0],
+                                                    keep=self.depth + 2)
             stats.rows_read_ahead_from_ssd += sum(len(c) for c in cold.values())
             if warm_only:  # its misses are served from the read-ahead buffers
                 stats.warm_only += 1
