@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierstore.backends import pageahead
+from tierstore.backends import lmdb_backend, pageahead
 from tierstore.backends.lmdb_backend import DATA_NAME, LmdbBackend
 from tierstore.backends.pages import PageReader
 
@@ -79,3 +79,19 @@ def test_damaged_pages_only_misdirect_the_hint(store, tmp_path_factory, flips):
     reader = PageReader(copy, be.env.stat()["psize"])
     asked = reader.ask_ahead(record, ROWS[::7].astype(np.uint64))
     assert 1 <= asked <= len(raw) // be.env.stat()["psize"]
+
+
+def test_py_lmdb_reads_ask_ahead_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(lmdb_backend, "PAGE_READS", False)  # the page walker off: py-lmdb reads
+    be = LmdbBackend(tmp_path / "s")
+    try:
+        be.put({"t": (ROWS, (ROWS[:, None] * 10 + np.arange(W)).astype(np.float32))})
+        rows = np.array([9, 3, 4, 0, 89_997, 10**6], dtype=np.int64)
+        data, found = be.get("t", rows, W, ahead=True)
+        ref_data, ref_found = be.get("t", rows, W)
+        assert found.tolist() == [True, True, False, True, True, False]
+        assert np.array_equal(found, ref_found)
+        assert np.array_equal(data.view(np.uint32), ref_data.view(np.uint32))
+        assert np.array_equal(data[0], 90 + np.arange(W, dtype=np.float32))
+    finally:
+        be.close()

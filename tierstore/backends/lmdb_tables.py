@@ -78,13 +78,14 @@ class TableRows:
                 return out, found
             pages = self._pages if self.map_resident is None and self._page_reads else None
             got = None
+            srt = rows[order]
             if pages is not None:
-                srt = rows[order]
                 try:
                     with self.env.begin() as txn:  # pins the snapshot the pages belong to
                         record = txn.get(b"t:" + table.encode())
                         if ahead:
                             pages.ask_ahead(record, srt.astype(np.uint64))
+                            ahead = False  # asked: a fallback to py-lmdb does not ask again
                         got = pages.lookup(record, srt.astype(np.uint64), width * 4 + CHECK_BYTES)
                 except lmdb.Error as exc:
                     self._raise_io(exc)
@@ -94,9 +95,10 @@ class TableRows:
                 try:
                     with self.env.begin(db=db) as txn:
                         if self._pages is not None:  # LMDB trusts its pages: check them first
-                            self._pages.check_paths(txn.get(b"t:" + table.encode(),
-                                                            db=self.env.open_db(None)),
-                                                    rows[order].astype(np.uint64), txn.id())
+                            record = txn.get(b"t:" + table.encode(), db=self.env.open_db(None))
+                            if ahead:
+                                self._pages.ask_ahead(record, srt.astype(np.uint64))
+                            self._pages.check_paths(record, srt.astype(np.uint64), txn.id())
                         for i in range(0, n, GET_CHUNK):  # bounded pieces: trim the map in between
                             vals += map(txn.get, keys[i:i + GET_CHUNK])  # a C loop; None if missing
                             self._note_touch()
