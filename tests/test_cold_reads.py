@@ -23,12 +23,14 @@ def test_the_pool_goes_cold_when_reads_wait_and_back_when_they_do_not():
         assert all("cold" in n for n in names)
         pool.observe(1000, 1000 * 10e-6, 1000 * 1e-6)  # asked ahead: faster, still waiting
         assert pool.cold and pool.cold_batches == 2  # stays cold (COLD_STAY_ROW_S)
+        pool.observe(1000, 1000 * 20e-6, 1000 * 12e-6)  # the submissions' CPU: still cold
+        assert pool.cold and pool.cold_batches == 3
         pool.observe(1000, 1000 * 150e-6, 1000 * 140e-6)  # slow but on the CPU: not the disk
         assert not pool.cold
         pool.observe(1000, 1000 * 10e-6, 1000 * 1e-6)  # not cold: 10 us a row does not make it so
         assert not pool.cold
         pool.observe(1000, 1000 * 1e-6, 1000 * 0.1e-6)  # fast: the page cache
-        assert not pool.cold and pool.cold_batches == 2
+        assert not pool.cold and pool.cold_batches == 3
         pool.observe(0, 0.0, 0.0)  # nothing read: no change
         assert not pool.cold
     finally:
@@ -42,6 +44,7 @@ def test_cold_reads_train_the_same_bits(tmp_path, monkeypatch):
     monkeypatch.setattr(reads, "COLD_ROW_S", 0.0)  # every batch's reads count as cold
     monkeypatch.setattr(reads, "COLD_STAY_ROW_S", 0.0)  # (and ask the disk ahead: ask_ahead)
     monkeypatch.setattr(reads, "COLD_CPU_SHARE", 10.0)
+    monkeypatch.setattr(reads, "COLD_STAY_CPU_SHARE", 10.0)
     monkeypatch.setattr(reads, "COLD_PART_ROWS", 1)
     got, stats = _train(tmp_path / "cold", 2, device_capacity=4, host_capacity=8)
     assert stats["prefetch"]["cold_read_batches"] > 0

@@ -23,6 +23,7 @@ def always_cold(monkeypatch):
     monkeypatch.setattr(reads, "COLD_ROW_S", 0.0)
     monkeypatch.setattr(reads, "COLD_STAY_ROW_S", 0.0)
     monkeypatch.setattr(reads, "COLD_CPU_SHARE", 10.0)
+    monkeypatch.setattr(reads, "COLD_STAY_CPU_SHARE", 10.0)
 
 
 def _train(path, steps=30, depth=2, **pf_kw):

@@ -15,9 +15,12 @@ import torch
 # on the CPU throughout; a 4 KiB random read from an SSD takes 50-500 us
 COLD_ROW_S = 20e-6
 COLD_CPU_SHARE = 0.5
-# reads asked ahead (below) take less wall time a row than COLD_ROW_S on a fast disk: they stay
-# cold while a row takes more than COLD_STAY_ROW_S and the threads still wait most of the time
+# reads asked ahead take less wall time a row than COLD_ROW_S on a fast disk, and more of it on
+# the CPU (the kernel's work to submit each read: ~10 us a row, against ~22 us of wall at 89k
+# IOPS on two readers): they stay cold while a row takes more than COLD_STAY_ROW_S and the
+# threads wait for a fifth of the time or more. Page-cached reads take ~1-2 us a row on the CPU
 COLD_STAY_ROW_S = 5e-6
+COLD_STAY_CPU_SHARE = 0.8
 # reader threads while reads are cold: enough reads in flight for a disk's queue depth (the
 # page reader and py-lmdb release the GIL while they wait on a page fault). 0: off, the default
 # until an A/B on a quiet machine shows a gain (BENCHMARKS.md: one run 1.56x slower, one faster)
@@ -64,8 +67,9 @@ class ReaderPool:
         """Learn from a batch's reads (`rows` rows, their tasks' wall and CPU seconds in all)."""
         if rows <= 0 or seconds <= 0:
             return
-        slow = COLD_STAY_ROW_S if self.cold else COLD_ROW_S
-        self.cold = seconds / rows > slow and cpu_seconds < COLD_CPU_SHARE * seconds
+        slow, share = (COLD_STAY_ROW_S, COLD_STAY_CPU_SHARE) if self.cold else \
+            (COLD_ROW_S, COLD_CPU_SHARE)
+        self.cold = seconds / rows > slow and cpu_seconds < share * seconds
         self.cold_batches += self.cold
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
