@@ -40,7 +40,7 @@ TARGETS: tuple[tuple[type, str], ...] = (
     (PinnedSteps, "_expire_scratch"),
     (Cascade, "access"), (Cascade, "_read_in_place"), (Cascade, "_fetch_misses"),
     (Cascade, "place"), (Cascade, "uncached"), (Cascade, "write_down"),
-    (RowLoader, "load"), (RowLoader, "read_stored"),
+    (RowLoader, "load"), (RowLoader, "load_many"), (RowLoader, "read_stored"),
     (SlabTier, "lookup"), (SlabTier, "touch"), (SlabTier, "pin"), (SlabTier, "insert"),
     (SlabTier, "remove"), (SlabTier, "_evict"), (SlabTier, "_fill"), (SlabTier, "_take"),
     (SlabTier, "_release"), (SlabTier, "admit"),

@@ -876,6 +876,43 @@ def test_one_log_read_for_all_tables_returns_each_rows_newest_version(tmp_path, 
             assert not data[~found].any()
 
 
+def test_load_many_reads_the_log_once_and_equals_each_table_read_alone(tmp_path, monkeypatch):
+    """`RowLoader.load_many` (staging's load: one log read for every table) returns what
+    `read_stored` of each table alone returns, zero-padded to the store's width, with the lazy
+    init where a row was never written; tables of two widths, rows in the log, in the tables
+    only, and never written; the log is read once, not once a table."""
+    from tierstore.backends import wal
+
+    monkeypatch.setattr(wal.writelog, "CHUNK_ROWS", 7)
+    specs = [ts.TableSpec("a", 10**6, 4), ts.TableSpec("b", 10**6, 6), ts.TableSpec("c", 10**6, 4)]
+    with _log_only_store(tmp_path, specs) as s:
+        rng = np.random.default_rng(5)
+        want: dict[tuple[int, int], np.ndarray] = {}
+        for _ in range(2):
+            _append_random(s, specs, rng, 300, 1500, want)
+        s.log.merge()  # these versions now live in the tables
+        for _ in range(3):
+            _append_random(s, specs, rng, 300, 1500, want)
+        tabs = [s.table_record(spec.name) for spec in specs]
+        rows = [torch.from_numpy(np.sort(rng.choice(2000, 300, replace=False)).astype(np.int64))
+                for _ in specs]
+        reads = []
+        real = s.log.read_entries
+        monkeypatch.setattr(s.log, "read_entries", lambda *a: reads.append(len(a[0])) or real(*a))
+        got = s.loader.load_many(list(zip(tabs, rows)))
+        assert len(reads) == 1 and reads[0] > 0  # every table's log entries in one read
+        for t, (spec, tab, r, out) in enumerate(zip(specs, tabs, rows, got)):
+            data, found = s.loader.read_stored(tab, r.numpy())
+            assert out.shape == (len(r), s.width) and not out[:, spec.row_dim :].any()
+            assert np.array_equal(found, np.array([(t, x) in want for x in r.tolist()]))
+            assert torch.equal(out[torch.from_numpy(found), : spec.row_dim],
+                               torch.from_numpy(data[found]))
+            assert torch.equal(out, s.loader.load(tab, r))  # and what a load of the table gives
+            lazy = ~found
+            init = spec.init(tab.key, r.numpy()[lazy], spec.dim)
+            assert np.array_equal(out.numpy()[lazy, : spec.weight_cols], init)
+
+
 def test_a_log_read_reports_entries_merged_meanwhile_as_not_found(tmp_path):
     """`WriteLog.read_entries` finds the entries still in the log and reports merged ones as not
     found (the reader then takes them from the table), for rows of several tables at once."""

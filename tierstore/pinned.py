@@ -167,12 +167,12 @@ class PinnedSteps:
         host) per table.
 
         The keys of all tables go through each step together: one device lookup, one pin of the
-        hits, one host lookup and removal of the misses it holds, the rest loaded table by
-        table (`loader.load`: ring, read-ahead buffers, LMDB), and one `cascade.place` of every miss. So the
-        per-call work of each step (index probes, victim choice, policy and index updates, the
-        hand-off to the write-behind ring) is done once a batch instead of once a table. Which
-        rows land where may differ from staging table by table (victims are chosen once, with
-        every hit protected); no value does.
+        hits, one host lookup and removal of the misses it holds, the rest loaded together
+        (`loader.load_many`: ring and read-ahead buffers table by table, then one log read for
+        every table, then LMDB), and one `cascade.place` of every miss. So the per-call work
+        of each step (index probes, victim choice, policy and index updates, the hand-off to
+        the write-behind ring) is done once a batch instead of once a table. Which rows land where may differ
+        from staging table by table (victims are chosen once, with every hit protected); no value does.
         """
         dev, host = self.device_tier, self.host_tier
         sizes = [int(uniq.numel()) for _, uniq in items]
@@ -210,9 +210,11 @@ class PinnedSteps:
                 nh_of = torch.bincount(mseg[hidx], minlength=len(items))
             cold = torch.nonzero(~hhit).flatten()
             cseg = mseg[cold]
-            for i in torch.unique(cseg).tolist():  # loaded table by table, in key order
-                at = cold[cseg == i]
-                payload.index_copy_(0, at, self.loader.load(items[i][0], mrows[at]))
+            which = torch.unique(cseg).tolist()  # each table's rows in key order, all loaded at once
+            ats = [cold[cseg == i] for i in which]
+            loaded = self.loader.load_many([(items[i][0], mrows[at]) for i, at in zip(which, ats)])
+            for at, got in zip(ats, loaded):
+                payload.index_copy_(0, at, got)
             moving, placed = Rows(mtabs, mrows, payload, dirty, pins), miss
             pad = self._refused(cold, mtabs, mrows)
             if pad is not None:  # refused by the policy: to the scratch pad while it has room

@@ -52,53 +52,90 @@ class RowLoader:
         LMDB when they were in no cache and not in the ring, valid while every row written
         since is still in the ring (so any newer version would have been found there).
         """
-        spec = tab.spec
-        rows_np = rows.numpy()
-        n = len(rows_np)
-        data = np.zeros((n, spec.row_dim), dtype=np.float32)
-        found = np.zeros(n, dtype=bool)
-        known = np.zeros(n, dtype=bool)
-        if n and self.writeback.tail:
-            hit, wdata = self.writeback.lookup(tab.index, rows)
-            if wdata.shape[0]:
-                h = hit.numpy()
-                data[h] = wdata[:, : spec.row_dim].numpy()
-                found |= h
-                known |= h
-        ahead = self.readahead.get(spec.name)
-        if ahead and not known.all():
-            self._read_ahead(tab, ahead, rows_np, data, found, known)
-        need = ~known
-        nneed = int(np.count_nonzero(need))
-        if nneed:
-            t0 = time.perf_counter()
-            part = rows_np if nneed == n else rows_np[need]
-            got, gfound = self.read_stored(tab, part)
-            side = "training" if threading.current_thread() is threading.main_thread() else "background"
-            self.io_seconds[side] += time.perf_counter() - t0
-            if nneed == n:
-                data, found = (got if got.flags.writeable else got.copy()), gfound
-            else:
-                data[need] = got
-                found[need] = gfound
-            nfound = int(np.count_nonzero(gfound))
-            st = self.ssd_stats
-            st.lookups += nneed
-            st.hits += nfound
-            st.misses += nneed - nfound
-            st.bytes_read += nfound * (spec.row_dim + 1) * 4
-        if self.expiry.cutoffs:  # rows stamped below their table's expiry cutoff read as missing
-            data, found = self.expiry.stale_mask(tab.index, data, found, spec.stamp_col)
-        nfound = int(np.count_nonzero(found))
-        if nfound < n:
-            lazy = ~found
-            init = spec.init(tab.key, rows_np[lazy], spec.dim)
-            data[lazy, : spec.weight_cols] = spec.codec.encode(torch.from_numpy(init)).numpy() \
-                if spec.codec.packed else init
-        out = torch.from_numpy(data)
-        if spec.row_dim < self.width:  # narrower table: zero tail columns
-            out = torch.nn.functional.pad(out, (0, self.width - spec.row_dim))
+        return self.load_many([(tab, rows)])[0]
+
+    def load_many(self, items: list[tuple[_Table, torch.Tensor]]) -> list[torch.Tensor]:
+        """`load` of several tables' rows at once: [n, width] per (table, rows), in order.
+
+        The rows no ring or read-ahead buffer holds are read below with one pass over the log
+        for all tables (a log read walks every chunk holding a wanted entry, and a few rows of
+        each table are spread over most of the log), then table by table from LMDB.
+        """
+        parts = []  # per item: (rows_np, data, found, known)
+        for tab, rows in items:
+            spec = tab.spec
+            rows_np = rows.numpy()
+            n = len(rows_np)
+            data = np.zeros((n, spec.row_dim), dtype=np.float32)
+            found = np.zeros(n, dtype=bool)
+            known = np.zeros(n, dtype=bool)
+            if n and self.writeback.tail:
+                hit, wdata = self.writeback.lookup(tab.index, rows)
+                if wdata.shape[0]:
+                    h = hit.numpy()
+                    data[h] = wdata[:, : spec.row_dim].numpy()
+                    found |= h
+                    known |= h
+            ahead = self.readahead.get(spec.name)
+            if ahead and not known.all():
+                self._read_ahead(tab, ahead, rows_np, data, found, known)
+            parts.append((rows_np, data, found, known))
+        self._read_needed(items, parts)
+        out = []
+        for (tab, _), (rows_np, data, found, _) in zip(items, parts):
+            spec = tab.spec
+            if self.expiry.cutoffs:  # rows stamped below their table's expiry cutoff read as missing
+                data, found = self.expiry.stale_mask(tab.index, data, found, spec.stamp_col)
+            if int(np.count_nonzero(found)) < len(rows_np):
+                lazy = ~found
+                init = spec.init(tab.key, rows_np[lazy], spec.dim)
+                data[lazy, : spec.weight_cols] = spec.codec.encode(torch.from_numpy(init)).numpy() \
+                    if spec.codec.packed else init
+            got = torch.from_numpy(data)
+            if spec.row_dim < self.width:  # narrower table: zero tail columns
+                got = torch.nn.functional.pad(got, (0, self.width - spec.row_dim))
+            out.append(got)
         return out
+
+    def _read_needed(self, items: list[tuple[_Table, torch.Tensor]], parts: list) -> None:
+        """Read the rows `load_many` found in no ring or buffer (`known` False) into `parts`:
+        the log's entries of all tables in one read, the rest from each table in LMDB."""
+        t0 = time.perf_counter()
+        need = [np.flatnonzero(~known) for _, _, _, known in parts]
+        if not any(len(x) for x in need):
+            return
+        lkeys, lpos, ltabs, lrows, lseqs, rest = [], [], [], [], [], []
+        for k, ((tab, _), (rows_np, _, _, _), at) in enumerate(zip(items, parts, need)):
+            seqs = self.log.lookup(tab.index, torch.from_numpy(rows_np[at])) if len(at) else at
+            inlog = seqs >= 0
+            rest.append(at[~inlog])
+            if inlog.any():
+                lkeys.append(np.full(int(np.count_nonzero(inlog)), k, dtype=np.int64))
+                lpos.append(at[inlog])
+                ltabs.append(np.full(len(lpos[-1]), tab.index, dtype=np.int64))
+                lrows.append(rows_np[at[inlog]])
+                lseqs.append(seqs[inlog])
+        if lseqs:  # one pass over the log's chunks for every table's entries
+            which, pos = np.concatenate(lkeys), np.concatenate(lpos)
+            ldata, lfound = self.read_log_entries(np.concatenate(ltabs), np.concatenate(lrows),
+                                                  np.concatenate(lseqs), self.width)
+            for k in np.unique(which).tolist():
+                sel = np.flatnonzero(which == k)
+                (_, data, found, _), w = parts[k], items[k][0].spec.row_dim
+                data[pos[sel]] = ldata[sel, :w]
+                found[pos[sel]] = lfound[sel]
+        for (tab, _), (rows_np, data, found, _), at in zip(items, parts, rest):
+            if len(at):
+                data[at], found[at] = self.read_table(tab, rows_np[at])
+        side = "training" if threading.current_thread() is threading.main_thread() else "background"
+        self.io_seconds[side] += time.perf_counter() - t0
+        st = self.ssd_stats
+        for (tab, _), (_, _, found, _), at in zip(items, parts, need):
+            nfound = int(np.count_nonzero(found[at]))
+            st.lookups += len(at)
+            st.hits += nfound
+            st.misses += len(at) - nfound
+            st.bytes_read += nfound * (tab.spec.row_dim + 1) * 4
 
     def read_ahead_mark(self) -> tuple[int, int]:
         """What a read-ahead starting now must remember: (ring tail, log's next sequence number)."""
