@@ -77,8 +77,9 @@ class PinnedSteps:
         """Hand the scratch pad's rows whose last pin dropped to the write-behind ring (dirty
         ones; a clean one's newest version is below the caches already). Store lock held."""
         rows = self.device_tier.take_expired()
-        if rows is not None and bool(rows.dirty.any()):
-            self.cascade.write_down(rows.take(rows.dirty))
+        if rows is not None and bool(rows.dirty.any()):  # all dirty, as a rule (their step
+            # updated them): then no second copy of the rows
+            self.cascade.write_down(rows if bool(rows.dirty.all()) else rows.take(rows.dirty))
 
     def drain_hits(self) -> None:
         """Count the hits of lock-free gathers and report the use to the policy (store lock held).

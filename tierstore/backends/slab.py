@@ -30,10 +30,19 @@ class Rows:
     def __len__(self) -> int:
         return int(self.rows.numel())
 
-    def take(self, sel: torch.Tensor) -> Rows:
-        """Rows selected by an index or mask tensor."""
-        return Rows(self.tabs[sel], self.rows[sel], self.payload[sel], self.dirty[sel],
-                    None if self.pins is None else self.pins[sel])
+    def take(self, sel: torch.Tensor | slice) -> Rows:
+        """Rows selected by an index or mask tensor (copies), or by a slice (views)."""
+        if isinstance(sel, slice):
+            return Rows(self.tabs[sel], self.rows[sel], self.payload[sel], self.dirty[sel],
+                        None if self.pins is None else self.pins[sel])
+        # index_select, not advanced indexing: ~3x faster on [n, width] payloads on the CPU
+        idx = torch.nonzero(sel).flatten() if sel.dtype == torch.bool else sel
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, idx if idx.device == t.device else idx.to(t.device))
+
+        return Rows(pick(self.tabs), pick(self.rows), pick(self.payload), pick(self.dirty),
+                    None if self.pins is None else pick(self.pins))
 
     def to(self, device: torch.device) -> Rows:
         """The same rows on another device."""
