@@ -29,6 +29,12 @@ class TierStats:
     bytes_written: int = 0
     scratch_rows: int = 0  # rows staged in the scratch pad (refused by the policy; device tier)
 
+    def count_lookups(self, n: int, hits: int) -> None:
+        """Add `n` lookups, `hits` of which hit."""
+        self.lookups += n
+        self.hits += hits
+        self.misses += n - hits
+
     @property
     def hit_rate(self) -> float:
         """Hits over lookups (0 when nothing was looked up)."""

@@ -173,10 +173,7 @@ class SetTier:
 
     def count_lookups(self, n: int, hits: int) -> None:
         """Add `n` lookups, `hits` of which hit, to the tier's counters."""
-        st = self.stats
-        st.lookups += n
-        st.hits += hits
-        st.misses += n - hits
+        self.stats.count_lookups(n, hits)
 
     def touch(self, slots: torch.Tensor) -> None:
         """Stamp these lines as used now, then advance the clock."""

@@ -150,10 +150,7 @@ class SlabTier:
 
     def count_lookups(self, n: int, hits: int) -> None:
         """Add `n` lookups, `hits` of which hit, to the tier's counters."""
-        st = self.stats
-        st.lookups += n
-        st.hits += hits
-        st.misses += n - hits
+        self.stats.count_lookups(n, hits)
 
     def touch(self, slots: torch.Tensor) -> None:
         """Tell the policy these resident slots were used (scratch-pad rows by key: `on_pass`)."""
