@@ -105,3 +105,36 @@ def test_full_power_of_two_index_finds_slot_zero_and_misses_on_both_paths():
         back = idx.find(torch.zeros(3, dtype=torch.int64), torch.tensor([100, 107, 108]))
         assert back.tolist() == [-1, -1, 8]
         idx.check()
+
+
+RING_OPS = st.lists(st.tuples(st.lists(KEYS, max_size=12), st.integers(0, 39)), max_size=30)
+
+
+@settings(max_examples=examples())
+@given(ops=RING_OPS, capacity=st.integers(1, 40), kernels=st.sampled_from(["numba", "torch", "mixed"]))
+def test_assign_matches_a_dict_of_newest_slots(ops, capacity, kernels):
+    """`assign` (the write-behind ring's put): a reused slot forgets its key, a present key
+    moves to its new slot; both paths, interleaved with torch tombstones and removals."""
+    idx = HashIndex(capacity)
+    ref: dict[tuple[int, int], int] = {}
+    tail = 0
+    for step, (keys, drop) in enumerate(ops):
+        idx.use_kernels = kernels == "numba" or (kernels == "mixed" and step % 2 == 0)
+        new = list(dict.fromkeys(keys))[:capacity]
+        slots = [(tail + i) % capacity for i in range(len(new))]
+        tail += len(new)
+        for k, s in zip(new, slots):
+            ref = {key: v for key, v in ref.items() if v != s and key != k}
+            ref[k] = s
+        idx.assign(torch.tensor([k[0] for k in new], dtype=torch.int64),
+                   torch.tensor([k[1] for k in new], dtype=torch.int64),
+                   torch.tensor(slots, dtype=torch.int64))
+        if drop < len(ref) and step % 3 == 2:  # a removal now and then leaves torch tombstones
+            key = list(ref)[drop]
+            idx.remove(torch.tensor([ref.pop(key)]))
+        idx.check()
+        assert idx.held(torch.arange(capacity)).tolist() == [s in ref.values() for s in range(capacity)]
+        probe = list(ref) + keys
+        if probe:
+            got = idx.find(torch.tensor([k[0] for k in probe]), torch.tensor([k[1] for k in probe]))
+            assert got.tolist() == [ref.get(k, -1) for k in probe]

@@ -200,6 +200,78 @@ if HAVE_NUMBA:
                     i = j
         return tombs
 
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _delete_at(table, pos_of, i, mask):  # pragma: no cover - compiled
+        """Empty position i of the table by backward shift; return 1 if it became a tombstone."""
+        j = i
+        while True:
+            j = (j + 1) & mask
+            e = table[j, 0]
+            if e == -1:
+                table[i, 0] = -1
+                return 0
+            if e == -2:
+                table[i, 0] = -2
+                return 1
+            h = _home(e >> SLOT_BITS, table[j, 1], mask)
+            if ((j - h) & mask) >= ((j - i) & mask):  # home not in (i, j]: may move to i
+                table[i, 0] = e
+                table[i, 1] = table[j, 1]
+                pos_of[e & SLOT_MASK] = i
+                i = j
+
+    @numba.njit(cache=True, nogil=True)
+    def hash_assign(table, pos_of, tabs, rows, slots, mask):  # pragma: no cover - compiled
+        """Map each key (distinct) to its slot in one probe: a slot that held another key drops
+        it first, and a key already present moves to its new slot in place (else it is
+        inserted). Return (live keys added, tombstones left minus reused, max probe distance)."""
+        added = 0
+        tombs = 0
+        maxd = 0
+        n = rows.shape[0]
+        pos2 = pos_of.reshape(-1, 1)  # a 2-D view for the prefetch hint
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch(table, _home(tabs[j], rows[j], mask), 0)
+                prefetch(pos2, slots[j], 0)
+            t = tabs[i]
+            r = rows[i]
+            s = slots[i]
+            q = pos_of[s]
+            if q >= 0:  # the slot's previous key leaves the index
+                pos_of[s] = -1
+                tombs += _delete_at(table, pos_of, q, mask)
+                added -= 1
+            h = _home(t, r, mask)
+            p = h
+            free = -1
+            while True:
+                e = table[p, 0]
+                if e == -1:
+                    break
+                if e == -2:
+                    if free < 0:
+                        free = p
+                elif table[p, 1] == r and (e >> SLOT_BITS) == t:
+                    break
+                p = (p + 1) & mask
+            e = table[p, 0]
+            if e >= 0:  # present: the key moves to slot s in place
+                pos_of[e & SLOT_MASK] = -1
+                added -= 1
+            elif free >= 0:
+                p = free
+                tombs -= 1
+            table[p, 0] = (t << SLOT_BITS) | s
+            table[p, 1] = r
+            pos_of[s] = p
+            added += 1
+            d = (p - h) & mask
+            if d > maxd:
+                maxd = d
+        return added, tombs, maxd
+
     @numba.njit(cache=True, nogil=True)
     def distinct(ids, bits):  # pragma: no cover - compiled
         """The distinct ids in first-occurrence order, by a 2**bits-slot hash set (`dedup` without

@@ -137,6 +137,35 @@ class HashIndex:
         self.live += n
         self.tombs -= landed_on_tomb
 
+    def assign(self, tabs: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Map distinct keys to distinct `slots`: a slot's previous key is dropped, and a key
+        already present moves to its new slot (one probe a key on CPU)."""
+        n = rows.numel()
+        if slots.numel() != n:  # the kernel trusts its input: a mismatch would write out of bounds
+            raise ShapeError(f"{n} keys but {slots.numel()} slots")
+        if n == 0:
+            return
+        tabs = tabs.expand(n) if tabs.dim() == 0 or tabs.numel() == 1 else tabs
+        if self.fast(rows):
+            # every key sits in a slot, so live keys never pass `capacity`: only tombstones fill up
+            if (min(self.live + n, self.capacity) + self.tombs) * 20 > self.size * 17:
+                self._rebuild()
+            added, tombs, maxd = _kernels.hash_assign(
+                self.table.numpy(), self.pos_of.numpy(), tabs.reshape(-1).contiguous().numpy(),
+                rows.contiguous().numpy(), slots.contiguous().numpy(), self.mask)
+            self.live += int(added)
+            self.tombs += int(tombs)
+            self.max_probe = max(self.max_probe, int(maxd))
+            return
+        old = self.find(tabs, rows)
+        self.remove(old[old >= 0])
+        self.remove(slots[self.pos_of[slots] >= 0])
+        self.add(tabs, rows, slots)
+
+    def held(self, slots: torch.Tensor) -> torch.Tensor:
+        """Mask of the slots that hold a key."""
+        return self.pos_of[slots] >= 0
+
     def keys(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(table index, row id) of each present slot."""
         if self.fast(slots) and slots.dim() == 1 and slots.dtype == torch.int64:

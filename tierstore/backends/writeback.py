@@ -52,7 +52,6 @@ class WriteBehind:
         self.payload = torch.zeros((self.capacity, width), dtype=torch.float32)
         self._tabs = np.zeros(self.capacity, dtype=np.int64)
         self._rows = np.zeros(self.capacity, dtype=np.int64)
-        self._indexed = np.zeros(self.capacity, dtype=bool)  # slot holds its key's newest version
         self.index = HashIndex(self.capacity)
         self.tail = 0  # next position to fill
         self.head = 0  # positions below are committed to LMDB
@@ -113,22 +112,12 @@ class WriteBehind:
     def _append(self, part: Rows) -> None:
         k = len(part)
         tabs, rows = part.tabs.reshape(-1).contiguous(), part.rows.contiguous()
-        # the newest version wins: drop older ring versions of these keys from the index
-        old = self.index.find(tabs, rows)
-        hit = old >= 0
-        if bool(hit.any()):
-            olds = old[hit]
-            self.index.remove(olds)
-            self._indexed[olds.numpy()] = False
         slots = torch.arange(self.tail, self.tail + k, dtype=torch.int64) % self.capacity
         s = slots.numpy()
-        # reused slots were committed (tail - capacity < head): forget their keys if still indexed
-        stale = s[self._indexed[s]]
-        if stale.size:
-            self.index.remove(torch.from_numpy(stale))
-            self._indexed[stale] = False
-        self.index.add(tabs, rows, slots)
-        self._indexed[s] = True
+        # one pass: a reused slot (committed, tail - capacity < head) forgets its key, and a key
+        # with an older ring version moves to its new slot (the newest version wins; the writer
+        # skips slots that no longer hold a key)
+        self.index.assign(tabs, rows, slots)
         self._tabs[s] = tabs.numpy()
         self._rows[s] = rows.numpy()
         self.payload.index_copy_(0, slots, part.payload)
@@ -161,7 +150,6 @@ class WriteBehind:
         self.payload = torch.zeros((cap, self.width), dtype=torch.float32)
         self._tabs = np.zeros(cap, dtype=np.int64)
         self._rows = np.zeros(cap, dtype=np.int64)
-        self._indexed = np.zeros(cap, dtype=bool)
         self.index = HashIndex(cap)
         self.head = self.tail
         self._floor = self.tail
@@ -230,7 +218,7 @@ class WriteBehind:
                     return
                 lo, hi = self.head, min(self.tail, self.head + self.chunk)
                 slots = np.arange(lo, hi, dtype=np.int64) % self.capacity
-                live = slots[self._indexed[slots]]  # superseded versions are skipped
+                live = slots[self.index.held(torch.from_numpy(slots)).numpy()]  # skips superseded
                 tabs, rows = self._tabs[live], self._rows[live]
             if self.delay is not None:
                 time.sleep(self.delay())
