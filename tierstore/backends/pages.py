@@ -115,6 +115,13 @@ if HAVE_NUMBA:
                     return 1
         return 0
 
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _spread(k, lb, has_lb, ub, has_ub, n):  # pragma: no cover - compiled
+        """Node index of key k were a page's n keys spread evenly over [lb, ub); -1 unknown."""
+        if not (has_lb and has_ub and ub > lb and n > 1):
+            return -1
+        return int(np.float64(k - lb) * np.float64(n) / np.float64(ub - lb))
+
     @numba.njit(nogil=True, cache=True)
     def find_spans(mem, psize, root, keys, offs, lens, info, full, verified):  # pragma: no cover
         """Where each key's value lies in `mem` (offs[i], lens[i]; offs[i] = -1 when absent).
@@ -164,8 +171,15 @@ if HAVE_NUMBA:
                         verified[pg] = True
                     lo, hi = 0, n - 1  # the last node whose key <= k; node 0's key is -infinity
                     clb, has_clb = lb, has_lb
+                    # probe first where the keys spread evenly would put k, then its neighbour
+                    # on the side the probe leaves open (child ranges are near even: 2 probes)
+                    guess = _spread(k, lb, has_lb, ub, has_ub, n)
                     while lo < hi:
-                        mid = (lo + hi + 1) >> 1
+                        if lo < guess <= hi:
+                            mid = guess
+                        else:
+                            mid = (lo + hi + 1) >> 1
+                        guess = -1
                         node = _node_key(mem, base, psize, upper, 0, mid, info, pg)
                         if node < 0:
                             return 3
@@ -177,9 +191,11 @@ if HAVE_NUMBA:
                             lo = mid
                             clb, has_clb = key, True
                             lb, has_lb = key + np.uint64(1), True
+                            guess = mid + 1 if mid < hi else -1
                         else:
                             hi = mid - 1
                             ub, has_ub = key, True
+                            guess = mid - 1 if mid - 1 > lo else -1
                     node = base + _u16(mem, base + 16 + 2 * lo)
                     if node < base + upper or node + 8 > base + psize:
                         info[0], info[1] = pg, 5
@@ -204,8 +220,15 @@ if HAVE_NUMBA:
                             return st
                         verified[pg] = True
                     lo, hi = 0, n - 1
+                    # first probe where the key would sit were the leaf's keys spread evenly
+                    # over the range its parent gives (row ids are dense: often the key itself)
+                    guess = _spread(k, lb, has_lb, ub, has_ub, n)
                     while lo <= hi:
-                        mid = (lo + hi) >> 1
+                        if lo <= guess <= hi:
+                            mid = guess
+                            guess = -1
+                        else:
+                            mid = (lo + hi) >> 1
                         node = _node_key(mem, base, psize, upper, align, mid, info, pg)
                         if node < 0:
                             return 3
