@@ -197,3 +197,23 @@ def test_trimmed_map_uses_py_lmdb(tmp_path, monkeypatch):
 
 def test_lmdb_version_has_the_page_layout_we_read():
     assert lmdb.version()[:2] == (0, 9)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 30_000), gaps=st.lists(st.integers(0, 30_000), max_size=400),
+       probes=st.lists(st.integers(0, 31_000), min_size=1, max_size=300))
+def test_dense_rows_with_gaps_read_like_py_lmdb(tmp_path_factory, n, gaps, probes):
+    """Dense row ids (the first probe of a page's search lands on the key) and gaps in them
+    (it lands beside it, then bisects): the page reader agrees with py-lmdb and the writes."""
+    be = LmdbBackend(tmp_path_factory.mktemp("dense"))
+    try:
+        rows = np.setdiff1d(np.arange(n, dtype=np.int64), np.asarray(gaps, dtype=np.int64))
+        if len(rows):
+            be.put({"t": (rows, _payload(rows, 0))})
+        q = np.concatenate([np.asarray(probes, dtype=np.int64), rows[::7]])
+        (fo, ff), (so, sf) = _both(be, "t", q)
+        assert np.array_equal(ff, sf) and np.array_equal(fo, so)
+        assert np.array_equal(ff, np.isin(q, rows))
+        assert np.array_equal(fo[ff], _payload(q[ff], 0))
+    finally:
+        be.close()
