@@ -160,6 +160,26 @@ if HAVE_NUMBA:
                 maxd = d
         return reused, maxd
 
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _delete_at(table, pos_of, i, mask):  # pragma: no cover - compiled
+        """Empty position i of the table by backward shift; return 1 if it became a tombstone."""
+        j = i
+        while True:
+            j = (j + 1) & mask
+            e = table[j, 0]
+            if e == -1:
+                table[i, 0] = -1
+                return 0
+            if e == -2:
+                table[i, 0] = -2
+                return 1
+            h = _home(e >> SLOT_BITS, table[j, 1], mask)
+            if ((j - h) & mask) >= ((j - i) & mask):  # home not in (i, j]: may move to i
+                table[i, 0] = e
+                table[i, 1] = table[j, 1]
+                pos_of[e & SLOT_MASK] = i
+                i = j
+
     @numba.njit(cache=True, nogil=True)
     def hash_remove(table, pos_of, slots, mask):  # pragma: no cover
         """Delete the keys held by `slots` by backward shift; return tombstones left (see below).
@@ -181,44 +201,8 @@ if HAVE_NUMBA:
             s = slots[k]
             i = pos_of[s]
             pos_of[s] = -1
-            j = i
-            while True:
-                j = (j + 1) & mask
-                e = table[j, 0]
-                if e == -1:
-                    table[i, 0] = -1
-                    break
-                if e == -2:
-                    table[i, 0] = -2
-                    tombs += 1
-                    break
-                h = _home(e >> SLOT_BITS, table[j, 1], mask)
-                if ((j - h) & mask) >= ((j - i) & mask):  # home not in (i, j]: may move to i
-                    table[i, 0] = e
-                    table[i, 1] = table[j, 1]
-                    pos_of[e & SLOT_MASK] = i
-                    i = j
+            tombs += _delete_at(table, pos_of, i, mask)
         return tombs
-
-    @numba.njit(cache=True, nogil=True, inline="always")
-    def _delete_at(table, pos_of, i, mask):  # pragma: no cover - compiled
-        """Empty position i of the table by backward shift; return 1 if it became a tombstone."""
-        j = i
-        while True:
-            j = (j + 1) & mask
-            e = table[j, 0]
-            if e == -1:
-                table[i, 0] = -1
-                return 0
-            if e == -2:
-                table[i, 0] = -2
-                return 1
-            h = _home(e >> SLOT_BITS, table[j, 1], mask)
-            if ((j - h) & mask) >= ((j - i) & mask):  # home not in (i, j]: may move to i
-                table[i, 0] = e
-                table[i, 1] = table[j, 1]
-                pos_of[e & SLOT_MASK] = i
-                i = j
 
     @numba.njit(cache=True, nogil=True)
     def hash_assign(table, pos_of, tabs, rows, slots, mask):  # pragma: no cover - compiled
