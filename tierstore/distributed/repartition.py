@@ -27,7 +27,7 @@ from ..persistence import (
 )
 from ..store import TierStore
 from .plan import ShardingPlan, make_plan
-from .store import MANIFEST, PLAN_FILE, read_json, read_sharded_manifest, shard_dir, write_json
+from .store import MANIFEST, PLAN_FILE, read_json, read_sharded_manifest, shard_dir
 
 
 def sharded_plan_of(src: str | os.PathLike) -> ShardingPlan | None:
@@ -138,8 +138,7 @@ def import_sharded(src: str | os.PathLike, path: str | os.PathLike, world_size: 
         finally:
             for s in stores:
                 s.close()
-        write_json(root / PLAN_FILE, {"plan": plan.to_config(), "seed": int(manifest["seed"])},
-                   "import")
+        write_json_atomic(root / PLAN_FILE, {"plan": plan.to_config(), "seed": int(manifest["seed"])})
         publish_dir(root, path)
     except OSError as exc:
         raise os_error(exc, f"cannot import into {path}") from exc

@@ -18,6 +18,7 @@ import tierstore.validate as validate
 
 from ..config import TableSpec
 from ..errors import ConfigError, ConfigMismatchError, StoreCorruptError, UnknownTableError
+from ..fsops import write_json_atomic
 from ..initializers import ColumnSlice
 from ..persistence import check_apart
 from ..resolve import DEFAULT_POLICY
@@ -35,16 +36,6 @@ SHARDED_VERSION = 1
 def shard_dir(rank: int, world: int) -> str:
     """Directory name of one rank's shard: rank-00001-of-00004."""
     return f"rank-{rank:05d}-of-{world:05d}"
-
-
-def write_json(path: Path, obj: Any, tag: str) -> None:
-    """Write JSON atomically (a per-writer temporary name, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.{tag}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def local_specs(specs: Sequence[TableSpec], plan: ShardingPlan, rank: int) -> list[TableSpec]:
@@ -159,7 +150,7 @@ class ShardedTierStore:
                 raise StoreCorruptError(f"sharding plan {plan_path} is malformed: {exc!r}") from exc
             self.plan.check_same(before, f"sharded store {self.path}")
         else:
-            write_json(plan_path, want, f"r{self.rank}")
+            write_json_atomic(plan_path, want)
         # the sharded pipeline stages by its own rule and unpins by lookup: it keeps the layout
         # as given (LRU unless named) rather than the resolved one-tier layout (tierstore.resolve)
         cfg = store_kwargs.get("config")
@@ -268,7 +259,7 @@ class ShardedTierStore:
 
         def publish() -> None:
             if self.rank == 0:
-                write_json(dest / MANIFEST, manifest, "r0")
+                write_json_atomic(dest / MANIFEST, manifest)
 
         guarded(self.comm, "checkpoint:manifest", publish)
         return manifest
@@ -302,7 +293,7 @@ class ShardedTierStore:
         path.mkdir(parents=True, exist_ok=True)
         name = shard_dir(rank, world)
         TierStore.restore(dest / name, path / name, seed=seed, **open_kwargs).close()
-        write_json(path / PLAN_FILE, {"plan": plan.to_config(), "seed": seed}, f"r{rank}")
+        write_json_atomic(path / PLAN_FILE, {"plan": plan.to_config(), "seed": seed})
         return cls(path, tables, sharding=None, seed=seed, **store_keys, **open_kwargs)
 
     def close(self) -> None:
