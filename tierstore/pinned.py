@@ -91,10 +91,12 @@ class PinnedSteps:
         `hlfu`, BENCHMARKS.md session 11).
         """
         hits, dev = self._pending_hits, self.device_tier
+        hinted = dev.policy.wants_future  # only a policy holding hints acts on a use
         while hits:
             slots = hits.popleft()
             dev.count_lookups(slots.numel(), slots.numel())
-            dev.policy.on_use(dev.ranked(slots))
+            if hinted:
+                dev.policy.on_use(dev.ranked(slots))
 
     def _pinned_slots(self, tab: _Table, uniq: torch.Tensor) -> torch.Tensor | None:
         """Device slots of `uniq` from the batch the pipeline staged for this thread, or None.

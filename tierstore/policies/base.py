@@ -124,6 +124,7 @@ class Policy:
 
         Staging already reported this access (`on_hit` or `on_insert`) when it pinned the rows,
         so the access is not counted again; a policy holding hints of that use drops them here.
+        The store calls it only on a policy that `wants_future` (hints).
         """
 
     @property
