@@ -170,3 +170,80 @@ def test_a_freeing_merge_cut_after_any_commit_reads_every_newest_row(tmp_path_fa
     for i, row in model.items():
         assert np.array_equal(got[i], row)
     env.close()
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 3000), max_size=700), min_size=1, max_size=5),
+       st.sampled_from([7, 150]), st.booleans())
+def test_the_compiled_merge_writes_the_numpy_merges_bytes(tmp_path_factory, levels, chunk, free):
+    """In place in the map (chunks of 150 rows: overflow pages) or copied out (7 rows: inside a
+    leaf page, not 8-byte aligned), the numba merge writes the numpy merge's chunks exactly."""
+    runs.CHUNK_ROWS = chunk
+    got = []
+    for compiled in (True, False):
+        env = _env(tmp_path_factory.mktemp("same"))
+        sources = [_write(env, f"r{salt}".encode(), np.array(sorted(ids), dtype=np.int64), salt,
+                          add_sizes=(500,)) for salt, ids in enumerate(levels)][::-1]
+        out = env.open_db(b"merged")
+        saved = runs.HAVE_NUMBA
+        runs.HAVE_NUMBA = compiled and saved
+        try:
+            n = runs.merge_runs(sources, runs.RunWriter(env, out, RB, txn_chunks=2), free=free)
+        finally:
+            runs.HAVE_NUMBA = saved
+        with env.begin(db=out) as txn:
+            got.append((n, list(txn.cursor().iternext())))
+        env.close()
+    assert got[0] == got[1]
+    assert got[0][0] == len(set().union(*levels))
+
+
+def test_the_compiled_merge_finds_damage_in_place(tmp_path):
+    """A flipped bit in a record of an older source (superseded or not) stops the merge."""
+    runs.CHUNK_ROWS = 150
+    env = _env(tmp_path)
+    base = _write(env, b"b", np.arange(0, 900, dtype=np.int64), 0, add_sizes=(500,))
+    new = _write(env, b"n", np.arange(0, 900, 2, dtype=np.int64), 1, add_sizes=(500,))
+    key = runs.encode_keys(base.firsts[2:3])[0]
+    with env.begin(write=True, db=base.db) as txn:  # row 300 (superseded by the newer run)
+        val = bytearray(txn.get(key))
+        val[runs.HEADER + 8 * 150 + 7] ^= 0x04
+        txn.put(key, bytes(val))
+    with pytest.raises(StoreCorruptError, match="row 300 failed"):
+        runs.merge_runs([new, base], runs.RunWriter(env, env.open_db(b"out"), RB))
+    env.close()
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sets(st.integers(0, 5000), min_size=1, max_size=400), st.integers(1, 60), st.integers(0, 3),
+       st.integers(0, 2**31))
+def test_gather_from_chunks_writes_what_add_writes(tmp_path_factory, ids, per_chunk, skip, seed):
+    """Records picked out of log-like chunks (a header of `skip` words in each entry) by
+    (chunk, row) write the same run as `add` of the same records; a damaged one is refused."""
+    env = _env(tmp_path_factory.mktemp("gather"))
+    ids = np.array(sorted(ids), dtype=np.int64)
+    recs = seal(ids, _rows(ids, 3)).view(np.uint32)
+    perm = np.random.default_rng(seed).permutation(len(ids))  # entries in any (log) order
+    entries = np.zeros((len(ids), skip + W + 1 + 2), dtype=np.uint32)
+    entries[:, skip : skip + W + 1] = recs[perm]
+    chunks = [entries[lo : lo + per_chunk] for lo in range(0, len(ids), per_chunk)]
+    where = np.argsort(perm)  # entry of each sorted id
+    out = []
+    for gathered in (True, False):
+        db = env.open_db(b"g" if gathered else b"a")
+        w = runs.RunWriter(env, db, RB, txn_chunks=2)
+        if gathered:
+            w.gather(ids, chunks, where // per_chunk, where % per_chunk, skip, "t")
+        else:
+            w.add(ids, recs.view(np.uint8))
+        w.finish()
+        with env.begin(db=db) as txn:
+            out.append(list(txn.cursor().iternext()))
+    assert out[0] == out[1]
+    entries[where[-1], skip + 1] ^= 1  # the last id's record
+    w = runs.RunWriter(env, env.open_db(b"bad"), RB)
+    with pytest.raises(StoreCorruptError, match=f"row {ids[-1]} failed"):
+        w.gather(ids, chunks, where // per_chunk, where % per_chunk, skip, "t")
+    with pytest.raises(TierstoreError):  # a row outside its chunk
+        w.gather(ids[:1], chunks, np.array([0]), np.array([per_chunk]), skip)
+    env.close()

@@ -56,36 +56,40 @@ if HAVE_NUMBA:
     def _rotl(x, r):  # pragma: no cover - compiled
         return (x << np.uint64(r)) | (x >> np.uint64(64 - r))
 
+    @numba.njit(inline="always")
+    def check_row(key, words):  # pragma: no cover - compiled
+        """The checksum (uint32) of one row's words (uint32 [w], any stride) under id `key` (uint64)."""
+        w = len(words)
+        a0 = _SEED + key * _P1
+        a1 = a0 + _P4
+        a2 = a0 + np.uint64(2) * _P4
+        a3 = a0 + np.uint64(3) * _P4
+        j = 0
+        while j + 4 <= w:
+            a0 = _rotl(a0 + np.uint64(words[j]) * _P2, 31) * _P1
+            a1 = _rotl(a1 + np.uint64(words[j + 1]) * _P2, 31) * _P1
+            a2 = _rotl(a2 + np.uint64(words[j + 2]) * _P2, 31) * _P1
+            a3 = _rotl(a3 + np.uint64(words[j + 3]) * _P2, 31) * _P1
+            j += 4
+        if j < w:
+            a0 = _rotl(a0 + np.uint64(words[j]) * _P2, 31) * _P1
+        if j + 1 < w:
+            a1 = _rotl(a1 + np.uint64(words[j + 1]) * _P2, 31) * _P1
+        if j + 2 < w:
+            a2 = _rotl(a2 + np.uint64(words[j + 2]) * _P2, 31) * _P1
+        h = _rotl(a0, 1) + _rotl(a1, 7) + _rotl(a2, 12) + _rotl(a3, 18)
+        h ^= np.uint64(w)
+        h ^= h >> np.uint64(33)
+        h *= _P2
+        h ^= h >> np.uint64(29)
+        h *= _P3
+        h ^= h >> np.uint64(32)
+        return np.uint32(h & np.uint64(0xFFFFFFFF))
+
     @numba.njit(nogil=True, cache=True)
     def _checks_kernel(keys, words, out):  # pragma: no cover - compiled
-        n, w = words.shape
-        for i in range(n):
-            k = np.uint64(keys[i])
-            a0 = _SEED + k * _P1
-            a1 = _SEED + k * _P1 + _P4
-            a2 = _SEED + k * _P1 + np.uint64(2) * _P4
-            a3 = _SEED + k * _P1 + np.uint64(3) * _P4
-            j = 0
-            while j + 4 <= w:
-                a0 = _rotl(a0 + np.uint64(words[i, j]) * _P2, 31) * _P1
-                a1 = _rotl(a1 + np.uint64(words[i, j + 1]) * _P2, 31) * _P1
-                a2 = _rotl(a2 + np.uint64(words[i, j + 2]) * _P2, 31) * _P1
-                a3 = _rotl(a3 + np.uint64(words[i, j + 3]) * _P2, 31) * _P1
-                j += 4
-            if j < w:
-                a0 = _rotl(a0 + np.uint64(words[i, j]) * _P2, 31) * _P1
-            if j + 1 < w:
-                a1 = _rotl(a1 + np.uint64(words[i, j + 1]) * _P2, 31) * _P1
-            if j + 2 < w:
-                a2 = _rotl(a2 + np.uint64(words[i, j + 2]) * _P2, 31) * _P1
-            h = _rotl(a0, 1) + _rotl(a1, 7) + _rotl(a2, 12) + _rotl(a3, 18)
-            h ^= np.uint64(w)
-            h ^= h >> np.uint64(33)
-            h *= _P2
-            h ^= h >> np.uint64(29)
-            h *= _P3
-            h ^= h >> np.uint64(32)
-            out[i] = np.uint32(h & np.uint64(0xFFFFFFFF))
+        for i in range(words.shape[0]):
+            out[i] = check_row(np.uint64(keys[i]), words[i])
 
 
 def row_checks(keys: np.ndarray, words: np.ndarray) -> np.ndarray:

@@ -26,6 +26,7 @@ import lmdb
 import numpy as np
 
 from ..errors import StoreCorruptError, TierstoreError
+from .chunk_kernels import HAVE_NUMBA, gather_records, merge_step
 from .lmdb_common import decode_keys, encode_keys
 from .record import CHECK_BYTES, open_records, row_checks
 
@@ -105,6 +106,73 @@ class RunWriter:
             lo += take
             if self._fill == rows:
                 self._seal()
+
+    def room(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """The open chunk to fill in place: (ids int64 [CHUNK_ROWS], records uint32 [CHUNK_ROWS,
+        record words], rows already in it). Rows written there count once `filled` says so."""
+        rows, rb = CHUNK_ROWS, self.record_bytes
+        if self._open is None:
+            self._open, self._fill = np.empty(HEADER + rows * (8 + rb), dtype=np.uint8), 0
+        ids = self._open[HEADER : HEADER + 8 * rows].view("<i8")
+        recs = self._open[HEADER + 8 * rows :].view(np.uint32).reshape(rows, rb // 4)
+        return ids, recs, self._fill
+
+    def filled(self, n: int, last: int) -> None:
+        """`n` more rows of the open chunk were written in place, the last under id `last` (the
+        caller checked them: increasing, above every id before); seals the chunk when full."""
+        if n <= 0:
+            return
+        self._fill += n
+        self._last = int(last)
+        if self._fill == CHUNK_ROWS:
+            self._seal()
+
+    def gather(self, ids: np.ndarray, chunks: list[np.ndarray], chunk_of: np.ndarray,
+               row_of: np.ndarray, skip: int = 0, table: str = "") -> None:
+        """Copy records straight out of other chunks (e.g. the log's, read in place) into this
+        run's: row i is `chunks[chunk_of[i]][row_of[i], skip : skip + record words]` (uint32
+        [count, stride] arrays: the row's words, then its check) under id `ids[i]` (increasing,
+        above those added); each record is verified as it is copied (compiled)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        chunk_of = np.ascontiguousarray(chunk_of, dtype=np.int64)
+        row_of = np.ascontiguousarray(row_of, dtype=np.int64)
+        rw = self.record_bytes // 4
+        stride = chunks[0].shape[1] if chunks else rw
+        if any(c.ndim != 2 or c.dtype != np.uint32 or c.shape[1] != stride for c in chunks) or \
+                not 0 <= skip <= stride - rw or not len(chunk_of) == len(row_of) == len(ids):
+            raise TierstoreError(f"a run gathers records of {rw} words from uint32 chunks of one "
+                                 f"row stride")
+        if not len(ids):
+            return
+        counts = np.array([len(c) for c in chunks], dtype=np.int64)
+        if int(chunk_of.min()) < 0 or int(chunk_of.max()) >= len(chunks) or \
+                int(row_of.min()) < 0 or bool((row_of >= counts[chunk_of]).any()):
+            raise TierstoreError("a run's gathered rows must lie inside their chunks")
+        if not HAVE_NUMBA:  # pragma: no cover - numba is a hard dependency
+            recs = np.empty((len(ids), rw), dtype=np.uint32)
+            for c in np.unique(chunk_of).tolist():
+                sel = np.flatnonzero(chunk_of == c)
+                recs[sel] = chunks[c][row_of[sel], skip : skip + rw]
+            open_records(table, ids, recs.view(np.uint8), rw - 1)  # raises on a damaged record
+            self.add(ids, recs.view(np.uint8))
+            return
+        chunks = [c if c.flags.c_contiguous and c.ctypes.data % 4 == 0 else np.ascontiguousarray(c)
+                  for c in chunks]
+        base = np.array([c.ctypes.data for c in chunks], dtype=np.int64)
+        lo = 0
+        while lo < len(ids):
+            out_ids, out_recs, fill = self.room()
+            hi = min(len(ids), lo + CHUNK_ROWS - fill)
+            status, i = gather_records(ids, base, stride, chunk_of, row_of, skip, lo, hi, rw - 1,
+                                       out_ids, out_recs, fill, self._last)
+            if status:  # this piece is not added (pieces before it are: a merge cut short)
+                if status == 3:
+                    raise StoreCorruptError(f"table {table!r}: row {int(ids[i])} failed its "
+                                            f"checksum on its way into a run")
+                raise TierstoreError("a run's ids must be non-negative, increasing and above those "
+                                     "added")
+            self.filled(hi - lo, ids[hi - 1])
+            lo = hi
 
     def finish(self) -> int:
         """Write what is buffered; returns the rows of the run."""
@@ -230,6 +298,75 @@ def merge_runs(sources: list[SortedRun], writer: RunWriter, free: bool = False) 
 
     if free:
         writer.before_commit = drop_taken
+    if HAVE_NUMBA and sources and all(s.env is writer.env for s in sources):
+        _merge_compiled(sources, writer, done)
+    else:
+        _merge_numpy(sources, writer, done)
+    rows = writer.finish()
+    if free and done:  # sources holding only ids the output already had (no commit after them)
+        with writer.env.begin(write=True) as txn:
+            drop_taken(txn, writer.last_id)
+    return rows
+
+
+def _merge_compiled(sources: list[SortedRun], writer: RunWriter,
+                    done: list[tuple[object, bytes, int]]) -> None:
+    """`merge_runs`'s pass in numba (`merge_step`) over the sources' chunks in place in the map
+    (a chunk is read by address inside a read transaction, while no write can move it: only
+    chunks used up are freed); a chunk not 8-byte aligned there (a short one inside a leaf page)
+    is read from a copy."""
+    env, rb = writer.env, writer.record_bytes
+    nsrc = len(sources)
+    id_addr, rec_addr, counts, pos = (np.zeros(nsrc, dtype=np.int64) for _ in range(4))
+    live = np.ones(nsrc, dtype=np.uint8)
+    copies: list[np.ndarray | None] = [None] * nsrc  # the chunks read from a copy
+    nxt = [0] * nsrc  # the next chunk of each source
+    cur: list[tuple[bytes, int] | None] = [None] * nsrc  # the loaded chunk: (key, last id)
+    keys = [encode_keys(s.firsts) for s in sources]
+
+    def load(s: int, txn: lmdb.Transaction) -> None:
+        src, c = sources[s], nxt[s]
+        if c == len(keys[s]):
+            live[s], cur[s], copies[s] = 0, None, None
+            return
+        ids, recs = parse_chunk(txn.get(keys[s][c], db=src.db), int(src.firsts[c]), rb, src.where)
+        copies[s] = None
+        if ids.ctypes.data % 8:  # inside a leaf page: an aligned copy
+            copies[s] = np.empty(len(ids) * (8 + rb) // 8 + 1, dtype=np.int64)
+            flat = copies[s].view(np.uint8)
+            flat[: 8 * len(ids)] = ids.view(np.uint8)
+            flat[8 * len(ids) : 8 * len(ids) + recs.size] = recs.reshape(-1)
+            ids, recs = copies[s][: len(ids)], flat[8 * len(ids) :]
+        id_addr[s], rec_addr[s] = ids.ctypes.data, recs.ctypes.data
+        counts[s], pos[s], nxt[s] = len(ids), 0, c + 1
+        cur[s] = (keys[s][c], int(ids[-1]))
+
+    with env.begin(buffers=True) as txn:
+        for s in range(nsrc):
+            load(s, txn)
+    while True:
+        out_ids, out_recs, fill = writer.room()
+        with env.begin(buffers=True) as txn:  # the chunks in use stay put inside it
+            end, status, s, last = merge_step(id_addr, rec_addr, counts, pos, live, rb // 4 - 1,
+                                              out_ids, out_recs, fill, writer.last_id)
+            if status == 2:  # source s's chunk is used up: freed once the output holds its rows
+                done.append((sources[s].db, *cur[s]))
+                load(s, txn)
+        if status == 3:
+            raise StoreCorruptError(f"{sources[s].where}, table {sources[s].table!r}: row {last} "
+                                    f"failed its checksum; the run is damaged")
+        if status == 4:
+            raise StoreCorruptError(f"{sources[s].where}: a run's chunks are out of id order "
+                                    f"(damaged)")
+        writer.filled(end - fill, last)  # may seal the chunk and commit (no reader open)
+        if status == 0:
+            return
+
+
+def _merge_numpy(sources: list[SortedRun], writer: RunWriter,
+                 done: list[tuple[object, bytes, int]]) -> None:
+    """`merge_runs`'s pass in numpy (a build without numba): windows cut at the smallest last
+    id loaded, concatenated and stably sorted."""
     its = [s.chunks() for s in sources]
     # per source: the rows loaded and not yet taken, and the chunk they came from
     bufs: list[tuple[bytes, np.ndarray, np.ndarray] | None] = [next(it, None) for it in its]
@@ -255,8 +392,3 @@ def merge_runs(sources: list[SortedRun], writer: RunWriter, free: bool = False) 
         keep = np.ones(len(ids), dtype=bool)
         keep[1:] = ids[1:] != ids[:-1]
         writer.add(ids[keep], np.concatenate(rec_parts)[order[keep]])
-    rows = writer.finish()
-    if free and done:  # sources holding only ids the output already had (no commit after them)
-        with writer.env.begin(write=True) as txn:
-            drop_taken(txn, writer.last_id)
-    return rows

@@ -12,6 +12,7 @@ import torch
 
 from ...errors import StoreCorruptError
 from ...index import HashIndex
+from ..chunk_kernels import HAVE_NUMBA, pack_log
 from ..lmdb_log import LOG_DB
 from ..record import open_records, row_checks
 from .chunks import (
@@ -111,9 +112,13 @@ class WriteLog:
             with self.merging:
                 if self.size + n > self.capacity:
                     self._merge(self.size + n - self.capacity + self.capacity // 2)
-        order, keys, vals, chunks = [], [], [], []
         seq = self.next
         widths = self.widths[tabs]
+        if HAVE_NUMBA and int(widths.min()) == int(widths.max()):  # one pass: entries and checks
+            keys, vals, chunks = self._pack(tabs, rows, payload, int(widths[0]), seq)
+            nbytes = self.backend.append_log(self.db, keys, vals)
+            return self._appended(tabs, rows, chunks, nbytes)
+        order, keys, vals, chunks = [], [], [], []
         sizes = np.unique(widths)
         for w in sizes.tolist():  # one entry size per row width (usually one for all tables)
             one = len(sizes) == 1  # the usual case: no row selection, no gathered copies
@@ -136,9 +141,34 @@ class WriteLog:
                 chunks.append((seq, len(part), size))
                 seq += len(part)
         order = np.concatenate(order) if len(order) > 1 else order[0]
-        tabs, rows = tabs[order], rows[order]
-        seqs = np.arange(self.next, self.next + n, dtype=np.int64)
         nbytes = self.backend.append_log(self.db, keys, vals)
+        return self._appended(tabs[order], rows[order], chunks, nbytes)
+
+    def _pack(self, tabs: np.ndarray, rows: np.ndarray, payload: np.ndarray, w: int, seq: int
+              ) -> tuple[list[bytes], list[memoryview], list[tuple[int, int, int]]]:
+        """Chunk keys, values and (first, count, entry size) of rows of one width, built by the
+        compiled `pack_log` into one buffer (the values are views of it: no further copy)."""
+        n = len(rows)
+        ew = HEADER // 4 + w + 1
+        out = np.empty(4 * (-(-n // CHUNK_ROWS)) + n * ew, dtype=np.uint32)
+        words = payload.view(np.uint32) if payload.dtype == np.float32 else \
+            np.ascontiguousarray(payload, dtype=np.float32).view(np.uint32)
+        pack_log(self.ids[tabs].astype(np.uint32), np.ascontiguousarray(rows, dtype=np.int64),
+                 words, w, CHUNK_ROWS, int(np.frombuffer(CHUNK_MAGIC, dtype=np.uint32)[0]), out)
+        raw = out.view(np.uint8)
+        keys, vals, chunks = [], [], []
+        for lo in range(0, n, CHUNK_ROWS):
+            count = min(CHUNK_ROWS, n - lo)
+            start = 4 * (4 * (lo // CHUNK_ROWS) + lo * ew)
+            keys.append((seq + lo).to_bytes(8, "big"))
+            vals.append(memoryview(raw[start : start + 16 + 4 * count * ew]))
+            chunks.append((seq + lo, count, 4 * ew))
+        return keys, vals, chunks
+
+    def _appended(self, tabs: np.ndarray, rows: np.ndarray, chunks: list, nbytes: int) -> int:
+        """Index rows just appended (in log order: sequence numbers from `next`); returns `nbytes`."""
+        n = len(rows)
+        seqs = np.arange(self.next, self.next + n, dtype=np.int64)
         with self.lock:
             tt = torch.from_numpy(np.ascontiguousarray(tabs, dtype=np.int64))
             tr = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
