@@ -133,9 +133,9 @@ class StoredReads:
         """({key: (rows [n, row_dim], found [n])} in the order asked, reader seconds in all);
         the readers' CPU seconds go to `cpu_seconds`."""
         out = {}
-        for key, (tab, rows) in self.cold.items():
-            w = tab.spec.row_dim
-            out[key] = (np.zeros((len(rows), w), dtype=np.float32), np.zeros(len(rows), dtype=bool))
+        for key, (tab, rows) in self.cold.items():  # every position is written below: the table
+            w = tab.spec.row_dim  # parts hold the rows the log does not, the log parts the rest
+            out[key] = (np.empty((len(rows), w), dtype=np.float32), np.empty(len(rows), dtype=bool))
         seconds = 0.0
         self.cpu_seconds = 0.0
         for key, pos, fut in self._table_parts:
