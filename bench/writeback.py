@@ -26,15 +26,21 @@ One store of `--tables` x `--rows` populated rows (dim 64 + row-wise Adagrad: 66
   /proc/self/io) in 4 KiB pages, pages per row, rows/s, and the model `L (1 - exp(-N / L))` for a
   table of `L` leaves. `--floor-tables` sets the `T`s, `--merge-sizes` the `N`s; the steady cases
   print, beside their rate, the floor of the store's own merge (half its log into its tables);
-- `lsm_*` (issue 36's LSM of sorted-chunk runs, `tierstore/backends/runs.py`, which the store
-  does not use yet): a base of `--lsm-table` rows written as sorted chunks (`lsm_base_write`);
-  `--lsm-cycles` times, `--lsm-k` runs of `--lsm-run` random rows each sorted, sealed and written
-  as chunks (`lsm_runs`: what a log merge would cost), then merged with the base into a new base
-  that frees each chunk it consumed (`lsm_merges`: rows fed a second); `lsm_steady` is both
-  (the file's peak and the final base's pages against the raw rows beside it), `lsm_get` reads
-  random rows through the runs newest first and the base, and `lsm_end_to_end` projects the
-  writer's whole cost on one core: `log_append` and `lsm_steady` one after the other.
-  `--lsm-only` runs these and `log_append` alone.
+- `lsm_*_k<k>` (issue 36's LSM of sorted-chunk runs, `tierstore/backends/runs.py`, which the
+  store does not use yet), one LSM per `--lsm-k` value: a base of `--lsm-table` rows written as
+  sorted chunks (`lsm_base_write`); `--lsm-cycles` times, `k` batches of `--lsm-run` random rows
+  appended to a log as the writer's sink does (`lsm_append`: `pack_log` and `MDB_APPEND`,
+  without the sink's in-memory index), each merged into a run (`lsm_runs`: the log's chunks
+  read in place, one sort for each id's newest entry, records gathered and verified into the
+  run's chunks, the log's chunks deleted), then the `k` runs merged with the base into a new
+  base that frees each chunk it consumed (`lsm_merges`, the compiled k-way merge). All figures
+  are per row fed; CPU is process CPU. `lsm_steady` is runs plus merges (the file's peak and the
+  final base's pages against the raw rows beside it), `lsm_one_process` adds `lsm_append`,
+  `lsm_end_to_end` projects the writer's whole cost on one core: the store's `log_append` (its
+  index included) and `lsm_steady` one after the other. `lsm_get` reads random rows through the
+  runs newest first and the base. `lsm_put_pwrite` / `lsm_put_writemap`: LMDB's own cost of a
+  run write, whole chunks put with `MDB_APPEND` (commits `pwrite` heap pages, or a writable
+  map). `--lsm-only` runs these and `log_append` alone.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,7 +58,8 @@ import lmdb
 import numpy as np
 
 from tierstore import RowWiseAdagrad, TableSpec, TierStore
-from tierstore.backends import runs
+from tierstore.backends import runs, wal
+from tierstore.backends.chunk_kernels import pack_log
 from tierstore.backends.lmdb_backend import encode_keys
 from tierstore.backends.record import seal
 
@@ -239,54 +247,138 @@ def read_cases(store: TierStore, n: int, seed: int) -> list[dict]:
     return out
 
 
-def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, get_rows: int,
-              seed: int) -> list[dict]:
-    """The merge side of issue 36's LSM, on `backends/runs.py` (not yet the store's format): a
-    base of `table_rows` rows as sorted chunks; each cycle writes `k` runs of `run_rows` random
-    rows (sorted, sealed, appended as chunks: the log's merge into a run) and merges them with the
-    base into a new base that frees what it consumed. Reads go through the `k` runs, then the base."""
+LOG_BATCH = 50_000  # rows a writer batch in the LSM cases' log (the steady cases' `--batch`)
+
+
+def _log_append(env: lmdb.Environment, db: object, ids: np.ndarray, tile: np.ndarray,
+                seq: int) -> int:
+    """Append rows to a log database as the writer's sink does (`pack_log`, one `MDB_APPEND`
+    transaction a batch; no in-memory index): the entries a log merge then writes into a run."""
+    w = tile.shape[1]
+    ew = wal.HEADER // 4 + w + 1
+    magic = int(np.frombuffer(b"TSLC", dtype=np.uint32)[0])
+    for lo in range(0, len(ids), LOG_BATCH):
+        part = ids[lo : lo + LOG_BATCH]
+        n = len(part)
+        out = np.empty(4 * (-(-n // runs.CHUNK_ROWS)) + n * ew, dtype=np.uint32)
+        pack_log(np.zeros(n, dtype=np.uint32), part, tile[:n].view(np.uint32), w, runs.CHUNK_ROWS,
+                 magic, out)
+        raw, items = out.view(np.uint8), []
+        for c in range(0, n, runs.CHUNK_ROWS):
+            start = 4 * (4 * (c // runs.CHUNK_ROWS) + c * ew)
+            count = min(runs.CHUNK_ROWS, n - c)
+            items.append(((seq + c).to_bytes(8, "big"), memoryview(raw[start : start + 16 + 4 * count * ew])))
+        with env.begin(write=True, db=db) as txn:
+            txn.cursor().putmulti(items, append=True)
+        seq += n
+    return seq
+
+
+def _log_to_run(log_env: lmdb.Environment, log_db: object, writer: runs.RunWriter) -> int:
+    """The log's merge into a run: its chunks read in place, each id's newest entry found by one
+    sort (`newest_order`), the records gathered straight into the run's chunks (verified), the
+    log's chunks deleted; returns the run's rows."""
+    with log_env.begin(db=log_db, buffers=True) as txn:
+        keys, chunks = [], []
+        for key, val in txn.cursor().iternext():
+            head = np.frombuffer(val[:16], dtype=np.uint32)
+            chunks.append(np.frombuffer(val, dtype=np.uint32)[4:].reshape(int(head[2]), int(head[1]) // 4))
+            keys.append(bytes(key))
+        counts = np.array([len(c) for c in chunks], dtype=np.int64)
+        rows = np.empty(int(counts.sum()), dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for c, ch in enumerate(chunks):  # the entries' row ids (words 2-3 of each entry)
+            rows[starts[c] : starts[c + 1]] = ch[:, 2:4].copy().view(np.int64).ravel()
+        ids, pos = runs.newest_order(rows)
+        of = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)[pos]
+        writer.gather(ids, chunks, of, pos - starts[of], wal.HEADER // 4, "t")
+    n = writer.finish()
+    with log_env.begin(write=True, db=log_db) as txn:
+        deque(map(txn.delete, keys), maxlen=0)
+    return n
+
+
+def chunk_put_cases(work: Path, rows: int, seed: int) -> list[dict]:
+    """LMDB's own cost of writing a run: whole chunks of 4,096 records put with `MDB_APPEND`
+    (a commit every 64), heap pages written with `pwrite` at commit against a writable map;
+    CPU microseconds a row for the puts and commits alone."""
     rng = np.random.default_rng(seed)
     w = DIM + 2
     rb = 4 * w + 4
-    env = lmdb.open(str(work / "lsm"), map_size=max(1 << 30, table_rows * 1200), max_dbs=64,
-                    sync=False, metasync=False, readahead=False)
+    k = runs.CHUNK_ROWS
+    one = np.frombuffer(rng.bytes(runs.HEADER + k * (8 + rb)), dtype=np.uint8)
+    out = []
+    for case, writemap in (("lsm_put_pwrite", False), ("lsm_put_writemap", True)):
+        env = lmdb.open(str(work / case), map_size=max(1 << 30, rows * 600), max_dbs=2, sync=False,
+                        metasync=False, readahead=False, writemap=writemap)
+        db = env.open_db(b"r")
+        chunks = -(-rows // k)
+        c0, t0 = time.process_time(), time.perf_counter()
+        for lo in range(0, chunks, runs.TXN_CHUNKS):
+            with env.begin(write=True, db=db) as txn:
+                for c in range(lo, min(lo + runs.TXN_CHUNKS, chunks)):
+                    txn.put(c.to_bytes(8, "big"), one, append=True)
+        cpu, sec = time.process_time() - c0, time.perf_counter() - t0
+        env.close()
+        shutil.rmtree(work / case, ignore_errors=True)
+        out.append({"case": case, "rows": chunks * k, "rows_per_s": _rate(chunks * k, sec),
+                    "cpu_us_per_row": cpu / (chunks * k) * 1e6,
+                    "rows_per_cpu_s": _rate(chunks * k, cpu)})
+    return out
+
+
+def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, get_rows: int,
+              seed: int, writemap: bool = False, readahead: bool = False) -> list[dict]:
+    """The merge side of issue 36's LSM, on `backends/runs.py` (not yet the store's format): a
+    base of `table_rows` rows as sorted chunks; each cycle appends `k` batches of `run_rows`
+    random rows to a log (`lsm_append`: the writer's sink without its index), merges each into a
+    run (`lsm_runs`: chunks read in place, one sort, records gathered into the run's chunks),
+    then merges the runs with the base into a new base that frees what it consumed
+    (`lsm_merges`, compiled). Reads go through the `k` runs, then the base. Cases are suffixed
+    `_k<k>`; CPU microseconds are process CPU a row fed (robust to other processes)."""
+    rng = np.random.default_rng(seed)
+    w = DIM + 2
+    rb = 4 * w + 4
+    env = lmdb.open(str(work / "lsm"), map_size=max(1 << 30, (table_rows + k * run_rows) * 1200),
+                    max_dbs=64, sync=False, metasync=False, readahead=readahead, writemap=writemap)
+    log_env = lmdb.open(str(work / "lsm_log"), map_size=max(1 << 30, run_rows * 1200), max_dbs=2,
+                        sync=False, metasync=False, readahead=False, meminit=False)
+    log_db = log_env.open_db(b"log")
     piece = 1 << 18
+    tile = rng.standard_normal((piece, w), dtype=np.float32)  # payloads: their bits do not matter
     names = iter(range(1 << 30))
 
     def fresh():
         return env.open_db(f"r{next(names)}".encode())
 
-    cpu = {"base": 0.0, "runs": 0.0, "merges": 0.0, "get": 0.0}
+    cpu = {"base": 0.0, "append": 0.0, "runs": 0.0, "merges": 0.0, "get": 0.0}
+    wall = dict.fromkeys(cpu, 0.0)
 
-    def write(ids: np.ndarray, what: str) -> tuple[object, float]:  # a run of sorted distinct ids
-        db, sec = fresh(), 0.0
+    def timed(what: str, fn, *args):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn(*args)
+        wall[what] += time.perf_counter() - t0
+        cpu[what] += time.process_time() - c0
+        return out
+
+    def base_write(ids: np.ndarray) -> object:
+        db = fresh()
         writer = runs.RunWriter(env, db, rb)
         for lo in range(0, len(ids), piece):
             part = ids[lo : lo + piece]
-            pay = rng.standard_normal((len(part), w), dtype=np.float32)
-            t0, c0 = time.perf_counter(), time.process_time()
-            writer.add(part, seal(part, pay))
-            sec += time.perf_counter() - t0
-            cpu[what] += time.process_time() - c0
-        t0, c0 = time.perf_counter(), time.process_time()
+            writer.add(part, seal(part, tile[: len(part)]))
         writer.finish()
-        cpu[what] += time.process_time() - c0
-        return db, sec + time.perf_counter() - t0
+        return db
 
-    base, base_s = write(np.arange(table_rows, dtype=np.int64), "base")
-    run_s = merge_s = get_s = 0.0
-    fed = got = 0
+    base = timed("base", base_write, np.arange(table_rows, dtype=np.int64))
+    fed = got = seq = 0
     for c in range(cycles):
         levels = []
         for _ in range(k):
             draw = rng.integers(0, table_rows, run_rows)
-            t0, c0 = time.perf_counter(), time.process_time()
-            ids = np.sort(draw)  # the log merge's sort (it keeps each key's newest version)
-            ids = ids[np.append(True, ids[1:] != ids[:-1])]
-            run_s += time.perf_counter() - t0
-            cpu["runs"] += time.process_time() - c0
-            db, sec = write(ids, "runs")
-            run_s += sec
+            seq = timed("append", _log_append, log_env, log_db, draw, tile, seq)
+            db = fresh()
+            timed("runs", _log_to_run, log_env, log_db, runs.RunWriter(env, db, rb))
             fed += run_rows
             levels.insert(0, db)
         sources = [runs.SortedRun(env, db, "t", w) for db in levels + [base]]
@@ -298,17 +390,18 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
                 todo = np.flatnonzero(~found)
                 _, hit = src.get(ids[todo])
                 found[todo[hit]] = True
-            get_s, got = time.perf_counter() - t0, len(ids)
+            wall["get"], got = time.perf_counter() - t0, len(ids)
             cpu["get"] = time.process_time() - c0
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = fresh()
-        runs.merge_runs(sources, runs.RunWriter(env, out, rb), free=True)
-        with env.begin(write=True) as txn:  # the emptied sources' databases go
-            for src in sources:
-                txn.drop(src.db, delete=True)
-        merge_s += time.perf_counter() - t0
-        cpu["merges"] += time.process_time() - c0
-        base = out
+
+        def merge(sources=sources):
+            out = fresh()
+            runs.merge_runs(sources, runs.RunWriter(env, out, rb), free=True)
+            with env.begin(write=True) as txn:  # the emptied sources' databases go
+                for src in sources:
+                    txn.drop(src.db, delete=True)
+            return out
+
+        base = timed("merges", merge)
     with env.begin(db=base) as txn:
         st = txn.stat(base)
     chunks = st["entries"]
@@ -316,24 +409,26 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
     # what the base's own pages hold (a compaction's file: the rest of the file is free pages)
     used = (st["leaf_pages"] + st["branch_pages"] + st["overflow_pages"]) * st["psize"]
     env.close()
+    log_env.close()
     shutil.rmtree(work / "lsm", ignore_errors=True)
+    shutil.rmtree(work / "lsm_log", ignore_errors=True)
     raw = table_rows * 4 * w
-    geo = {"table_rows": table_rows, "run_rows": run_rows, "runs_a_merge": k, "cycles": cycles}
-    def us(what: str, rows: int) -> float:
-        return cpu[what] / max(rows, 1) * 1e6
+    geo = {"table_rows": table_rows, "run_rows": run_rows, "k": k, "cycles": cycles}
 
-    steady = cpu["runs"] + cpu["merges"]
-    return [{"case": "lsm_base_write", "rows": table_rows, "rows_per_s": _rate(table_rows, base_s),
-             "cpu_us_per_row": us("base", table_rows), **geo},
-            {"case": "lsm_runs", "rows": fed, "rows_per_s": _rate(fed, run_s),
-             "cpu_us_per_row": us("runs", fed), **geo},
-            {"case": "lsm_merges", "rows": fed, "rows_per_s": _rate(fed, merge_s),
-             "cpu_us_per_row": us("merges", fed), **geo, "base_chunks": chunks},
-            {"case": "lsm_steady", "rows": fed, "rows_per_s": _rate(fed, run_s + merge_s),
-             "cpu_us_per_row": steady / max(fed, 1) * 1e6, "rows_per_cpu_s": _rate(fed, steady),
-             **geo, "disk_peak_over_raw": peak / raw, "disk_after_over_raw": used / raw},
-            {"case": "lsm_get", "rows": got, "rows_per_s": _rate(got, get_s),
-             "cpu_us_per_row": us("get", got), **geo}]
+    def rec(case: str, what: tuple[str, ...], rows: int, **extra) -> dict:
+        c, t = sum(cpu[x] for x in what), sum(wall[x] for x in what)
+        return {"case": f"{case}_k{k}", "rows": rows, "rows_per_s": _rate(rows, t),
+                "cpu_us_per_row": c / max(rows, 1) * 1e6, "rows_per_cpu_s": _rate(rows, c),
+                **geo, **extra}
+
+    return [rec("lsm_base_write", ("base",), table_rows),
+            rec("lsm_append", ("append",), fed),
+            rec("lsm_runs", ("runs",), fed),
+            rec("lsm_merges", ("merges",), fed, base_chunks=chunks),
+            rec("lsm_steady", ("runs", "merges"), fed, disk_peak_over_raw=peak / raw,
+                disk_after_over_raw=used / raw),
+            rec("lsm_one_process", ("append", "runs", "merges"), fed),
+            rec("lsm_get", ("get",), got)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -350,7 +445,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lsm-table", type=int, default=8_000_000,
                     help="rows of the LSM cases' base (0 skips them)")
     ap.add_argument("--lsm-run", type=int, default=1_500_000, help="random rows a run")
-    ap.add_argument("--lsm-k", type=int, default=2, help="runs merged into the base at a time")
+    ap.add_argument("--lsm-k", default="2,4,8", help="runs merged into the base at a time (one LSM "
+                    "per value)")
+    ap.add_argument("--lsm-put-rows", type=int, default=2_000_000,
+                    help="rows of the chunk-put cases (LMDB's cost of a run write; 0 skips them)")
     ap.add_argument("--lsm-cycles", type=int, default=3, help="merges into the base")
     ap.add_argument("--lsm-only", action="store_true", help="run the LSM cases (and log_append) alone")
     ap.add_argument("--seed", type=int, default=0)
@@ -362,7 +460,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.tables, args.rows, args.rows_per_case, args.steady, args.batch = 2, 50_000, 20_000, 60_000, 5_000
         args.merge_sizes, args.floor_tables = "5000,20000", "50000"
-        args.lsm_table, args.lsm_run, args.lsm_k, args.lsm_cycles = 60_000, 10_000, 2, 2
+        args.lsm_table, args.lsm_run, args.lsm_k, args.lsm_cycles = 60_000, 10_000, "2,4", 2
+        args.lsm_put_rows = 20_000
     return args
 
 
@@ -396,17 +495,19 @@ def main(argv: list[str] | None = None) -> int:
                                          args.seed + 5)
         own = recs[-1]["case"] if full else None
         if args.lsm_table:
-            lsm = lsm_cases(work, args.lsm_table, args.lsm_run, args.lsm_k, args.lsm_cycles,
-                            args.rows_per_case, args.seed + 6)
-            append = next(r["rows_per_s"] for r in recs if r["case"] == "log_append")
-            steady = next(r["rows_per_s"] for r in lsm if r["case"] == "lsm_steady")
-            # the log's append and the LMDB-free merge side, one after the other on one core
-            cpu = next(r["cpu_us_per_row"] for r in recs if r["case"] == "log_append") + \
-                next(r["cpu_us_per_row"] for r in lsm if r["case"] == "lsm_steady")
-            lsm.append({"case": "lsm_end_to_end", "rows": lsm[1]["rows"],
-                        "rows_per_s": 1 / (1 / append + 1 / steady), "projected": True,
-                        "cpu_us_per_row": cpu, "rows_per_cpu_s": 1e6 / cpu})
-            recs += lsm
+            append = next(r for r in recs if r["case"] == "log_append")
+            for k in [int(v) for v in str(args.lsm_k).split(",") if v]:
+                lsm = lsm_cases(work, args.lsm_table, args.lsm_run, k, args.lsm_cycles,
+                                args.rows_per_case, args.seed + 6)
+                steady = next(r for r in lsm if r["case"] == f"lsm_steady_k{k}")
+                # the store's log append (its index too) and the merge side, one after the other
+                cpu = append["cpu_us_per_row"] + steady["cpu_us_per_row"]
+                lsm.append({"case": f"lsm_end_to_end_k{k}", "rows": steady["rows"], "k": k,
+                            "rows_per_s": 1 / (1 / append["rows_per_s"] + 1 / steady["rows_per_s"]),
+                            "projected": True, "cpu_us_per_row": cpu, "rows_per_cpu_s": 1e6 / cpu})
+                recs += lsm
+        if args.lsm_put_rows:
+            recs += chunk_put_cases(work, args.lsm_put_rows, args.seed + 7)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = {r["case"]: r["rows_per_s"] for r in recs}
@@ -422,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         r["vs_floor"] = r["rows_per_s"] / base[floor]
         r["floor"] = floor
-    print(table(recs, [("case", "case", ""), ("rows", "rows", ",d"), ("rows_per_s", "rows/s", ",.0f"),
+    print(table(recs, [("case", "case", ""), ("k", "k", ""), ("rows", "rows", ",d"),
+                       ("rows_per_s", "rows/s", ",.0f"),
                        ("floor", "floor", ""), ("vs_floor", "vs floor", ".2f"),
                        ("merged", "merged", ",d"), ("rows_per_leaf", "rows/leaf", ".2f"),
                        ("cpu_us_per_row", "cpu us/row", ".2f"), ("pages_per_row", "pages/row", ".3f"),

@@ -95,8 +95,10 @@ def test_bench_writeback_smoke(tmp_path):
     assert floors == {"floor_5000_into_50000", "floor_20000_into_50000", "floor_100000_into_100000"}
     assert set(cases) - floors == {"raw_append", "raw_update", "log_append", "steady_uniform",
                                    "steady_zipf", "get_pylmdb", "get_pages", "get2_pylmdb",
-                                   "get2_pages", "merge_5000", "merge_20000", "lsm_base_write",
-                                   "lsm_runs", "lsm_merges", "lsm_steady", "lsm_get", "lsm_end_to_end"}
+                                   "get2_pages", "merge_5000", "merge_20000", "lsm_put_pwrite",
+                                   "lsm_put_writemap"} | {
+        f"lsm_{c}_k{k}" for k in (2, 4) for c in ("base_write", "append", "runs", "merges", "steady",
+                                                  "one_process", "get", "end_to_end")}
     for case in floors:  # a merge rewrites at least one page a leaf it touches, at most one a row
         r = cases[case]
         assert 0 < r["pages_per_row"] <= 1.2 and r["pages_written"] >= 0.9 * r["model_pages"]
@@ -107,11 +109,14 @@ def test_bench_writeback_smoke(tmp_path):
     for case in ("get_pylmdb", "get_pages", "get2_pylmdb", "get2_pages"):
         assert cases[case]["found"] == cases[case]["rows"]
     assert cases["log_append"]["appended"] == cases["log_append"]["rows"]
-    # the LSM cases: 2 cycles of 2 runs of 10,000 draws into a 60,000-row base, dense at the end
-    assert cases["lsm_steady"]["rows"] == 40_000 and cases["lsm_merges"]["base_chunks"] == 15
-    assert 1.0 < cases["lsm_steady"]["disk_after_over_raw"] < 1.1  # 4,096 rows a chunk, full pages
-    assert cases["lsm_end_to_end"]["rows_per_s"] < min(cases["log_append"]["rows_per_s"],
-                                                       cases["lsm_steady"]["rows_per_s"])
+    # the LSM cases: 2 cycles of k runs of 10,000 draws into a 60,000-row base, dense at the end
+    for k in (2, 4):
+        assert cases[f"lsm_steady_k{k}"]["rows"] == 20_000 * k
+        assert cases[f"lsm_merges_k{k}"]["base_chunks"] == 15
+        assert 1.0 < cases[f"lsm_steady_k{k}"]["disk_after_over_raw"] < 1.1  # full chunks and pages
+        assert cases[f"lsm_end_to_end_k{k}"]["rows_per_s"] < min(
+            cases["log_append"]["rows_per_s"], cases[f"lsm_steady_k{k}"]["rows_per_s"])
+        assert cases[f"lsm_one_process_k{k}"]["cpu_us_per_row"] > cases[f"lsm_runs_k{k}"]["cpu_us_per_row"]
 
 
 def test_bench_steady_smoke(tmp_path):

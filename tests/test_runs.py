@@ -247,3 +247,12 @@ def test_gather_from_chunks_writes_what_add_writes(tmp_path_factory, ids, per_ch
     with pytest.raises(TierstoreError):  # a row outside its chunk
         w.gather(ids[:1], chunks, np.array([0]), np.array([per_chunk]), skip)
     env.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(-3, 2**62), max_size=60), st.booleans())
+def test_newest_order_is_each_keys_last_position_by_key(keys, small):
+    keys = np.array([k % 50 if small else k for k in keys], dtype=np.int64)
+    ids, pos = runs.newest_order(keys)
+    last = {int(k): i for i, k in enumerate(keys)}
+    assert ids.tolist() == sorted(last) and pos.tolist() == [last[k] for k in sorted(last)]

@@ -13,6 +13,8 @@ import numpy as np
 
 from .._kernels import HAVE_NUMBA
 
+AHEAD = 8  # rows a gather asks the CPU for before it copies them (their records lie anywhere)
+
 if HAVE_NUMBA:
     import numba
 
@@ -42,7 +44,9 @@ if HAVE_NUMBA:
                 out[at + 4 + j] = words[i, j]
             out[at + 4 + w] = check_row(r, out[at + 4 : at + 4 + w])
 
+    from llvmlite import ir
     from numba import types
+    from numba.core import cgutils
     from numba.extending import intrinsic
 
     @intrinsic
@@ -58,6 +62,18 @@ if HAVE_NUMBA:
         def codegen(context, builder, sig, args):
             return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
         return types.CPointer(types.uint32)(types.int64), codegen
+
+    @intrinsic
+    def _prefetch(typingctx, addr):
+        """Hint the CPU to load the cache line at an address, for reading (never faults)."""
+        def codegen(context, builder, sig, args):
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+            builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+        return types.void(types.int64), codegen
 
     @numba.njit(nogil=True, cache=True)
     def merge_step(id_addr, rec_addr, counts, pos, live, w, out_ids, out_recs, fill, last
@@ -114,6 +130,10 @@ if HAVE_NUMBA:
             x = ids[i]
             if x <= last:
                 return 4, i
+            if i + AHEAD < hi:  # records lie anywhere (log order): ask for one AHEAD rows on
+                ahead = base[chunk_of[i + AHEAD]] + 4 * (row_of[i + AHEAD] * stride + skip)
+                for b in range(0, 4 * rw + 63, 64):
+                    _prefetch(ahead + b)
             rec = numba.carray(_words_at(base[chunk_of[i]] + 4 * (row_of[i] * stride + skip)), rw)
             if check_row(np.uint64(x), rec[:w]) != rec[w]:
                 return 3, i

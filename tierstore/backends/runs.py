@@ -73,6 +73,7 @@ class RunWriter:
         self._fill = 0  # its rows
         self._ready: list[tuple[bytes, memoryview]] = []  # chunks not yet committed
         self._ready_last = -1  # the last id of those chunks
+        self._spare: list[np.ndarray] = []  # whole chunk buffers committed, to fill again
         # called inside each commit's write transaction with the last id it makes durable
         self.before_commit: Callable[[lmdb.Transaction, int], None] | None = None
 
@@ -97,7 +98,7 @@ class RunWriter:
         rows, rb, lo = CHUNK_ROWS, self.record_bytes, 0
         while lo < len(ids):  # one copy of each row, straight into its chunk's value
             if self._open is None:
-                self._open, self._fill = np.empty(HEADER + rows * (8 + rb), dtype=np.uint8), 0
+                self._open, self._fill = self._buffer(), 0
             take = min(rows - self._fill, len(ids) - lo)
             at = self._fill
             self._open[HEADER : HEADER + 8 * rows].view("<i8")[at : at + take] = ids[lo : lo + take]
@@ -107,12 +108,17 @@ class RunWriter:
             if self._fill == rows:
                 self._seal()
 
+    def _buffer(self) -> np.ndarray:
+        """A whole chunk's buffer: one committed before (its pages already faulted in), or new."""
+        return self._spare.pop() if self._spare else \
+            np.empty(HEADER + CHUNK_ROWS * (8 + self.record_bytes), dtype=np.uint8)
+
     def room(self) -> tuple[np.ndarray, np.ndarray, int]:
         """The open chunk to fill in place: (ids int64 [CHUNK_ROWS], records uint32 [CHUNK_ROWS,
         record words], rows already in it). Rows written there count once `filled` says so."""
         rows, rb = CHUNK_ROWS, self.record_bytes
         if self._open is None:
-            self._open, self._fill = np.empty(HEADER + rows * (8 + rb), dtype=np.uint8), 0
+            self._open, self._fill = self._buffer(), 0
         ids = self._open[HEADER : HEADER + 8 * rows].view("<i8")
         recs = self._open[HEADER + 8 * rows :].view(np.uint32).reshape(rows, rb // 4)
         return ids, recs, self._fill
@@ -212,6 +218,8 @@ class RunWriter:
                 self.before_commit(txn, self._ready_last)
         self.chunks += len(self._ready)
         self.bytes += sum(len(v) for _, v in self._ready)
+        whole = HEADER + CHUNK_ROWS * (8 + self.record_bytes)
+        self._spare = [v.obj for _, v in self._ready if len(v) == whole][: self.txn_chunks]
         self._ready = []
 
 
@@ -271,6 +279,27 @@ class SortedRun:
                 raise StoreCorruptError(f"{self.where}, table {self.table!r}: row {int(ids[bad[0]])} "
                                         f"failed its checksum; the run is damaged")
             yield key, ids, recs
+
+
+def newest_order(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct keys increasing, the position of each one's last occurrence) of keys int64 [n]
+    in log order (a later position is a newer version): the order a run is written in. One
+    `np.sort` of key and position packed in 63 bits when they fit (~5x cheaper than a stable
+    argsort), else a stable argsort."""
+    keys = np.asarray(keys, dtype=np.int64)
+    n = len(keys)
+    if not n:
+        return keys.copy(), np.zeros(0, dtype=np.int64)
+    shift = max(1, (n - 1).bit_length())
+    if int(keys.min()) >= 0 and int(keys.max()) < 1 << (63 - shift):
+        packed = np.sort((keys << shift) | np.arange(n, dtype=np.int64))
+        ids, pos = packed >> shift, packed & ((1 << shift) - 1)
+    else:
+        pos = np.argsort(keys, kind="stable")
+        ids = keys[pos]
+    last = np.ones(n, dtype=bool)
+    last[:-1] = ids[1:] != ids[:-1]
+    return ids[last], pos[last]
 
 
 def merge_runs(sources: list[SortedRun], writer: RunWriter, free: bool = False) -> int:

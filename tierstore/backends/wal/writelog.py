@@ -46,6 +46,7 @@ class WriteLog:
         self.capacity = max(1, int(capacity))
         self.index = HashIndex(self.capacity)
         self.seq_of = np.full(self.capacity, -1, dtype=np.int64)  # index slot -> sequence number
+        self._packed = np.zeros(0, dtype=np.uint32)  # the append's chunk buffer, kept (no faults)
         self.lock = lock  # the write-behind ring's condition: guards the index
         # next sequence number: past the log's end and past every number merged before
         self.next = max(self._last(), merged_through(backend)) + 1
@@ -147,10 +148,14 @@ class WriteLog:
     def _pack(self, tabs: np.ndarray, rows: np.ndarray, payload: np.ndarray, w: int, seq: int
               ) -> tuple[list[bytes], list[memoryview], list[tuple[int, int, int]]]:
         """Chunk keys, values and (first, count, entry size) of rows of one width, built by the
-        compiled `pack_log` into one buffer (the values are views of it: no further copy)."""
+        compiled `pack_log` into one buffer kept between appends (the values are views of it: no
+        further copy; LMDB has copied them when `append_log` returns)."""
         n = len(rows)
         ew = HEADER // 4 + w + 1
-        out = np.empty(4 * (-(-n // CHUNK_ROWS)) + n * ew, dtype=np.uint32)
+        size = 4 * (-(-n // CHUNK_ROWS)) + n * ew
+        if len(self._packed) < size:  # LMDB copies the values: the buffer is reused, its pages
+            self._packed = np.empty(size, dtype=np.uint32)  # faulted in once, not every batch
+        out = self._packed[:size]
         words = payload.view(np.uint32) if payload.dtype == np.float32 else \
             np.ascontiguousarray(payload, dtype=np.float32).view(np.uint32)
         pack_log(self.ids[tabs].astype(np.uint32), np.ascontiguousarray(rows, dtype=np.int64),
