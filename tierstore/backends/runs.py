@@ -341,11 +341,10 @@ def merge_runs(sources: list[SortedRun], writer: RunWriter, free: bool = False) 
 def _merge_compiled(sources: list[SortedRun], writer: RunWriter,
                     done: list[tuple[object, bytes, int]]) -> None:
     """`merge_runs`'s pass in numba (`merge_step`) over the sources' chunks in place in the map
-    (a chunk is read by address inside a read transaction, while no write can move it: only
-    chunks used up are freed); a chunk not 8-byte aligned there (a short one inside a leaf page)
-    is read from a copy."""
+    (a chunk in overflow pages is read by address inside a read transaction: no write moves it,
+    only chunks used up are freed); a short chunk, inside a leaf page, is read from a copy."""
     env, rb = writer.env, writer.record_bytes
-    nsrc = len(sources)
+    nsrc, psize = len(sources), int(env.stat()["psize"])
     id_addr, rec_addr, counts, pos = (np.zeros(nsrc, dtype=np.int64) for _ in range(4))
     live = np.ones(nsrc, dtype=np.uint8)
     copies: list[np.ndarray | None] = [None] * nsrc  # the chunks read from a copy
@@ -360,7 +359,9 @@ def _merge_compiled(sources: list[SortedRun], writer: RunWriter,
             return
         ids, recs = parse_chunk(txn.get(keys[s][c], db=src.db), int(src.firsts[c]), rb, src.where)
         copies[s] = None
-        if ids.ctypes.data % 8:  # inside a leaf page: an aligned copy
+        if len(ids) * (8 + rb) + HEADER <= psize or ids.ctypes.data % 8:
+            # inside a leaf page: it moves when a neighbour is deleted (a copy-on-write of the
+            # page), so it is read from a copy; a value in overflow pages stays put until freed
             copies[s] = np.empty(len(ids) * (8 + rb) // 8 + 1, dtype=np.int64)
             flat = copies[s].view(np.uint8)
             flat[: 8 * len(ids)] = ids.view(np.uint8)
