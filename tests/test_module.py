@@ -184,6 +184,25 @@ def test_per_sample_weight_gradient(tmp_path):
         torch.testing.assert_close(w1.grad, w2.grad)
 
 
+def test_collection_takes_weights_by_either_name(tmp_path):
+    """`weights=` and `per_sample_weights=` (nn.EmbeddingBag's name) give the same pooling; both
+    at once is a ShapeError that changes nothing."""
+    spec = ts.TableSpec("t", N, DIM)
+    with ts.TierStore(tmp_path / "s", [spec]) as store:
+        ebc = ts.TieredEmbeddingBagCollection(store, {"f": "t"})
+        values, lengths = torch.tensor([1, 2, 2, 5, 9]), torch.tensor([2, 3])
+        w = torch.rand(5)
+        with torch.no_grad():
+            a = ebc(["f"], values, lengths, weights=w)
+            b = ebc(["f"], values, lengths, per_sample_weights=w)
+            before = store.read("t", torch.arange(N))
+            with pytest.raises(ts.ShapeError):
+                ebc(["f"], values, lengths, weights=w, per_sample_weights=w)
+        assert torch.equal(a, b)
+        assert not torch.equal(a, ebc(["f"], values, lengths).detach())
+        assert torch.equal(store.read("t", torch.arange(N)), before)
+
+
 class FakeKJT:
     """Duck-typed stand-in for torchrec's KeyedJaggedTensor."""
 

@@ -26,6 +26,14 @@ def _integer(name: str, t: Any) -> None:
         raise ShapeError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t).__name__)}")
 
 
+def either_weights(weights: Any, per_sample_weights: Any) -> Any:
+    """The per-id weights given as `weights` (TorchRec's name) or `per_sample_weights`
+    (`nn.EmbeddingBag`'s); a ShapeError when both are given."""
+    if weights is not None and per_sample_weights is not None:
+        raise ShapeError("give weights or per_sample_weights, not both")
+    return per_sample_weights if weights is None else weights
+
+
 def is_keyed_jagged(obj: Any) -> bool:
     """Whether `obj` has a KeyedJaggedTensor's accessors (keys(), values(), lengths or offsets)."""
     return (not isinstance(obj, Mapping) and callable(getattr(obj, "keys", None))

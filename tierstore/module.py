@@ -14,7 +14,7 @@ import tierstore.validate as validate
 from .config import TableSpec
 from .embedding_configs import config_features, config_pooling, is_table_config, table_spec
 from .errors import ConfigError, ShapeError, StoreClosedError, UnknownTableError
-from .jagged import JaggedBatch, keyed_tensor, torchrec_keyed_tensor
+from .jagged import JaggedBatch, either_weights, keyed_tensor, torchrec_keyed_tensor
 from .module_state import StoreBacked
 from .optimizers import Optimizer
 from .steps import EngineStep, ReadOnlyRows, anchor, engine_for
@@ -230,9 +230,11 @@ class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
 
     def forward(self, keys: Any, values: torch.Tensor | None = None,
                 lengths: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None, as_dict: bool = False
+                weights: torch.Tensor | None = None, as_dict: bool = False,
+                per_sample_weights: torch.Tensor | None = None
                 ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Pooled embeddings of every feature: [batch, sum of dims] or {feature: [batch, dim]}."""
+        weights = either_weights(weights, per_sample_weights)  # nn.EmbeddingBag's name too
         keys, values, lengths, weights = JaggedBatch.of(keys, values, lengths, offsets, weights).astuple()
         if len(keys) == 0 or lengths.numel() % len(keys):
             raise ShapeError("lengths must hold one entry per (feature, sample)")

@@ -24,7 +24,7 @@ import tierstore.validate as validate
 
 from ..bagpaths import Gathered
 from ..errors import ConfigError, ShapeError, TierstoreError, UnknownTableError
-from ..jagged import JaggedBatch
+from ..jagged import JaggedBatch, either_weights
 from ..module import _pool
 from .errors import DistributedError
 from .parts import Part, Request, build_request, comm_dtype_of, id_dtype_of, make_parts, pool_rows
@@ -161,12 +161,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def forward(self, keys: Any, values: torch.Tensor | None = None,
                 lengths: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None, as_dict: bool = False
+                weights: torch.Tensor | None = None, as_dict: bool = False,
+                per_sample_weights: torch.Tensor | None = None
                 ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Pooled embeddings of this rank's batch: [batch, sum of dims] or {feature: [batch, dim]}."""
         err: TierstoreError | None = None
-        try:
-            batch, tables = self.split_batch(keys, values, lengths, offsets, weights)
+        try:  # per_sample_weights: nn.EmbeddingBag's name for the weights
+            batch, tables = self.split_batch(keys, values, lengths, offsets,
+                                             either_weights(weights, per_sample_weights))
         except TierstoreError as exc:  # told to the other ranks in the sizes exchange, then raised
             err, batch, tables = exc, 0, []
         train = torch.is_grad_enabled()
