@@ -131,9 +131,10 @@ def test_bench_steady_smoke(tmp_path):
     assert rec["counters_per_step"]["rows_merged"] >= 0
     assert rec["config"] == "tierstore_cache10" and rec["steps"] == 4
     assert _positive(rec["ms_per_step"]) and rec["disk_mb_per_step"] >= 0
-    # CPU per thread in 10 ms ticks: the staged, lock-free steps may leave the training thread
-    # below one tick in 4 tiny steps, but the threads together used some
-    assert any(_positive(v) for v in rec["cpu_ms_per_step"].values())
+    # CPU per thread in 10 ms ticks: 4 tiny steps may stay below one tick in every thread
+    # (seen on a loaded machine), so only the accounting's shape is checked
+    cpu = rec["cpu_ms_per_step"]  # the threads that used a tick, named and positive
+    assert all(isinstance(k, str) and _positive(v) for k, v in cpu.items())
     assert rec["counters_per_step"]["rows_read"] > 0  # 10% caches: the steps miss
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_steady_")]
     # the resolved layout: one hlfu tier of both capacities, a reserve of 4x the cache

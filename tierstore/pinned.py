@@ -156,6 +156,8 @@ class PinnedSteps:
         reserve (a window's rows the cache refuses or cannot hold wait there).
         """
         dev = self.device_tier
+        if 0 < self.layout.table_rows <= dev.capacity:  # the device tier holds every declared
+            return True  # row: nothing is ever evicted, so pins never stand in the way
         if dev.staging:  # automatic slots: as many as the window has rows (the most of them the
             # policy may refuse), up to the reserve; a slot costs a row's memory once used
             if self.layout.staging_auto and dev.scratch_slots < min(rows, dev.staging):

@@ -22,6 +22,8 @@ What it picks, and why (BENCHMARKS.md, sessions 8, 11, 17, and issue 36):
 - On CUDA the tiers stay distinct (HBM and pinned DDR), with LRU unless a policy is named.
 - Caches that hold every declared row evict nothing: LRU (the cheapest bookkeeping; hlfu's
   made an all-resident step slower) and no staging slots, still one tier on a CPU.
+- Caches larger than every declared row are clamped to those rows, device tier first (a tiny
+  table no longer costs the default 576 MiB of slots and indexes).
 - An explicit choice always wins: a named policy keeps the capacities as given and gets no
   automatic staging slots (`staging_capacity` names them); named staging slots keep their
   number.
@@ -52,6 +54,12 @@ class Layout:
     staging_rows: int  # slots past the device tier's cache: fixed, or the automatic reserve
     staging_auto: bool  # True: activated from the prefetch window, up to `staging_rows`
     reasons: tuple[str, ...]
+    table_rows: int = 0  # the rows the tables declare (not in `as_dict`)
+
+    @property
+    def resident(self) -> bool:
+        """Whether the caches hold every declared row (nothing is ever evicted)."""
+        return self.table_rows > 0 and self.device_rows + self.host_rows >= self.table_rows
 
     def as_dict(self) -> dict:
         """The layout as plain values (for `stats()` and the store's metadata)."""
@@ -96,14 +104,19 @@ def resolve_layout(device_type: str, device_rows: int, host_rows: int, policy: s
         device_rows, host_rows = device_rows + host_rows, 0
     if not cpu:
         reasons.append(f"{device_type} device: the device tier and the host tier stay distinct")
+    if table_rows > 0 and device_rows + host_rows > table_rows:  # no row could use the rest
+        device_rows = min(device_rows, table_rows)
+        host_rows = min(host_rows, table_rows - device_rows)
+        reasons.append(f"capacities clamped to the {table_rows} declared rows (device "
+                       f"{device_rows}, host {host_rows}): a slot past them could never be used")
     selective = make_policy(policy, 0).selective
     if staging_rows is not None:
         if staging_rows:
             reasons.append(f"staging slots: {staging_rows}, named")
-        return Layout(device_rows, host_rows, policy, staging_rows, False, tuple(reasons))
+        return Layout(device_rows, host_rows, policy, staging_rows, False, tuple(reasons), table_rows)
     if cpu and not named and not resident and selective and not host_rows and device_rows:
         reserve = staging_reserve(device_rows, row_bytes, table_rows)
         reasons.append(f"staging slots: automatic, activated as the prefetch window needs, up to "
                        f"{reserve} rows (64 MiB, at most {STAGING_CACHE_TIMES}x the cache)")
-        return Layout(device_rows, host_rows, policy, reserve, True, tuple(reasons))
-    return Layout(device_rows, host_rows, policy, 0, False, tuple(reasons))
+        return Layout(device_rows, host_rows, policy, reserve, True, tuple(reasons), table_rows)
+    return Layout(device_rows, host_rows, policy, 0, False, tuple(reasons), table_rows)
