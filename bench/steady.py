@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
               "capacity": runner.capacity, "policy": runner.store.layout.policy,
               "write_log": args.write_log, "ms_per_step": wall * per,
               "disk_mb_per_step": (wb1 - wb0) / args.steps / 1e6,
+              "merges": int(k1["log_merges"] - k0["log_merges"]),  # background log merges timed
               "cpu_ms_per_step": {k: v for k, v in sorted(threads.items(), key=lambda x: -x[1]) if v > 0},
               "counters_per_step": {k: (k1[k] - k0[k]) * (per if k.endswith("_s") else 1 / args.steps)
                                     for k in k0},
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                          "cpu_ms_per_step": c["cpu_s"] * per, "calls_per_step": c["calls"] / args.steps}
                         for c in calls]}
     print(f"{args.config}: {record['ms_per_step']:.1f} ms/step, "
-          f"{record['disk_mb_per_step']:.1f} MB/step to storage, over {args.steps} steps")
+          f"{record['disk_mb_per_step']:.1f} MB/step to storage, over {args.steps} steps "
+          f"({record['merges']} background log merges in them)")
     print(table([{"thread": k, "ms": v} for k, v in record["cpu_ms_per_step"].items()],
                 [("thread", "thread", "s"), ("ms", "CPU ms/step", ".1f")]))
     print(table([{"counter": k, "v": v} for k, v in record["counters_per_step"].items()],

@@ -206,7 +206,7 @@ class TierstoreRunner(Runner):
                 # plus those read at use
                 "rows_read": pf.rows_read_ahead_from_ssd + read_fg, "rows_read_fg": read_fg,
                 "rows_written": wb.rows_written,
-                "rows_merged": st.log.rows_merged}
+                "rows_merged": st.log.rows_merged, "log_merges": st.log.background_merges}
 
     cold = False  # --cold: the store's files leave the page cache before each timed block
 
