@@ -45,3 +45,27 @@ def store_path(tmp_path):
 def device(request) -> torch.device:
     """Each device a store can run on here: the CPU, and CUDA where available."""
     return torch.device(request.param)
+
+
+
+@pytest.fixture(autouse=True)
+def _as_cuda_layout(monkeypatch):
+    """TIERSTORE_TEST_AS_CUDA=1: a store opened without a device gets the layout a CUDA device
+    resolves to (two tiers, its default policy, the sets cache) on the CPU, so a CPU run shows
+    which tests lean on the CPU's layout before a GPU machine runs them with CUDA as the default."""
+    if os.environ.get("TIERSTORE_TEST_AS_CUDA", "") in ("", "0"):
+        return
+    import tierstore.store.handle as handle
+
+    as_cuda = [False]
+    device, layout, cache = handle.resolve_device, handle.resolve_layout, handle._device_cache
+
+    def resolve_device(dev):
+        as_cuda[0] = dev is None
+        return device(dev)
+
+    monkeypatch.setattr(handle, "resolve_device", resolve_device)
+    monkeypatch.setattr(handle, "resolve_layout", lambda dtype, *a, **k: layout(
+        "cuda" if as_cuda[0] else dtype, *a, **k))
+    monkeypatch.setattr(handle, "_device_cache", lambda name, dev, tables: cache(
+        name, torch.device("cuda") if as_cuda[0] else dev, tables))

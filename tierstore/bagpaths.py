@@ -10,6 +10,7 @@ import torch
 
 import tierstore.admission as _adm
 import tierstore.cascade as _cas
+import tierstore.hostread as hostread
 
 from .errors import InvalidGradientError
 from .fused import BatchUpdate, bag_positions
@@ -134,7 +135,9 @@ class BagPaths:
         pending = self.deferred_checks
         while pending and (wait or pending[0][1] is None or pending[0][1].query()):
             flags.append(pending.popleft()[0])
-        if flags and not bool(torch.stack(flags).all()):
+        # read through an event, not `bool()`: this runs between staged steps that may be under
+        # the sync debug mode (`tierstore.hostread`)
+        if flags and not bool(hostread.to_host(torch.stack(flags).all())[0]):
             raise InvalidGradientError("a staged step's output gradient held NaN/Inf values; "
                                        "its update was discarded (nothing changed)")
 

@@ -6,6 +6,7 @@ import torch
 
 import tierstore._kernels as _kernels
 import tierstore._memory as _memory
+import tierstore.hostread as hostread
 
 from ._parallel import parallel_for
 from .errors import ConfigError, ShapeError, StoreCorruptError
@@ -261,6 +262,7 @@ def absent_from(indexes: tuple[HashIndex, HashIndex, HashIndex], tab: int,
         return out
     out = torch.ones(n, dtype=torch.bool)
     t = torch.tensor(tab, dtype=torch.int64)
-    for ix in indexes:
-        out &= ix.find(t.to(ix.device), rows.to(ix.device)).cpu() < 0
+    for ix in indexes:  # device lookups read back through an event (`tierstore.hostread`)
+        found = ix.find(hostread.to_device(t, ix.device), hostread.to_device(rows, ix.device))
+        out &= hostread.to_host(found)[0] < 0
     return out

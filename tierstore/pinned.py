@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+import tierstore.hostread as hostread
+
 from .backends.slab import Rows
 from .bagpaths import Gathered
 from .index import dedup
@@ -187,13 +189,16 @@ class PinnedSteps:
         seg = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(sizes))
         tabs = torch.cat([tab.tix.expand(n) for (tab, _), n in zip(items, sizes)])
         rows = torch.cat([uniq.to("cpu", torch.int64) for _, uniq in items])
-        dslots = dev.lookup(tabs.to(dev.device), rows.to(dev.device), count=False)
-        dhit = dslots >= 0
-        miss = torch.nonzero(~dhit).flatten().cpu()
+        to_dev = hostread.to_device
+        dslots = dev.lookup(to_dev(tabs, dev.device), to_dev(rows, dev.device), count=False)
+        # read back through an event: a sync-debug-mode step may run on the training thread now
+        (dslots_h,) = hostread.to_host(dslots)
+        dhit = dslots_h >= 0
+        miss = torch.nonzero(~dhit).flatten()
         m = miss.numel()
         if m:  # room in the write-behind ring for the victims, or fail before any row moves
             self.writeback.reserve(m)
-        hit_slots = dslots[dhit] if m else dslots
+        hit_slots = to_dev(dslots_h[dhit], dev.device) if m else dslots
         dev.touch(hit_slots)
         dev.pin(hit_slots, 1)
         staged = dslots.clone()
@@ -225,7 +230,7 @@ class PinnedSteps:
             if pad is not None:  # refused by the policy: to the scratch pad while it has room
                 kp = dev.insert_scratch(moving.take(pad))
                 if kp:
-                    staged.index_copy_(0, miss[pad[:kp]].to(staged.device), dev.last_slots[:kp])
+                    staged.index_copy_(0, to_dev(miss[pad[:kp]], staged.device), dev.last_slots[:kp])
                     rest = torch.ones(m, dtype=torch.bool)
                     rest[pad[:kp]] = False
                     moving, placed = moving.take(rest), miss[rest]
@@ -234,8 +239,8 @@ class PinnedSteps:
             else:
                 k = self.cascade.place(moving, protect=hit_slots, overflow_first=True)
                 if k:  # the first k misses, in order, landed on the device
-                    staged.index_copy_(0, placed[:k].to(staged.device), dev.last_slots[:k])
-        nd_of = torch.bincount(seg[dhit.cpu()], minlength=len(items))
+                    staged.index_copy_(0, to_dev(placed[:k], staged.device), dev.last_slots[:k])
+        nd_of = torch.bincount(seg[dhit], minlength=len(items))
         out, lo = [], 0
         for i, n in enumerate(sizes):
             nd, nh = int(nd_of[i]), int(nh_of[i])
@@ -292,8 +297,10 @@ class PinnedSteps:
         """Add `delta` to the prefetch pins of those rows wherever they are cached."""
         tabs = tab.tix
         for tier in (self.device_tier, self.host_tier):
-            slots = tier.lookup(tabs.to(tier.device), uniq.to(tier.device), count=False)
-            tier.pin(slots[slots >= 0], delta)
+            to_dev = hostread.to_device
+            slots = tier.lookup(to_dev(tabs, tier.device), to_dev(uniq, tier.device), count=False)
+            # a tier that skips absent (-1) slots takes them as they are: no mask, no sync
+            tier.pin(slots if tier.pins_skip_absent else slots[slots >= 0], delta)
         if delta < 0:
             self._expire_scratch()
 

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
+import tierstore.hostread as hostread
+
 from ..stats import TierStats
 from .hbm_cache import POLICIES, HbmCache
 from .slab import Rows
@@ -41,19 +43,25 @@ class Keys:
 
     def __init__(self, offsets: torch.Tensor | None = None) -> None:
         self.offsets = offsets
+        # a host copy too: keys read back to the host unpack there without a device read
+        self.host_offsets = None if offsets is None else offsets.cpu()
+
+    def _offsets(self, device: torch.device) -> torch.Tensor:
+        """The offsets on `device` (the host copy for CPU keys)."""
+        return self.host_offsets if device.type == "cpu" else hostread.to_device(self.offsets, device)
 
     def pack(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One int64 key per (table, row)."""
-        tabs = tabs.to(rows.device, torch.int64)
+        tabs = hostread.to_device(tabs, rows.device).to(torch.int64)
         if self.offsets is None:
             return (tabs << TAB_SHIFT) | rows
-        return self.offsets.to(rows.device)[tabs] + rows
+        return self._offsets(rows.device)[tabs] + rows
 
     def unpack(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tables, rows) of keys."""
         if self.offsets is None:
             return keys >> TAB_SHIFT, keys & ROW_MASK
-        offsets = self.offsets.to(keys.device)
+        offsets = self._offsets(keys.device)
         tabs = torch.searchsorted(offsets[1:], keys, right=True)
         return tabs, keys - offsets.index_select(0, tabs)
 
@@ -97,7 +105,8 @@ class SetIndex:
 
     def find(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Slots of the keys, -1 where absent."""
-        return self.cache.lookup(self.codec.pack(tabs, rows.to(self.cache.device, torch.int64)))
+        rows = hostread.to_device(rows, self.cache.device).to(torch.int64)
+        return self.cache.lookup(self.codec.pack(tabs, rows))
 
     def keys(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tables, rows) held at these slots."""
@@ -113,6 +122,7 @@ class SetTier:
     staging = 0  # no staging slots, no scratch pad
     scratch_slots = 0
     gather_pins = True
+    pins_skip_absent = True  # `pin` ignores -1 slots (they go to the cache's trash line)
 
     def __init__(self, name: str, capacity: int, width: int, policy: str,
                  device: torch.device | str = "cpu", kernels: str = "torch",
@@ -196,11 +206,11 @@ class SetTier:
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """Set the dirty bits of resident slots."""
-        self.cache.mark_dirty(slots.to(self.device))
+        self.cache.mark_dirty(hostread.to_device(slots, self.device))
 
     def pin(self, slots: torch.Tensor, delta: int) -> None:
-        """Add `delta` to the locks of resident slots (never below zero)."""
-        self.cache.pin(slots.to(self.device), delta)
+        """Add `delta` to the locks of resident slots (never below zero; -1 slots ignored)."""
+        self.cache.pin(hostread.to_device(slots, self.device), delta)
 
     def remove(self, slots: torch.Tensor) -> Rows:
         """Take rows out of the tier; returns them with dirty bits and pins."""
@@ -215,7 +225,8 @@ class SetTier:
     def insert(self, rows: Rows, protect: torch.Tensor | None = None,
                keep_clean: bool = True) -> tuple[int, Rows | None]:
         """Insert the longest prefix of `rows` (absent keys) whose sets have room, evicting
-        unlocked lines; returns (k, victims: all, or the dirty ones without `keep_clean`)."""
+        unlocked lines; returns (k, victims on the host: all, or the dirty ones without
+        `keep_clean`). Reads back to the host only through `hostread.to_host`."""
         n = len(rows)
         self.last_slots = self.last_slots[:0]
         if n == 0 or self.capacity == 0:
@@ -225,10 +236,13 @@ class SetTier:
         cache = self.cache
         guard = protect is not None and protect.numel() > 0
         if guard:
-            cache.pin(protect.to(self.device), 1)  # the batch's hits stay
+            protect = hostread.to_device(protect, self.device)
+            cache.pin(protect, 1)  # the batch's hits stay
         try:
             choice = cache.choose(keys)
-            full = torch.nonzero(choice < 0).flatten()
+            # read back through an event (the staging thread runs this beside a training step
+            # that may be under the sync debug mode: `tierstore.hostread`)
+            full = torch.nonzero(hostread.to_host(choice)[0] < 0).flatten()
             k = int(full[0]) if full.numel() else n
             if k == 0:
                 return 0, None
@@ -238,14 +252,15 @@ class SetTier:
             v = cache.insert(keys, rows.payload, rows.dirty, lock=lock, slots=choice)
         finally:
             if guard:
-                cache.pin(protect.to(self.device), -1)
+                cache.pin(protect, -1)
         self.generation += 1
         self.stats.insertions += k
         self.last_slots = v.slots
-        gone = torch.nonzero(v.keys >= 0).flatten()
+        old, old_dirty = hostread.to_host(v.keys, v.dirty)
+        gone = torch.nonzero(old >= 0).flatten()
         if not gone.numel():
             return k, None
-        dirty = v.dirty.index_select(0, gone)
+        dirty = old_dirty.index_select(0, gone)
         self.stats.evictions += gone.numel()
         self.stats.writebacks += int(dirty.sum())
         if not keep_clean:
@@ -253,8 +268,9 @@ class SetTier:
             dirty = dirty[dirty]
             if not gone.numel():
                 return k, None
-        return k, Rows(*self.codec.unpack(v.keys.index_select(0, gone)), v.payload.index_select(0, gone),
-                       dirty)
+        # the victims leave on the host (where the tiers below keep them)
+        (payload,) = hostread.to_host(v.payload.index_select(0, hostread.to_device(gone, self.device)))
+        return k, Rows(*self.codec.unpack(old.index_select(0, gone)), payload, dirty)
 
     def admit(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         """Every arriving row is admitted."""

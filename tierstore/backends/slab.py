@@ -48,8 +48,10 @@ class Rows:
         """The same rows on another device."""
         if self.rows.device == device:
             return self
-        return Rows(self.tabs.to(device), self.rows.to(device), self.payload.to(device),
-                    self.dirty.to(device), None if self.pins is None else self.pins.to(device))
+        nb = device.type != "cpu"  # to a device: no blocking copy (a read back blocks, as it must)
+        return Rows(self.tabs.to(device, non_blocking=nb), self.rows.to(device, non_blocking=nb),
+                    self.payload.to(device, non_blocking=nb), self.dirty.to(device, non_blocking=nb),
+                    None if self.pins is None else self.pins.to(device, non_blocking=nb))
 
     @staticmethod
     def cat(parts: list[Rows]) -> Rows:
@@ -73,6 +75,8 @@ class SlabTier:
     The policy picks victims; the tier evicts them and hands them (with dirty bits) to the
     caller, which moves them down a tier. `pins` protect slots from eviction (prefetch).
     """
+
+    pins_skip_absent = False  # `pin` takes resident slots only (callers drop the -1s)
 
     def __init__(self, name: str, capacity: int, width: int, policy: str,
                  device: torch.device | str = "cpu", pin_memory: bool = False,

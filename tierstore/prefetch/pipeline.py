@@ -14,6 +14,8 @@ import lmdb
 import numpy as np
 import torch
 
+import tierstore.hostread as hostread
+
 from .._parallel import CPUS
 from ..backends.lmdb_backend import lmdb_error
 from ..errors import ConfigError, ShapeError, TierstoreError
@@ -385,12 +387,15 @@ class Prefetcher:
             slots, by_slot = {}, {}
             # all tables' misses placed at once; device slots, -1 where a row overflowed to host
             staged_all = store.stage_many([(tabs[t], uniq) for t, uniq in per_table.items()])
-            for (t, uniq), ((d, h, s), staged) in zip(per_table.items(), staged_all):
-                slots[t] = (uniq.numpy(), staged.cpu().numpy())
-                if d + h + s == 0 or int(staged.min()) >= 0:  # all on the device: unpin by slot
+            # the slots on the host, read through an event: `tierstore.hostread`
+            on_host = hostread.to_host(*(staged for _, staged in staged_all))
+            for (t, uniq), ((d, h, s), staged), sh in zip(per_table.items(), staged_all, on_host):
+                slots[t] = (uniq.numpy(), sh.numpy())
+                if d + h + s == 0 or int(sh.min()) >= 0:  # all on the device: unpin by slot
                     by_slot[t] = staged
                 elif not store.host_tier.capacity:  # one cache tier: a row staged nowhere went
-                    by_slot[t] = staged[staged >= 0]  # to the ring, and its pin went with it
+                    # to the ring, and its pin went with it
+                    by_slot[t] = hostread.to_device(sh[sh >= 0], staged.device)
                 stats.rows_used += uniq.numel()
                 stats.rows_resident_at_use += d + h
                 stats.rows_staged += h + s

@@ -1,0 +1,116 @@
+"""Host reads of device tensors on the CUDA paths, found on the CPU (`tests.devtaint`).
+
+The sets cache's state is marked as device-resident and every torch call is watched: a read of
+a device value on the host (`.item()`, `bool()`, `nonzero`, `.cpu()`, ...) would make a CUDA
+host wait, and under `torch.cuda.set_sync_debug_mode("error")`, which is process-wide, raise in
+whichever thread made it. The staging thread runs beside the training step, so its reads go
+through `tierstore.hostread.to_host` (an event's wait, which the mode does not flag).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") in (None, "", "0") and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import: kernels on CPU tensors
+
+import tierstore as ts  # noqa: E402
+from tests.devtaint import DeviceTaint, watching_hostread  # noqa: E402
+from tierstore.engine import interpreting  # noqa: E402
+from tierstore.prefetch import Prefetcher  # noqa: E402
+from tierstore.steps import EngineStep  # noqa: E402
+
+FEATS = {"x": "a", "y": "b", "z": "a"}
+SPECS = [ts.TableSpec("a", 10**6, 8, optimizer=ts.RowWiseAdagrad(0.1)),
+         ts.TableSpec("b", 500, 4, optimizer=ts.Adam(0.01, weight_decay=0.01))]
+
+
+def _batches(n, batch=6, seed=2, rows=500):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        lengths = torch.randint(0, 4, (3 * batch,), generator=g)
+        parts = [torch.randint(0, rows, (int(lengths[i * batch:(i + 1) * batch].sum()),), generator=g)
+                 for i in range(3)]
+        yield (list(FEATS), torch.cat(parts), lengths), torch.randn(batch, 20, generator=g)
+
+
+def _pretend(mode, store):
+    """Mark the sets cache's state and the device objects that name its device."""
+    dev = store.device_tier
+    cache = dev.cache
+    mode.mark(cache.slab, *(getattr(cache, n) for n in ("_keys", "_stamp", "_lock", "_dirty")))
+    mode.add_device(dev.device, cache.device, dev.index.device, store.device)
+    if dev.codec.offsets is not None:
+        mode.mark(dev.codec.offsets)
+
+
+def test_staging_on_the_sets_cache_reads_device_values_only_through_hostread(tmp_path, monkeypatch):
+    modes: dict[int, DeviceTaint] = {}
+    finish = Prefetcher.finish_batch
+
+    def watched(self, step, prep):
+        mode = modes.setdefault(threading.get_ident(), DeviceTaint())
+        _pretend(mode, self.store)
+        with mode:
+            return finish(self, step, prep)
+
+    monkeypatch.setattr(Prefetcher, "finish_batch", watched)
+    # a cache smaller than a batch's rows: staging evicts, overflows to the host tier, reloads
+    with ts.TierStore(tmp_path / "s", SPECS, device="cpu", device_cache="sets", device_capacity=64,
+                      host_capacity=256, policy="lru") as store, watching_hostread(modes):
+        ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+        with Prefetcher(store, _batches(8), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
+            for sparse, weight in pf:
+                (ebc(*sparse) * weight).sum().backward()
+        assert store.prefetch_stats.staged_from_host > 0  # victims went down and came back
+        store.check()
+    assert modes, "staging ran on no thread"
+    reads = [r for m in modes.values() for r in m.reads]
+    assert reads == [], "\n".join(reads)
+
+
+@pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monkeypatch, mode):
+    import tierstore.backends.hbm_kernels as hbm_kernels
+    import tierstore.engine.triton_backend as triton_backend
+
+    for mod in (hbm_kernels, triton_backend):  # the interpreter reads its arguments on the host
+        launching = mod.launching
+
+        @contextlib.contextmanager
+        def quiet(launching=launching):
+            with launching(), torch._C.DisableTorchFunction():
+                yield
+
+        monkeypatch.setattr(mod, "launching", quiet)
+    modes: dict[int, DeviceTaint] = {}
+    # a mode sees `EngineStep.apply` as one call and runs it (and autograd the backward) with
+    # no mode: the step's own calls are watched by entering the mode again inside them
+    for name in ("forward", "backward"):
+        def watched(*args, step=getattr(EngineStep, name)):
+            mode = modes.get(threading.get_ident())
+            with mode if mode is not None else contextlib.nullcontext():
+                return step(*args)
+
+        monkeypatch.setattr(EngineStep, name, staticmethod(watched))
+    with ts.TierStore(tmp_path / "s", SPECS, device="cpu", kernels="triton", device_cache="sets",
+                      device_capacity=2048, host_capacity=64, policy="lru") as store, \
+            watching_hostread(modes):
+        ebc = ts.TieredEmbeddingBagCollection(store, FEATS, mode=mode)
+        with Prefetcher(store, _batches(6), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
+            for i, (sparse, weight) in enumerate(pf):
+                taint = DeviceTaint()
+                _pretend(taint, store)
+                weight = weight.to(store.device, non_blocking=True)
+                with taint if i >= 2 else contextlib.nullcontext():  # plan tensors cached by then
+                    modes[threading.get_ident()] = taint
+                    (ebc(*sparse) * weight).sum().backward()
+                    modes.clear()
+                assert taint.reads == [], "\n".join(taint.reads)
+        assert store.prefetch_stats.lock_free_bags == 6 * 2  # every step took the staged path
