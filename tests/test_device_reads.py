@@ -92,13 +92,15 @@ def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monke
     modes: dict[int, DeviceTaint] = {}
     # a mode sees `EngineStep.apply` as one call and runs it (and autograd the backward) with
     # no mode: the step's own calls are watched by entering the mode again inside them
-    for name in ("forward", "backward"):
-        def watched(*args, step=getattr(EngineStep, name)):
+    def watching(step):
+        def watched(*args):
             mode = modes.get(threading.get_ident())
             with mode if mode is not None else contextlib.nullcontext():
                 return step(*args)
+        return staticmethod(watched)
 
-        monkeypatch.setattr(EngineStep, name, staticmethod(watched))
+    monkeypatch.setattr(EngineStep, "forward", watching(EngineStep.forward))
+    monkeypatch.setattr(EngineStep, "backward", watching(EngineStep.backward))
     with ts.TierStore(tmp_path / "s", SPECS, device="cpu", kernels="triton", device_cache="sets",
                       device_capacity=2048, host_capacity=64, policy="lru") as store, \
             watching_hostread(modes):
