@@ -11,6 +11,8 @@ Cases (one table, dim 64, row-wise Adagrad, batches of unique random ids over a 
 - lmdb_cold: as lmdb_cached, but the store is flushed, closed, its data.mdb dropped from the page
   cache (`posix_fadvise(DONTNEED)`) and reopened before each timed call; caches are refilled from
   another id range first. The raw ceiling runs under the same protocol.
+Every case names `device_cache="slab"`: the cases count on one LRU order over the whole device
+tier (the sets cache, CUDA's default, evicts within a set, so some rows would stay cached).
 
 Timing: store and ceiling blocks alternate (one round = one block of each); a figure's `ratio` is
 the median over rounds of store rate / ceiling rate, so a load spike on the shared machine weighs
@@ -179,7 +181,7 @@ def bench_cache_hits(work: Path, batch: int, dim: int, cap: int, threads: int, b
     # device hits: the batch stays resident in a device tier of `cap` rows
     ids = ids_all[:batch]
     with TierStore(work / f"dev{batch}", spec, device_capacity=cap, host_capacity=0,
-                   policy="lru") as st:  # named: each case measures the tiers as given
+                   policy="lru", device_cache="slab") as st:  # named: the tiers as given
         st.read(TABLE, ids)
         st.apply(TABLE, ids, grads)  # loads the numba kernels before timing
         res = paired_rates({"sel": ceil_select, "upd": ceil_update,
@@ -198,7 +200,7 @@ def bench_cache_hits(work: Path, batch: int, dim: int, cap: int, threads: int, b
     # host hits: the device tier holds one batch; four batches rotate through it
     parts = ids_all.view(4, batch)
     with TierStore(work / f"host{batch}", spec, device_capacity=batch, host_capacity=cap,
-                   policy="lru") as st:
+                   policy="lru", device_cache="slab") as st:
         for p in parts:
             st.read(TABLE, p)
         it = {"i": 0}
@@ -245,7 +247,7 @@ class LmdbCase:
 
     def _open(self) -> TierStore:
         return TierStore(self.path, self.spec, device_capacity=self.batch, host_capacity=self.batch,
-                         policy="lru")  # named: two tiers that the miss path rotates through
+                         policy="lru", device_cache="slab")  # named: two tiers the misses rotate through
 
     def _raw(self) -> RawLmdb:
         return RawLmdb(self.store.backend.env, self.store.backend.table_db(TABLE), self.width)
