@@ -28,6 +28,8 @@ from tierstore.steps import EngineStep  # noqa: E402
 FEATS = {"x": "a", "y": "b", "z": "a"}
 SPECS = [ts.TableSpec("a", 10**6, 8, optimizer=ts.RowWiseAdagrad(0.1)),
          ts.TableSpec("b", 500, 4, optimizer=ts.Adam(0.01, weight_decay=0.01))]
+HALF = [ts.TableSpec("a", 10**6, 8, optimizer=ts.Adagrad(0.1), dtype="bfloat16"),
+        ts.TableSpec("b", 500, 4, optimizer=ts.SGD(0.05), dtype="float16", clip=0.5)]
 
 
 def _batches(n, batch=6, seed=2, rows=500):
@@ -75,8 +77,9 @@ def test_staging_on_the_sets_cache_reads_device_values_only_through_hostread(tmp
 
 
 @pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
-@pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize("mode,specs", [("sum", SPECS), ("mean", SPECS), ("sum", HALF)],
+                         ids=["sum", "mean", "16-bit"])
+def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monkeypatch, mode, specs):
     import tierstore.backends.hbm_kernels as hbm_kernels
     import tierstore.engine.triton_backend as triton_backend
 
@@ -101,7 +104,7 @@ def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monke
 
     monkeypatch.setattr(EngineStep, "forward", watching(EngineStep.forward))
     monkeypatch.setattr(EngineStep, "backward", watching(EngineStep.backward))
-    with ts.TierStore(tmp_path / "s", SPECS, device="cpu", kernels="triton", device_cache="sets",
+    with ts.TierStore(tmp_path / "s", specs, device="cpu", kernels="triton", device_cache="sets",
                       device_capacity=2048, host_capacity=64, policy="lru") as store, \
             watching_hostread(modes):
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS, mode=mode)

@@ -136,7 +136,7 @@ class PinnedSteps:
         dev = self.device_tier
         if ids.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64)
-            return Gathered(empty, empty, torch.empty(0, tab.spec.dim), empty.to(dev.device),
+            return Gathered(empty, empty, torch.empty(0, tab.spec.dim), hostread.to_device(empty, dev.device),
                             dev.pin_epoch, pinned=True)
         uniq, inv = dedup(ids)  # the ids are host-side (validated there): no device sync
         dslots = self._pinned_slots(tab, uniq)

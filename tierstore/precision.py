@@ -71,7 +71,8 @@ class Codec:
         return self.decode(table[:, : self.cols(dim)].index_select(0, slots), dim)
 
     def encode_stochastic(self, w: torch.Tensor, old_cols: torch.Tensor,
-                          keys: torch.Tensor | None = None, update: int = 0) -> torch.Tensor:
+                          keys: torch.Tensor | None = None, update: int = 0,
+                          use_kernel: bool = True) -> torch.Tensor:
         """Payload columns for updated weights (float32: exact)."""
         return w
 
@@ -110,17 +111,19 @@ class HalfCodec(Codec):
         return cols[:, : self.cols(dim)].contiguous().view(torch.int16)[:, :dim].to(torch.int64) & 0xFFFF
 
     def encode_stochastic(self, w: torch.Tensor, old_cols: torch.Tensor,
-                          keys: torch.Tensor | None = None, update: int = 0) -> torch.Tensor:
+                          keys: torch.Tensor | None = None, update: int = 0,
+                          use_kernel: bool = True) -> torch.Tensor:
         """Packed columns for updated weights, each rounded up or down at random, unbiased.
 
         `keys`: the rows' ids int64 [n] (None: hash the values instead); `update`: the table's
-        update count, the step of each value's Weyl sequence of random bits."""
+        update count, the step of each value's Weyl sequence of random bits. `use_kernel=False`
+        takes the torch path on CPU tensors too (the one CUDA runs; the same bits)."""
         step = _wrap(int(update) * _GOLDEN)
         rowh = None if keys is None else _mix(keys.to("cpu", torch.int64) * _M2 + _M3)
         n, dim = w.shape
         w = w.contiguous()
         near = w.to(self.torch_dtype)
-        if HAVE_NUMBA and w.device.type == "cpu":  # one pass instead of ~25 element-wise ops
+        if use_kernel and HAVE_NUMBA and w.device.type == "cpu":  # one pass, not ~25 element-wise ops
             out = torch.zeros((n, 2 * self.cols(dim)), dtype=torch.int16)
             old = old_cols[:, : self.cols(dim)].contiguous().view(torch.int16)
             _sr_kernel(w.numpy(), w.view(torch.int32).numpy(), near.view(torch.int16).numpy(),
@@ -144,7 +147,7 @@ class HalfCodec(Codec):
             new = w.view(torch.int32).to(torch.int64)
             start = new * _M2 + old * _M3 + col
         else:
-            start = rowh.to(w.device)[:, None] + col
+            start = rowh.to(w.device, non_blocking=True)[:, None] + col  # host salt: no blocking copy
         r = ((_mix(start) + step) >> 48) & 0xFFFF
         up = r.to(torch.float32) < frac * 65536.0
         out_bits = torch.where(up, sign | hi_mag, sign | lo_mag)

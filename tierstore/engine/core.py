@@ -166,7 +166,9 @@ class Engine:
             keys, count = (None, 0) if salts is None else salts[t]
             if keys is not None:
                 keys = keys[a - batch.u_start[t] : b - batch.u_start[t]]
-            rows[:, : tp.cols] = codec.encode_stochastic(w[:, : tp.dim], rows[:, : tp.cols], keys, count)
+            # the Triton engine rounds with the torch ops CUDA runs (on CPU tensors too: tested)
+            rows[:, : tp.cols] = codec.encode_stochastic(w[:, : tp.dim], rows[:, : tp.cols], keys, count,
+                                                         use_kernel=self.kernels != "triton")
             rows[:, tp.cols :] = w[:, tp.dim : tp.dim + tp.state]
             table[s, : tp.cols + tp.state] = rows
             at += b - a
