@@ -148,6 +148,8 @@ class TierstoreRunner(Runner):
         self.setup_s = time.perf_counter() - t0
         log(f"{name}: setup {self.setup_s:.1f} s", file=sys.stderr, flush=True)
         self.ebc = TieredEmbeddingBagCollection(self.store, wl.names)
+        # on the store's device once, as TorchRunner's (a copy a step would make a CUDA step wait)
+        self.grad_out = wl.grad_out.to(self.store.device)
         self.next_step = 0  # the pool step the pipeline delivers next
         self.pf = Prefetcher(self.ebc, self._batches(), depth=depth, **(pipeline or {}))
 
@@ -166,7 +168,7 @@ class TierstoreRunner(Runner):
         self.next_step += 1
         keys, values, lengths = next(self.pf)
         out = self.ebc(keys, values, lengths)
-        out.backward(self.wl.grad_out.to(out.device))
+        out.backward(self.grad_out)
 
     def _thread_roles(self) -> dict[int, str]:
         """Native id -> role of every thread that works for this runner's steps."""
