@@ -179,8 +179,9 @@ class TritonBackend:
         got = self._on.get(device)
         if got is None:
             p = self.plan
-            got = tuple(a.to(device) for a in (p.feat_table, p.feat_col, p.feat_mode, p.tab_dim,
-                                               p.tab_kind, p.tab_params, p.tab_clip))
+            # not blocking: a first step under the sync debug mode must not wait for the copies
+            got = tuple(a.to(device, non_blocking=True) for a in (
+                p.feat_table, p.feat_col, p.feat_mode, p.tab_dim, p.tab_kind, p.tab_params, p.tab_clip))
             self._on[device] = got
         return got
 
