@@ -38,9 +38,10 @@ One store of `--tables` x `--rows` populated rows (dim 64 + row-wise Adagrad: 66
   final base's pages against the raw rows beside it), `lsm_one_process` adds `lsm_append`,
   `lsm_end_to_end` projects the writer's whole cost on one core: the store's `log_append` (its
   index included) and `lsm_steady` one after the other. `lsm_get` reads random rows through the
-  runs newest first and the base. `lsm_put_pwrite` / `lsm_put_writemap`: LMDB's own cost of a
-  run write, whole chunks put with `MDB_APPEND` (commits `pwrite` heap pages, or a writable
-  map). `--lsm-only` runs these and `log_append` alone.
+  runs newest first and the base. `lsm_put_<pwrite|writemap>_<fresh|reused>`: LMDB's own cost
+  of a run write, whole chunks put with `MDB_APPEND` (commits `pwrite` heap pages, or a
+  writable map), into a fresh file and into pages freed before. `--lsm-only` runs these and
+  `log_append` alone.
 """
 
 from __future__ import annotations
@@ -300,30 +301,34 @@ def _log_to_run(log_env: lmdb.Environment, log_db: object, writer: runs.RunWrite
 
 def chunk_put_cases(work: Path, rows: int, seed: int) -> list[dict]:
     """LMDB's own cost of writing a run: whole chunks of 4,096 records put with `MDB_APPEND`
-    (a commit every 64), heap pages written with `pwrite` at commit against a writable map;
+    (a commit every 64), heap pages written with `pwrite` at commit against a writable map, into
+    a fresh file and then again into the pages the first pass freed (a merge's steady state);
     CPU microseconds a row for the puts and commits alone."""
     rng = np.random.default_rng(seed)
     w = DIM + 2
     rb = 4 * w + 4
     k = runs.CHUNK_ROWS
     one = np.frombuffer(rng.bytes(runs.HEADER + k * (8 + rb)), dtype=np.uint8)
+    chunks = -(-rows // k)
     out = []
-    for case, writemap in (("lsm_put_pwrite", False), ("lsm_put_writemap", True)):
-        env = lmdb.open(str(work / case), map_size=max(1 << 30, rows * 600), max_dbs=2, sync=False,
+    for mode, writemap in (("pwrite", False), ("writemap", True)):
+        env = lmdb.open(str(work / mode), map_size=max(1 << 30, rows * 600), max_dbs=2, sync=False,
                         metasync=False, readahead=False, writemap=writemap)
-        db = env.open_db(b"r")
-        chunks = -(-rows // k)
-        c0, t0 = time.process_time(), time.perf_counter()
-        for lo in range(0, chunks, runs.TXN_CHUNKS):
-            with env.begin(write=True, db=db) as txn:
-                for c in range(lo, min(lo + runs.TXN_CHUNKS, chunks)):
-                    txn.put(c.to_bytes(8, "big"), one, append=True)
-        cpu, sec = time.process_time() - c0, time.perf_counter() - t0
+        for case in ("fresh", "reused"):
+            db = env.open_db(case.encode())
+            c0, t0 = time.process_time(), time.perf_counter()
+            for lo in range(0, chunks, runs.TXN_CHUNKS):
+                with env.begin(write=True, db=db) as txn:
+                    for c in range(lo, min(lo + runs.TXN_CHUNKS, chunks)):
+                        txn.put(c.to_bytes(8, "big"), one, append=True)
+            cpu, sec = time.process_time() - c0, time.perf_counter() - t0
+            out.append({"case": f"lsm_put_{mode}_{case}", "rows": chunks * k,
+                        "rows_per_s": _rate(chunks * k, sec), "cpu_us_per_row": cpu / (chunks * k) * 1e6,
+                        "rows_per_cpu_s": _rate(chunks * k, cpu)})
+            with env.begin(write=True) as txn:  # its pages go to the free list for the next pass
+                txn.drop(db, delete=True)
         env.close()
-        shutil.rmtree(work / case, ignore_errors=True)
-        out.append({"case": case, "rows": chunks * k, "rows_per_s": _rate(chunks * k, sec),
-                    "cpu_us_per_row": cpu / (chunks * k) * 1e6,
-                    "rows_per_cpu_s": _rate(chunks * k, cpu)})
+        shutil.rmtree(work / mode, ignore_errors=True)
     return out
 
 
@@ -447,6 +452,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lsm-run", type=int, default=1_500_000, help="random rows a run")
     ap.add_argument("--lsm-k", default="2,4,8", help="runs merged into the base at a time (one LSM "
                     "per value)")
+    ap.add_argument("--lsm-writemap", action="store_true",
+                    help="the LSM's environment writes through a writable map (else heap pages "
+                         "written with pwrite at commit, as the store's environments do)")
     ap.add_argument("--lsm-put-rows", type=int, default=2_000_000,
                     help="rows of the chunk-put cases (LMDB's cost of a run write; 0 skips them)")
     ap.add_argument("--lsm-cycles", type=int, default=3, help="merges into the base")
@@ -498,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             append = next(r for r in recs if r["case"] == "log_append")
             for k in [int(v) for v in str(args.lsm_k).split(",") if v]:
                 lsm = lsm_cases(work, args.lsm_table, args.lsm_run, k, args.lsm_cycles,
-                                args.rows_per_case, args.seed + 6)
+                                args.rows_per_case, args.seed + 6, writemap=args.lsm_writemap)
                 steady = next(r for r in lsm if r["case"] == f"lsm_steady_k{k}")
                 # the store's log append (its index too) and the merge side, one after the other
                 cpu = append["cpu_us_per_row"] + steady["cpu_us_per_row"]

@@ -95,8 +95,8 @@ def test_bench_writeback_smoke(tmp_path):
     assert floors == {"floor_5000_into_50000", "floor_20000_into_50000", "floor_100000_into_100000"}
     assert set(cases) - floors == {"raw_append", "raw_update", "log_append", "steady_uniform",
                                    "steady_zipf", "get_pylmdb", "get_pages", "get2_pylmdb",
-                                   "get2_pages", "merge_5000", "merge_20000", "lsm_put_pwrite",
-                                   "lsm_put_writemap"} | {
+                                   "get2_pages", "merge_5000", "merge_20000"} | {
+        f"lsm_put_{m}_{c}" for m in ("pwrite", "writemap") for c in ("fresh", "reused")} | {
         f"lsm_{c}_k{k}" for k in (2, 4) for c in ("base_write", "append", "runs", "merges", "steady",
                                                   "one_process", "get", "end_to_end")}
     for case in floors:  # a merge rewrites at least one page a leaf it touches, at most one a row
