@@ -23,12 +23,11 @@ def test_a_cpu_default_is_one_hlfu_tier_of_both_capacities_with_automatic_stagin
     # (one LRU tier without slots when the caches hold every declared row)
     lay = resolve_layout("cpu", dev, host, None, None, row, rows)
     resident = dev + host >= rows  # nothing is ever evicted: LRU's bookkeeping, no slots
-    assert (lay.device_rows, lay.host_rows) == (min(dev + host, rows), 0)  # clamped to the rows
+    assert (lay.device_rows, lay.host_rows) == (dev + host, 0)
     assert lay.policy == (DEFAULT_POLICY if resident else CPU_POLICY)
     assert lay.staging_auto == (bool(dev + host) and not resident) and lay.staging_rows == (
         staging_reserve(dev + host, row, rows) if lay.staging_auto else 0)
-    assert lay.resident == (bool(rows) and resident)
-    assert any("clamped" in r for r in lay.reasons) == (dev + host > rows)
+    assert lay.resident == resident and not any("clamped" in r for r in lay.reasons)
     # the reserve: at most 64 MiB of slots, four times the cache and the declared rows
     assert lay.staging_rows * (row + 56) <= 64 << 20
     assert lay.staging_rows <= min(4 * (dev + host), rows)
@@ -172,20 +171,27 @@ def test_tierstore_info_says_what_the_latest_open_resolved(tmp_path, capsys):
 
 
 @given(dev=st.integers(0, 10**6), host=st.integers(0, 10**6), rows=st.integers(1, 10**6),
-       device=st.sampled_from(["cpu", "cuda"]), policy=st.sampled_from([None, "lru", "hlfu"]))
-def test_caches_never_exceed_the_declared_rows(dev, host, rows, device, policy):
-    """Slots past the declared rows could never hold a row: the device tier takes what it can
-    hold of the rows, the host tier the rest, and the caches are resident exactly when they
-    held every row before the clamp."""
-    lay = resolve_layout(device, dev, host, policy, None, 64, rows)
-    assert lay.device_rows + lay.host_rows <= rows
-    assert lay.resident == (dev + host >= rows)
+       device=st.sampled_from(["cpu", "cuda"]), policy=st.sampled_from([None, "lru", "hlfu"]),
+       defaults=st.tuples(st.booleans(), st.booleans()))
+def test_default_capacities_never_exceed_the_declared_rows(dev, host, rows, device, policy, defaults):
+    """A slot past the declared rows could never hold a row: a default capacity is clamped to
+    them (the device tier first), a named one is kept, and the caches are resident exactly
+    when they held every row before the clamp."""
+    lay = resolve_layout(device, dev, host, policy, None, 64, rows, defaults=defaults)
+    d = min(dev, rows) if defaults[0] else dev
+    h = min(host, max(0, rows - d)) if defaults[1] else host
+    assert lay.resident == (dev + host >= rows) == (d + h >= rows)
     if device == "cuda" or policy is not None:  # the tiers as given, then clamped
-        assert lay.device_rows == min(dev, rows)
-        assert lay.host_rows == min(host, rows - lay.device_rows)
+        assert (lay.device_rows, lay.host_rows) == (d, h)
+    else:  # one tier of both
+        assert (lay.device_rows, lay.host_rows) == (d + h, 0)
+    assert any("clamped" in r for r in lay.reasons) == ((d, h) != (dev, host))
 
 
 def test_a_tiny_store_allocates_slots_for_its_rows_only(tmp_path):
-    with ts.TierStore(tmp_path / "s", [ts.TableSpec("a", 60, 8), ts.TableSpec("b", 40, 4)]) as store:
+    specs = [ts.TableSpec("a", 60, 8), ts.TableSpec("b", 40, 4)]
+    with ts.TierStore(tmp_path / "s", specs) as store:  # the default capacities: clamped
         assert store.device_tier.capacity + store.host_tier.capacity == 100
         assert store.stats()["layout"]["device_rows"] == 100
+    with ts.TierStore(tmp_path / "s", specs, device_capacity=150, host_capacity=0) as store:
+        assert store.device_tier.capacity == 150  # named: kept

@@ -22,8 +22,8 @@ What it picks, and why (BENCHMARKS.md, sessions 8, 11, 17, and issue 36):
 - On CUDA the tiers stay distinct (HBM and pinned DDR), with LRU unless a policy is named.
 - Caches that hold every declared row evict nothing: LRU (the cheapest bookkeeping; hlfu's
   made an all-resident step slower) and no staging slots, still one tier on a CPU.
-- Caches larger than every declared row are clamped to those rows, device tier first (a tiny
-  table no longer costs the default 576 MiB of slots and indexes).
+- Default capacities larger than the declared rows are clamped to them, the device tier first
+  (a tiny table no longer costs the default 576 MiB of slots and indexes); named ones are kept.
 - An explicit choice always wins: a named policy keeps the capacities as given and gets no
   automatic staging slots (`staging_capacity` names them); named staging slots keep their
   number.
@@ -76,14 +76,24 @@ def staging_reserve(cache_rows: int, row_bytes: int, table_rows: int) -> int:
 
 
 def resolve_layout(device_type: str, device_rows: int, host_rows: int, policy: str | None,
-                   staging_rows: int | None, row_bytes: int, table_rows: int) -> Layout:
+                   staging_rows: int | None, row_bytes: int, table_rows: int,
+                   defaults: tuple[bool, bool] = (False, False)) -> Layout:
     """The layout for these choices (None: not named) on a device of `device_type`.
+
+    `defaults`: whether the device and host capacities are the defaults rather than the user's
+    (a default is clamped to the declared rows, the device tier first; a named one is kept).
 
     Raises `ConfigError` (from the policy registry) for an unknown policy; whether explicit
     staging slots suit the layout is the store's check.
     """
     reasons = []
     cpu = device_type == "cpu"
+    if table_rows > 0 and (defaults[0] and device_rows > table_rows
+                           or defaults[1] and device_rows + host_rows > table_rows):
+        device_rows = min(device_rows, table_rows) if defaults[0] else device_rows
+        host_rows = min(host_rows, max(0, table_rows - device_rows)) if defaults[1] else host_rows
+        reasons.append(f"default capacities clamped to the {table_rows} declared rows (device "
+                       f"{device_rows}, host {host_rows}): a slot past them could never be used")
     named = policy is not None
     resident = device_rows + host_rows >= table_rows  # the caches hold every declared row
     if not named and resident:
@@ -104,11 +114,6 @@ def resolve_layout(device_type: str, device_rows: int, host_rows: int, policy: s
         device_rows, host_rows = device_rows + host_rows, 0
     if not cpu:
         reasons.append(f"{device_type} device: the device tier and the host tier stay distinct")
-    if table_rows > 0 and device_rows + host_rows > table_rows:  # no row could use the rest
-        device_rows = min(device_rows, table_rows)
-        host_rows = min(host_rows, table_rows - device_rows)
-        reasons.append(f"capacities clamped to the {table_rows} declared rows (device "
-                       f"{device_rows}, host {host_rows}): a slot past them could never be used")
     selective = make_policy(policy, 0).selective
     if staging_rows is not None:
         if staging_rows:

@@ -79,7 +79,9 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
             self.device.type, parse_capacity(device_capacity, width * 4),
             parse_capacity(host_capacity, width * 4), policy,
             None if staging_capacity is None else parse_capacity(staging_capacity, width * 4),
-            width * 4, sum(t.num_rows for t in tables))
+            width * 4, sum(t.num_rows for t in tables),
+            defaults=(device_capacity == StoreConfig.device_capacity,  # the field defaults
+                      host_capacity == StoreConfig.host_capacity))
         dcap, hcap, policy = self.layout.device_rows, self.layout.host_rows, self.layout.policy
         scap = self.layout.staging_rows
         if write_buffer is None:  # 64 MiB with its indexes
