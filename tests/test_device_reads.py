@@ -119,3 +119,35 @@ def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monke
                     modes.clear()
                 assert taint.reads == [], "\n".join(taint.reads)
         assert store.prefetch_stats.lock_free_bags == 6 * 2  # every step took the staged path
+
+
+def _warm_only_run(path, backward_elsewhere):
+    """Prefetched steps whose windows never fit the cache (warm-only batches), with each
+    backward on the consumer's thread or, as autograd runs a CUDA step's, on another one."""
+    specs = [ts.TableSpec("a", 5000, 8, optimizer=ts.Adagrad(0.1)),
+             ts.TableSpec("b", 300, 4, optimizer=ts.SGD(0.1))]
+    with ts.TierStore(path, specs, device="cpu", device_capacity=24, host_capacity=0,
+                      policy="hlfu", staging_capacity=0) as store:
+        ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+        with Prefetcher(store, _batches(6, batch=8, seed=5, rows=300), depth=2, features=FEATS,
+                        extract=lambda b: b[0]) as pf:
+            for sparse, weight in pf:
+                loss = (ebc(*sparse) * weight).sum()
+                if backward_elsewhere:
+                    t = threading.Thread(target=loss.backward)
+                    t.start()
+                    t.join()
+                else:
+                    loss.backward()
+        assert store.prefetch_stats.warm_only > 0
+        tabs, rows = store.device_tier.resident()
+        held = sorted(zip(tabs.tolist(), rows.tolist()))
+        return held, {t: store.read(t, torch.arange(300)) for t in ("a", "b")}
+
+
+def test_a_backward_on_another_thread_moves_rows_as_on_the_consumers(tmp_path):
+    here = _warm_only_run(tmp_path / "here", False)
+    there = _warm_only_run(tmp_path / "there", True)
+    assert here[0] == there[0]  # the same rows cached: placement follows the consumer's batch
+    for t in here[1]:
+        assert torch.equal(here[1][t], there[1][t]), t

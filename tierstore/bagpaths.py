@@ -144,7 +144,7 @@ class BagPaths:
     def step_backward(self, items: Sequence[tuple[str, Gathered]],
                       update: Callable[[torch.Tensor, torch.Tensor | None,
                                         list[tuple[torch.Tensor | None, int]]], None],
-                      finite: torch.Tensor | None = None) -> None:
+                      finite: torch.Tensor | None = None, thread: int | None = None) -> None:
         """A training step's update over several tables, after `step_forward`: one engine call.
 
         `update(table, slots, salts)` runs the engine's backward+update in place on
@@ -156,7 +156,9 @@ class BagPaths:
         the rows are (`Assign`); rows not admitted are left as they were. `finite` (a device
         bool, `defers_checks`): whether the gradient is finite, checked without a sync on the
         lock-free path (an update it refuses is undone, `raise_deferred` reports it), at once on
-        the locked one.
+        the locked one. `thread`: the id of the thread that ran the forward (None: this one);
+        autograd runs a CUDA step's backward on a device thread of its own, and whether rows
+        move up (a warm-only batch's `deferring`) belongs to the consumer's thread.
         """
         tabs = [self.table_record(t) for t, _ in items]
         gs = [g for _, g in items]
@@ -175,7 +177,7 @@ class BagPaths:
             if self._in_place(tabs, gs):
                 self._update_in_place(tabs, gs, update)
             else:
-                self._update_gathered(tabs, gs, update)
+                self._update_gathered(tabs, gs, update, thread)
 
     def _in_place(self, tabs: list[_Table], gs: list[Gathered]) -> bool:
         """Whether every table's rows are still in the device slots its forward found."""
@@ -213,7 +215,7 @@ class BagPaths:
             self.deferred_checks.append((finite, done))
 
     def _update_gathered(self, tabs: list[_Table], gs: list[Gathered],
-                         update: Callable[..., None]) -> None:
+                         update: Callable[..., None], thread: int | None = None) -> None:
         """The engine's update over the step's payloads gathered by unique row, then each
         table's rows written back through the cascade (store lock held)."""
         parts, keeps = [], []
@@ -228,7 +230,7 @@ class BagPaths:
         update(work, torch.arange(work.shape[0], device=dev), self._salts(tabs, gs))
         payload = work.cpu() if work.device.type != "cpu" else work
         at = 0
-        promote = self._promoting()
+        promote = self.deferring != (threading.get_ident() if thread is None else thread)
         for tab, g, keep in zip(tabs, gs, keeps):
             u = g.unique.numel()
             rows, uniq = payload[at : at + u], g.unique

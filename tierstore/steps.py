@@ -10,6 +10,7 @@ store's cascade, staging and write-behind stay below it. A read-only handle serv
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -57,13 +58,15 @@ class EngineStep(torch.autograd.Function):
 
         (out, fwd, batch, slots, rows), gs = store.step_forward(items, pool)
         ctx.save_for_backward(psw)
-        ctx.state = (store, engine, [n for n, _ in items], gs, fwd, batch, slots, rows)
+        # the consumer's thread: autograd runs a CUDA step's backward on a device thread
+        ctx.state = (store, engine, [n for n, _ in items], gs, fwd, batch, slots, rows,
+                     threading.get_ident())
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         (psw,) = ctx.saved_tensors
-        store, engine, names, gs, fwd, batch, slots, rows = ctx.state
+        store, engine, names, gs, fwd, batch, slots, rows, thread = ctx.state
         ctx.state = None
         grad = grad_out.detach().to(device=slots.device, dtype=torch.float32).contiguous()
         # a staged step on the sets cache checks on the device (no sync): `raise_deferred`
@@ -75,7 +78,7 @@ class EngineStep(torch.autograd.Function):
         store.step_backward(list(zip(names, gs)),
                             lambda table, at, salts: engine.backward(
                                 batch, fwd, grad, table, slots if at is None else at, salts=salts),
-                            finite=torch.isfinite(grad).all() if deferred else None)
+                            finite=torch.isfinite(grad).all() if deferred else None, thread=thread)
         g_psw = None
         if rows is not None:
             g_psw = _weights_grad(engine.plan, batch, fwd, grad, rows).to(psw.device)
