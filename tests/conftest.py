@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import profiles
+from tests import as_cuda, profiles
 
 PROFILE = profiles.load()
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -48,24 +48,9 @@ def device(request) -> torch.device:
 
 
 
+
 @pytest.fixture(autouse=True)
 def _as_cuda_layout(monkeypatch):
-    """TIERSTORE_TEST_AS_CUDA=1: a store opened without a device gets the layout a CUDA device
-    resolves to (two tiers, its default policy, the sets cache) on the CPU, so a CPU run shows
-    which tests lean on the CPU's layout before a GPU machine runs them with CUDA as the default."""
-    if os.environ.get("TIERSTORE_TEST_AS_CUDA", "") in ("", "0"):
-        return
-    import tierstore.store.handle as handle
-
-    as_cuda = [False]
-    device, layout, cache = handle.resolve_device, handle.resolve_layout, handle._device_cache
-
-    def resolve_device(dev):
-        as_cuda[0] = dev is None
-        return device(dev)
-
-    monkeypatch.setattr(handle, "resolve_device", resolve_device)
-    monkeypatch.setattr(handle, "resolve_layout", lambda dtype, *a, **k: layout(
-        "cuda" if as_cuda[0] else dtype, *a, **k))
-    monkeypatch.setattr(handle, "_device_cache", lambda name, dev, tables: cache(
-        name, torch.device("cuda") if as_cuda[0] else dev, tables))
+    """TIERSTORE_TEST_AS_CUDA=1: stores opened without a device take CUDA's layout (tests/as_cuda.py)."""
+    if as_cuda.wanted():
+        as_cuda.patch(monkeypatch.setattr)

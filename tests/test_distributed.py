@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import tierstore as ts
+from tests import as_cuda
 from tierstore.distributed import (
     ShardedEmbeddingBagCollection,
     ShardedTierStore,
@@ -22,6 +23,9 @@ from tierstore.distributed import (
     row_owner,
 )
 from tierstore.errors import ConfigError, ConfigMismatchError, TierstoreError
+
+if as_cuda.wanted():  # the ranks fork from a server that imports this module: CUDA's layout there
+    as_cuda.patch()
 
 OPTIMIZERS = {
     "sgd": lambda: ts.SGD(lr=0.1),
