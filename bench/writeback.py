@@ -57,6 +57,7 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
+import torch
 
 from tierstore import RowWiseAdagrad, TableSpec, TierStore
 from tierstore.backends import runs, wal
@@ -452,6 +453,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lsm-run", type=int, default=1_500_000, help="random rows a run")
     ap.add_argument("--lsm-k", default="2,4,8", help="runs merged into the base at a time (one LSM "
                     "per value)")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch's intra-op threads (default: torch's own); 1 keeps the sink's "
+                         "small torch ops (its index) from spinning a second core")
     ap.add_argument("--lsm-writemap", action="store_true",
                     help="the LSM's environment writes through a writable map (else heap pages "
                          "written with pwrite at commit, as the store's environments do)")
@@ -475,6 +479,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     work = Path(tempfile.mkdtemp(prefix="bench_writeback_", dir=args.workdir))
     full = not args.lsm_only
     try:
@@ -541,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("disk_peak_over_raw", "disk peak x raw", ".2f"),
                        ("disk_after_over_raw", "base x raw", ".2f")]))
     meta = {"bench": "writeback", "argv": sys.argv[1:] if argv is None else argv, "tables": args.tables,
+            "torch_threads": torch.get_num_threads(),
             "rows": args.rows, "record_bytes": (DIM + 2) * 4 + 4, "log_capacity": log_capacity}
     path = save("writeback", recs, meta, args.out)
     print(f"wrote {path}")
