@@ -90,8 +90,9 @@ def table_inputs(case: Case):
     return out
 
 
-def engine_step(case: Case, kernels: str = "numba"):
-    """(pooled output, updated slab) through the engine: one forward, one backward."""
+def engine_step(case: Case, kernels: str = "numba", device: str = "cpu"):
+    """(pooled output, updated slab) through the engine: one forward, one backward (on
+    `device`; the results come back on the CPU)."""
     from tierstore.engine import Engine
 
     plan = Plan(case.specs, case.features)
@@ -105,14 +106,15 @@ def engine_step(case: Case, kernels: str = "numba"):
             at += k
         n_unique.append(uniq.numel())
         slots.append(case.slots[t][uniq])
-    batch = plan.step(inverse, n_unique, case.lengths, case.psw)
-    slot_t = torch.cat(slots)
+    dev = torch.device(device)
+    batch = plan.step(inverse, n_unique, case.lengths, case.psw).to(dev)
+    slot_t = torch.cat(slots).to(dev)
     eng = Engine(plan, kernels)
-    src = case.slab.clone()
+    src = case.slab.clone().to(dev)
     out, fwd = eng.forward(batch, src, slot_t)
     salts = [(uniq, 3 + t) for t, (_, _, uniq, _) in enumerate(per)]  # 16-bit rounding's bits
-    eng.backward(batch, fwd, case.grad, src, slot_t, salts=salts)
-    return out, src
+    eng.backward(batch, fwd, case.grad.to(dev), src, slot_t, salts=salts)
+    return out.cpu(), src.cpu()
 
 
 def fused_step(case: Case):
