@@ -287,7 +287,9 @@ class Prefetcher:
             # on is still in the ring or in the log past this mark, so a copy read now may serve a
             # later miss (store._read_ahead)
             since = store.loader.read_ahead_mark()
-            window_rows = sum(u.numel() for w in self._window.values() for u in w.values())
+            # a snapshot (one C call): the consumer pops released batches without the lock, and a
+            # generator over the dict itself raised "dictionary changed size during iteration"
+            window_rows = sum(u.numel() for w in list(self._window.values()) for u in w.values())
             batch_rows = sum(u.numel() for u in per_table.values())
             # the window cannot stay cached: staging would only evict rows the running step needs,
             # so this batch gets no pins, and every row the caches may lose by then is read ahead
@@ -404,7 +406,7 @@ class Prefetcher:
                 if not future:
                     continue
                 # rows with no earlier use in the window get this step as their next use
-                earlier = [w[t] for k, w in self._window.items() if t in w]
+                earlier = [w[t] for w in list(self._window.values()) if t in w]  # a snapshot
                 fresh = uniq if not earlier else uniq[~torch.isin(uniq, torch.cat(earlier))]
                 if fresh.numel():
                     store.hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
