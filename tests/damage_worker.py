@@ -69,7 +69,7 @@ def probe(path: str, mode: str, npz: str) -> dict:
             store = ts.TierStore.open(path, device_capacity=0, host_capacity=0, device="cpu",
                                       damaged_log="last_flush" if mode == "last" else "raise")
         try:
-            got = store.read("t", ids).numpy()
+            got = store.read("t", ids).cpu().numpy()  # a read-only handle's default: CUDA there
         finally:
             store.close()
     except ts.TierstoreError as exc:

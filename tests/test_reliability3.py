@@ -130,7 +130,7 @@ def test_checkpoint_over_or_inside_the_store_refused(tmp_path):
     want = store.read("t", ids)
     store.close()
     with ts.TierStore.open(tmp_path / "s") as again:  # the acknowledged flush survived
-        assert torch.equal(again.read("t", ids), want)
+        assert torch.equal(again.read("t", ids).cpu(), want)  # (opened on CUDA where there is one)
     with pytest.raises(ts.ConfigError):  # the CLI path too: a closed store's directory
         export_store(tmp_path / "s", tmp_path / "s" / "out")
 
@@ -198,7 +198,7 @@ def test_flipped_leaf_pointer_or_lower_is_corrupt_not_lazy_init(tmp_path, page_r
             with (ts.TierStore.open(tmp_path / "s", readonly=True) if readonly
                   else ts.TierStore.open(tmp_path / "s", device_capacity=0, host_capacity=0,
                                          device="cpu")) as s:
-                got = s.read("t", ids)
+                got = s.read("t", ids).cpu()  # the read-only handle's default: CUDA where there is one
         except ts.StoreCorruptError as exc:
             assert "page" in str(exc) or "damaged" in str(exc) or "corrupt" in str(exc), exc
             outcomes["error"] += 1
