@@ -151,7 +151,7 @@ def _train(ebc, store_read, rank, world, mode_empty, steps, first_step=0):
         pooled = ebc(*b)
         c = coeffs(step, sum(sizes), pooled.shape[1])[lo : lo + sizes[rank]]
         (pooled * c.to(pooled.device)).sum().backward()
-        outs.append(pooled.detach())
+        outs.append(pooled.detach().cpu())  # compared on the CPU (a rank's store may be on CUDA)
     return outs, {t: store_read(t, torch.arange(n)) for t, n in (("users", 60), ("items", 40))}
 
 
@@ -179,8 +179,9 @@ def _reference(tmp, world, opt, mode, steps, empty_rank):
                  for r in range(world)]
         pooled = ebc(*concat_batches(parts))
         (pooled * coeffs(step, sum(sizes), pooled.shape[1]).to(pooled.device)).sum().backward()
-        outs.append(pooled.detach())
-    rows = {t: store.read(t, torch.arange(n)) for t, n in (("users", 60), ("items", 40))}
+        outs.append(pooled.detach().cpu())  # compared on the CPU (a rank's store may be on CUDA)
+    # on the CPU, as a sharded store's reads are (this store is on CUDA where there is one)
+    rows = {t: store.read(t, torch.arange(n)).cpu() for t, n in (("users", 60), ("items", 40))}
     store.close()
     return outs, rows
 
@@ -274,7 +275,7 @@ def _prefetch_runs(rank, world, root, depths, cap):
             pooled = ebc(*b)
             c = coeffs(step, sum(sizes), pooled.shape[1])[lo : lo + sizes[rank]]
             (pooled * c.to(pooled.device)).sum().backward()
-            outs.append(pooled.detach())
+            outs.append(pooled.detach().cpu())  # compared on the CPU (a rank's store may be on CUDA)
         staged = store.local.prefetch_stats.rows_staged
         out[depth] = (outs, {t: store.read(t, torch.arange(n)) for t, n in (("users", 60), ("items", 40))},
                       type(pre).__name__, staged)

@@ -172,7 +172,7 @@ def _auto_runs(rank, world, root, configs, sharding="auto", opt="adam"):
             pooled = ebc(*b)
             c = coeffs(step, sum(sizes), pooled.shape[1])[lo : lo + sizes[rank]]
             (pooled * c.to(pooled.device)).sum().backward()
-            outs.append(pooled.detach())
+            outs.append(pooled.detach().cpu())  # compared on the CPU (a rank's store may be on CUDA)
         rows = {t: store.read(t, torch.arange(n)) for t, n in (("users", 60), ("items", 40))}
         out[name] = ((outs, rows), store.plan.to_config(), store.report)
         store.close()
