@@ -34,6 +34,7 @@ _READS = {T.item, T.tolist, T.numpy, T.__bool__, T.__int__, T.__index__, T.__flo
 _REPEAT = {torch.repeat_interleave, T.repeat_interleave}
 _INDEX = {T.__getitem__, T.__setitem__, T.index_put_, T.index_put}
 _DEVICE_GET = T.device.__get__
+DEPTH = 2  # library frames named per read
 
 
 def _tensors(obj: object) -> list[torch.Tensor]:
@@ -46,12 +47,17 @@ def _has_mask(index: object) -> bool:
 
 def _to_cpu(args: tuple, kwargs: dict) -> bool:
     """Whether a `.to(...)` call names the CPU as its target device."""
+    return _target(args, kwargs) is not None and torch.device(_target(args, kwargs)).type == "cpu"
+
+
+def _target(args: tuple, kwargs: dict) -> object:
+    """The device a `.to(...)` call names (None: none, or another tensor's)."""
     for a in (*args[1:], kwargs.get("device")):
         if isinstance(a, (str, torch.device)):
-            return torch.device(a).type == "cpu"
-        if isinstance(a, torch.Tensor):  # .to(other): its device
-            return False
-    return False
+            return a
+        if isinstance(a, torch.Tensor):
+            return None
+    return None
 
 
 class DeviceTaint(TorchFunctionMode):
@@ -86,7 +92,7 @@ class DeviceTaint(TorchFunctionMode):
 
     def _read(self, what: str) -> None:
         where = [f"{f.filename.rsplit('/', 2)[-2:]}:{f.lineno} {f.name}"
-                 for f in traceback.extract_stack()[:-3] if "/tierstore/" in f.filename][-2:]
+                 for f in traceback.extract_stack()[:-3] if "/tierstore/" in f.filename][-DEPTH:]
         self.reads.append(f"{what} at {where}")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -102,9 +108,14 @@ class DeviceTaint(TorchFunctionMode):
             elif func in _INDEX and len(args) > 1 and _has_mask(args[1]):
                 self._read(f"{name} by a boolean mask")
             elif func is T.to and self.on_device(args[0]) and _to_cpu(args, kwargs) \
-                    and not kwargs.get("non_blocking", False):
+                    and not kwargs.get("non_blocking", False) \
+                    and not self.is_device(_target(args, kwargs)):
                 self._read("to(cpu)")
         out = func(*args, **kwargs)
+        if marked and self.on_device(args[0]) and (func is T.cpu or (
+                func is T.to and _to_cpu(args, kwargs) and not self.is_device(_target(args, kwargs)))):
+            # a copy to the host: on the CPU the same tensor comes back; a fresh alias, unmarked
+            return out.view(out.shape) if out is args[0] else out
         if func == _DEVICE_GET:  # a marked tensor's `.device` names the pretend device
             if marked:
                 self.add_device(out)
