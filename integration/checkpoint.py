@@ -32,7 +32,9 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 def load_dense(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     """Load a checkpoint's dense model and optimizer state; returns its step."""
     state = json.loads((path / "state.json").read_text())
-    dense = torch.load(path / "dense.pt", weights_only=True)
+    # on the CPU first (a checkpoint written on CUDA resumes anywhere); loading copies the
+    # model's tensors to its device, and the optimizer's state follows its parameters
+    dense = torch.load(path / "dense.pt", weights_only=True, map_location="cpu")
     model.load_state_dict(dense["model"])
     opt.load_state_dict(dense["optimizer"])
     return int(state["step"])

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tierstore import RowWiseAdagrad, TableSpec
 from tierstore.distributed import ShardedEmbeddingBagCollection, ShardedTierStore
+from tierstore.errors import ConfigError
 from tierstore.persistence import fsync_dir
 from tierstore.prefetch import Prefetcher
 
@@ -93,9 +94,12 @@ def _open(cfg, specs: list[TableSpec], sharding, timeout_s: float, rank: int
           ) -> tuple[ShardedTierStore, Path | None]:
     """The run's sharded store: restored from the latest checkpoint with --resume, else new."""
     run_dir = Path(cfg.run_dir)
+    # each rank's shard on cfg.device (its pooled rows come out there), as the one-process
+    # trainer's store: not the default device, which is CUDA where there is one while the dense
+    # model trains on the CPU
     kw = dict(device_capacity=parse_capacity(cfg.device_capacity),
               host_capacity=parse_capacity(cfg.host_capacity), policy=cfg.policy, seed=cfg.seed,
-              timeout=timeout_s)
+              timeout=timeout_s, device=cfg.device)
     latest = latest_checkpoint(run_dir / "ckpt") if cfg.resume else None
     if latest is not None:
         return ShardedTierStore.restore(latest / "store", run_dir / "store", **kw), latest
@@ -113,6 +117,9 @@ def run_distributed(cfg, sharding: str | dict = "row", timeout_s: float = 300.0,
 
     `on_step(rank, step)` runs after every step (tests use it to kill a rank mid-run).
     """
+    if torch.device(cfg.device).type != "cpu":
+        raise ConfigError("--distributed trains the dense model on the CPU over gloo: it takes "
+                          f"--device cpu, got {cfg.device!r}")
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()

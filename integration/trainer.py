@@ -57,7 +57,11 @@ class Trainer:
         try:
             torch.manual_seed(cfg.seed)
             ebc = TieredEmbeddingBagCollection(self.store, SPARSE_NAMES)
+            # the dense model and the batches' dense features live on the store's device, where
+            # the embeddings' pooled rows come out (--device cuda: all of the step on the GPU)
+            self.device = self.store.device
             self.model = DLRM(ebc, bottom=parse_sizes(cfg.bottom), top=parse_sizes(cfg.top))
+            self.model.to(self.device)
             self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.dense_lr)
             latest = self.latest() if cfg.resume else None
             if latest is not None:
@@ -119,7 +123,7 @@ class Trainer:
         logits, labels = [], []
         with torch.no_grad():
             for b in batches:
-                logits.append(self.model(b.dense, *b.jagged()))
+                logits.append(self.model(b.dense.to(self.device), *b.jagged()).cpu())
                 labels.append(b.labels)
         self.model.train()
         lg, lb = torch.cat(logits), torch.cat(labels)
@@ -146,9 +150,9 @@ class Trainer:
         keys, values, lengths = b.jagged()
         emb = self.model.embeddings(keys, values, lengths)
         t1, c1 = time.perf_counter(), self._compiled()
-        x = self.model.bottom(b.dense)
+        x = self.model.bottom(b.dense.to(self.device, non_blocking=True))
         logit = self.model.top(self.model.interact(x, emb)).squeeze(1)
-        loss = F.binary_cross_entropy_with_logits(logit, b.labels)
+        loss = F.binary_cross_entropy_with_logits(logit, b.labels.to(self.device, non_blocking=True))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()

@@ -8,6 +8,7 @@ import signal
 import pytest
 import torch
 
+import tierstore as ts
 from tierstore.distributed import ShardedTierStore
 from tierstore.distributed.errors import DistributedError
 from tierstore.distributed.launch import run_local
@@ -87,3 +88,16 @@ def test_resume_after_kill_is_bit_identical(tmp_path, data):
         assert _same(a[r][0], b[r][0]), "embedding rows differ"
         assert _same(a[r][1], b[r][1]), "dense model or optimizer differ"
     assert resumed[0]["final_auc"] == whole[0]["final_auc"]
+
+
+def test_distributed_training_takes_the_cpu_device_only(tmp_path):
+    """The dense model trains on the CPU over gloo, so each rank's shard is on cfg.device (the
+    CPU), not the default device (CUDA where there is one, where the pooled rows met a CPU
+    model); --device cuda is refused before any process group or store is made."""
+    from dataclasses import replace
+
+    from integration.distributed import run_distributed
+
+    with pytest.raises(ts.ConfigError, match="--device cpu"):
+        run_distributed(replace(_cfg(str(tmp_path / "r"), 2), device="cuda"))
+    assert not (tmp_path / "r" / "store").exists()
