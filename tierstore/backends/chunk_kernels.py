@@ -76,6 +76,30 @@ if HAVE_NUMBA:
         return types.void(types.int64), codegen
 
     @numba.njit(nogil=True, cache=True)
+    def pick_entries(val, count, size, first, seqs, mine, magic, entries, got_size, found
+                     ):  # pragma: no cover - compiled
+        """Copy the entries `seqs[mine] - first` of one log chunk (`val`, uint8, wal/chunks.py's
+        format) into rows `mine` of `entries`, after checking the chunk's header against its
+        `count` and entry `size`; False (nothing copied) when the header does not match."""
+        if val.shape[0] != 16 + count * size:
+            return False
+        for b in range(4):
+            if val[b] != magic[b]:
+                return False
+        head_size = val[4] | (val[5] << 8) | (val[6] << 16) | (np.int64(val[7]) << 24)
+        head_count = val[8] | (val[9] << 8) | (val[10] << 16) | (np.int64(val[11]) << 24)
+        if head_size != size or head_count != count:
+            return False
+        for j in range(mine.shape[0]):
+            i = mine[j]
+            at = 16 + (seqs[i] - first) * size
+            for b in range(size):
+                entries[i, b] = val[at + b]
+            got_size[i] = size
+            found[i] = True
+        return True
+
+    @numba.njit(nogil=True, cache=True)
     def merge_step(id_addr, rec_addr, counts, pos, live, w, out_ids, out_recs, fill, last
                    ):  # pragma: no cover - compiled
         """Merge sources (newest first) into the output chunk from row `fill`: each id's newest

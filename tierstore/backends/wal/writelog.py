@@ -13,6 +13,9 @@ import torch
 from ...errors import StoreCorruptError
 from ...index import HashIndex
 from ..chunk_kernels import HAVE_NUMBA, pack_log
+
+if HAVE_NUMBA:
+    from ..chunk_kernels import pick_entries
 from ..lmdb_log import LOG_DB
 from ..record import open_records, row_checks
 from .chunks import (
@@ -30,6 +33,8 @@ from .merge import fold
 CHUNK_ROWS = 4096  # rows per log value: ~1.1 MB of 66-word rows, a few hundred overflow pages
 FIND_ROWS = 16384  # log index lookups per hold of the ring's lock during a merge (a few ms)
 
+
+_MAGIC = np.frombuffer(CHUNK_MAGIC, dtype=np.uint8)  # a chunk's first 4 bytes (compiled pick)
 
 class WriteLog:
     """The log database, its in-memory index and the merge into the tables (used by the writer)."""
@@ -319,13 +324,21 @@ class WriteLog:
         got_size = np.zeros(n, dtype=np.int64)
 
         def pick(vals):  # inside the read transaction: copy just the wanted entries out
-            for j, (c, v) in enumerate(zip(used.tolist(), vals)):
+            heads = chunks[used].tolist()
+            for j, v in enumerate(vals):
                 if v is None:  # merged meanwhile: the table has it
                     continue
                 mine = want[bounds[j] : bounds[j + 1]]
-                size = int(chunks[c, 2])
-                blob = _chunk_entries(v, int(chunks[c, 1]), size, self.backend.path)
-                entries[mine, :size] = blob[seqs[mine] - chunks[c, 0]]
+                first, count, size = heads[j]
+                if HAVE_NUMBA:  # one compiled call a chunk: header check and the copies
+                    if not pick_entries(np.frombuffer(v, dtype=np.uint8), count, size, first,
+                                        seqs, mine, _MAGIC, entries, got_size, found):
+                        _chunk_entries(v, count, size, self.backend.path)  # raises: damaged
+                        raise StoreCorruptError(f"write-behind log of {self.backend.path}: a "
+                                                "chunk's header does not match its size")
+                    continue
+                blob = _chunk_entries(v, count, size, self.backend.path)
+                entries[mine, :size] = blob[seqs[mine] - first]
                 got_size[mine] = size
                 found[mine] = True
 
