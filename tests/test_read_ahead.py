@@ -24,6 +24,7 @@ def always_cold(monkeypatch):
     monkeypatch.setattr(reads, "COLD_STAY_ROW_S", 0.0)
     monkeypatch.setattr(reads, "COLD_CPU_SHARE", 10.0)
     monkeypatch.setattr(reads, "COLD_STAY_CPU_SHARE", 10.0)
+    monkeypatch.setattr(reads, "COLD_FAULTS_A_ROW", 0.0)  # page-cached test rows fault nothing
 
 
 def _train(path, steps=30, depth=2, **pf_kw):

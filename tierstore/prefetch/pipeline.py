@@ -348,7 +348,8 @@ class Prefetcher:
         got, seconds = reads.result()
         stats = store.prefetch_stats
         stats.cold_read_batches += self._pool.cold  # this batch's reads: as the last one decided
-        self._pool.observe(sum(c.numel() for c in cold.values()), seconds, reads.cpu_seconds)
+        self._pool.observe(sum(c.numel() for c in cold.values()), seconds, reads.cpu_seconds,
+                           reads.faults)
         stats.read_seconds += seconds
         if self.delay is not None:
             time.sleep(self.delay())

@@ -10,6 +10,12 @@ from typing import Any
 import numpy as np
 import torch
 
+try:  # a thread's own page-fault count (Linux); elsewhere reads are judged by time alone
+    import resource
+    _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
+except ImportError:  # pragma: no cover - not a Unix
+    _RUSAGE_THREAD = None
+
 # reads that wait on the disk: a task's rows took more than COLD_ROW_S of wall time each, and its
 # thread ran for less than COLD_CPU_SHARE of it. Page-cached reads take ~1-2 us a row and run
 # on the CPU throughout; a 4 KiB random read from an SSD takes 50-500 us
@@ -26,13 +32,27 @@ COLD_STAY_CPU_SHARE = 0.8
 # until an A/B on a quiet machine shows a gain (BENCHMARKS.md: one run 1.56x slower, one faster)
 COLD_READERS = 0
 COLD_PART_ROWS = 256  # rows per task while cold, at least: each task is one read in flight
+# reads turn cold only if they also faulted pages in from the disk: at least this many major
+# page faults a row read. A reader that waits for a core or the GIL on a loaded machine looks
+# as slow as one waiting on the disk, but faults nothing (a page-cached table: 0); a cold table
+# faults a leaf page or more a row. Asking such reads ahead cost ~8 ms of reader CPU a call in
+# the warm steady state (`bench.steady`, cache10: readers 14.1 -> 12.8 ms a step without it)
+COLD_FAULTS_A_ROW = 0.05
 
 
-def _timed(fn: Callable, *args: Any) -> tuple[Any, float, float]:
-    """(fn(*args), seconds it took, its thread's CPU seconds): reader threads time their work."""
-    t0, c0 = time.perf_counter(), time.thread_time()
+def _major_faults() -> int | None:
+    """This thread's major page faults so far (None where the platform does not count them)."""
+    return None if _RUSAGE_THREAD is None else resource.getrusage(_RUSAGE_THREAD).ru_majflt
+
+
+def _timed(fn: Callable, *args: Any) -> tuple[Any, float, float, int | None]:
+    """(fn(*args), seconds it took, its thread's CPU seconds, its major page faults or None):
+    reader threads time their work."""
+    t0, c0, f0 = time.perf_counter(), time.thread_time(), _major_faults()
     out = fn(*args)
-    return out, time.perf_counter() - t0, time.thread_time() - c0
+    f1 = _major_faults()
+    return out, time.perf_counter() - t0, time.thread_time() - c0, \
+        None if f0 is None or f1 is None else f1 - f0
 
 
 class ReaderPool:
@@ -63,13 +83,18 @@ class ReaderPool:
             return warm_part
         return max(COLD_PART_ROWS, -(-rows // self.cold_readers))
 
-    def observe(self, rows: int, seconds: float, cpu_seconds: float) -> None:
-        """Learn from a batch's reads (`rows` rows, their tasks' wall and CPU seconds in all)."""
+    def observe(self, rows: int, seconds: float, cpu_seconds: float,
+                faults: int | None = None) -> None:
+        """Learn from a batch's reads (`rows` rows, their tasks' wall and CPU seconds in all,
+        and their major page faults, None: not counted). Reads turn cold when they are slow,
+        off the CPU, and (where faults are counted) faulted pages in from the disk."""
         if rows <= 0 or seconds <= 0:
             return
         slow, share = (COLD_STAY_ROW_S, COLD_STAY_CPU_SHARE) if self.cold else \
             (COLD_ROW_S, COLD_CPU_SHARE)
-        self.cold = seconds / rows > slow and cpu_seconds < share * seconds
+        waited = seconds / rows > slow and cpu_seconds < share * seconds
+        from_disk = self.cold or faults is None or faults >= COLD_FAULTS_A_ROW * rows
+        self.cold = waited and from_disk
         self.cold_batches += self.cold
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
@@ -96,6 +121,7 @@ class StoredReads:
                  submit: Callable[..., Future], part_rows: int, ahead: bool = False) -> None:
         self.cold = cold
         self.cpu_seconds = 0.0  # the readers' CPU seconds, set by `result`
+        self.faults: int | None = 0  # their major page faults (None: not counted), by `result`
         self._keys = list(cold)  # a log part's entries name their table by position in this list
         self._table_parts: list[tuple[Any, np.ndarray, Future]] = []
         self._log_parts: list[tuple[np.ndarray, np.ndarray, Future]] = []
@@ -138,16 +164,19 @@ class StoredReads:
             out[key] = (np.empty((len(rows), w), dtype=np.float32), np.empty(len(rows), dtype=bool))
         seconds = 0.0
         self.cpu_seconds = 0.0
+        self.faults = 0
         for key, pos, fut in self._table_parts:
-            (data, found), sec, cpu = fut.result()
+            (data, found), sec, cpu, faults = fut.result()
             out[key][0][pos] = data
             out[key][1][pos] = found
             seconds += sec
             self.cpu_seconds += cpu
+            self.faults = None if faults is None or self.faults is None else self.faults + faults
         for which, pos, fut in self._log_parts:
-            (data, found), sec, cpu = fut.result()
+            (data, found), sec, cpu, faults = fut.result()
             seconds += sec
             self.cpu_seconds += cpu
+            self.faults = None if faults is None or self.faults is None else self.faults + faults
             for k in np.unique(which).tolist():
                 sel = np.flatnonzero(which == k)
                 dst_data, dst_found = out[self._keys[k]]
