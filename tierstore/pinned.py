@@ -295,9 +295,8 @@ class PinnedSteps:
 
     def pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:
         """Add `delta` to the prefetch pins of those rows wherever they are cached."""
-        tabs = tab.tix
+        tabs, to_dev = tab.tix, hostread.to_device
         for tier in (self.device_tier, self.host_tier):
-            to_dev = hostread.to_device
             slots = tier.lookup(to_dev(tabs, tier.device), to_dev(uniq, tier.device), count=False)
             # a tier that skips absent (-1) slots takes them as they are: no mask, no sync
             tier.pin(slots if tier.pins_skip_absent else slots[slots >= 0], delta)

@@ -45,6 +45,11 @@ def _major_faults() -> int | None:
     return None if _RUSAGE_THREAD is None else resource.getrusage(_RUSAGE_THREAD).ru_majflt
 
 
+def _add_faults(a: int | None, b: int | None) -> int | None:
+    """A sum of fault counts; None (not counted) when either is."""
+    return None if a is None or b is None else a + b
+
+
 def _timed(fn: Callable, *args: Any) -> tuple[Any, float, float, int | None]:
     """(fn(*args), seconds it took, its thread's CPU seconds, its major page faults or None):
     reader threads time their work."""
@@ -171,12 +176,12 @@ class StoredReads:
             out[key][1][pos] = found
             seconds += sec
             self.cpu_seconds += cpu
-            self.faults = None if faults is None or self.faults is None else self.faults + faults
+            self.faults = _add_faults(self.faults, faults)
         for which, pos, fut in self._log_parts:
             (data, found), sec, cpu, faults = fut.result()
             seconds += sec
             self.cpu_seconds += cpu
-            self.faults = None if faults is None or self.faults is None else self.faults + faults
+            self.faults = _add_faults(self.faults, faults)
             for k in np.unique(which).tolist():
                 sel = np.flatnonzero(which == k)
                 dst_data, dst_found = out[self._keys[k]]

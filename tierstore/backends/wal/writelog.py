@@ -13,9 +13,6 @@ import torch
 from ...errors import StoreCorruptError
 from ...index import HashIndex
 from ..chunk_kernels import HAVE_NUMBA, pack_log
-
-if HAVE_NUMBA:
-    from ..chunk_kernels import pick_entries
 from ..lmdb_log import LOG_DB
 from ..record import open_records, row_checks
 from .chunks import (
@@ -30,11 +27,15 @@ from .chunks import (
 from .marks import merged_through, own_log, record_merged
 from .merge import fold
 
+if HAVE_NUMBA:
+    from ..chunk_kernels import pick_entries
+
 CHUNK_ROWS = 4096  # rows per log value: ~1.1 MB of 66-word rows, a few hundred overflow pages
 FIND_ROWS = 16384  # log index lookups per hold of the ring's lock during a merge (a few ms)
 
-
 _MAGIC = np.frombuffer(CHUNK_MAGIC, dtype=np.uint8)  # a chunk's first 4 bytes (compiled pick)
+_MAGIC_WORD = int(_MAGIC.view(np.uint32)[0])  # the same as one word (compiled append)
+
 
 class WriteLog:
     """The log database, its in-memory index and the merge into the tables (used by the writer)."""
@@ -141,7 +142,7 @@ class WriteLog:
             for lo in range(0, len(sel), CHUNK_ROWS):
                 part = ent[lo : lo + CHUNK_ROWS]
                 head = np.array([0, size, len(part), 0], dtype=np.uint32)
-                head[0] = np.frombuffer(CHUNK_MAGIC, dtype=np.uint32)[0]
+                head[0] = _MAGIC_WORD
                 keys.append(seq.to_bytes(8, "big"))
                 vals.append(head.tobytes() + part.tobytes())
                 chunks.append((seq, len(part), size))
@@ -164,7 +165,7 @@ class WriteLog:
         words = payload.view(np.uint32) if payload.dtype == np.float32 else \
             np.ascontiguousarray(payload, dtype=np.float32).view(np.uint32)
         pack_log(self.ids[tabs].astype(np.uint32), np.ascontiguousarray(rows, dtype=np.int64),
-                 words, w, CHUNK_ROWS, int(np.frombuffer(CHUNK_MAGIC, dtype=np.uint32)[0]), out)
+                 words, w, CHUNK_ROWS, _MAGIC_WORD, out)
         raw = out.view(np.uint8)
         keys, vals, chunks = [], [], []
         for lo in range(0, n, CHUNK_ROWS):
