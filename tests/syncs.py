@@ -9,7 +9,7 @@ SYNCING = ("_local_scalar_dense", "nonzero", "unique", "item")
 
 class SyncCounter(TorchDispatchMode):
     """Counts aten calls that make a CUDA host wait (scalar reads, data-dependent shapes, copies
-    to the host)."""
+    to the host, a Python value put at tensor indices)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -19,6 +19,8 @@ class SyncCounter(TorchDispatchMode):
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         kwargs = kwargs or {}
         to_host = "_to_copy" in name and str(kwargs.get("device", "")) == "cpu"
-        if any(s in name for s in SYNCING) or to_host:
+        # `x[i] = True`: the Python value becomes a host tensor that CUDA copies over blocking
+        scalar_put = name.startswith("index_put") and len(args) > 2 and getattr(args[2], "ndim", 1) == 0
+        if any(s in name for s in SYNCING) or to_host or scalar_put:
             self.calls.append(name)
         return func(*args, **kwargs)

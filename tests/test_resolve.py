@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import tierstore as ts
@@ -173,6 +173,7 @@ def test_tierstore_info_says_what_the_latest_open_resolved(tmp_path, capsys):
 @given(dev=st.integers(0, 10**6), host=st.integers(0, 10**6), rows=st.integers(1, 10**6),
        device=st.sampled_from(["cpu", "cuda"]), policy=st.sampled_from([None, "lru", "hlfu"]),
        defaults=st.tuples(st.booleans(), st.booleans()))
+@example(dev=2, host=0, rows=1, device="cpu", policy=None, defaults=(False, True))  # found on a GPU run
 def test_default_capacities_never_exceed_the_declared_rows(dev, host, rows, device, policy, defaults):
     """A slot past the declared rows could never hold a row: a default capacity is clamped to
     them (the device tier first), a named one is kept, and the caches are resident exactly

@@ -205,7 +205,7 @@ class BagPaths:
         for tab, g in zip(tabs, gs):
             if g.slots.numel():
                 self._stamp(tab, dev.slab, g.slots)
-                dev.dirty[g.slots] = True
+                dev.dirty.index_fill_(0, g.slots, True)  # a scalar fill: `[...] = True` syncs on CUDA
         if finite is not None:
             dev.slab.index_copy_(0, slots, torch.where(finite, dev.slab.index_select(0, slots), before))
             done = None
@@ -315,6 +315,6 @@ class BagPaths:
         if in_place:
             update.apply(dev.slab, g.slots)  # rows still where gather found them: update in place
             self._stamp(tab, dev.slab, g.slots)
-            dev.dirty[g.slots] = True
+            dev.dirty.index_fill_(0, g.slots, True)
             return
         self.cascade.access(tab, unique, update, promote=self._promoting(), known=known)

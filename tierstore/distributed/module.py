@@ -319,7 +319,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             g = local.gather(table, ids_g)
             for r, ids_r in enumerate(idss):
                 uniq = torch.unique(ids_r, sorted=True)
-                rows[r] = g.weights.index_select(0, torch.searchsorted(g.unique, uniq)).cpu()
+                at = torch.searchsorted(g.unique, uniq).to(g.weights.device)
+                rows[r] = g.weights.index_select(0, at).cpu()
             if train:
                 serve.gathered, serve.offsets, serve.psw = g, offs_g, psw
             return serve, rows
