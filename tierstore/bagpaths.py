@@ -198,14 +198,14 @@ class BagPaths:
                          update: Callable[..., None], finite: torch.Tensor | None = None) -> None:
         """The engine's update in the device slab; with `finite`, undone (sync-free) unless it holds."""
         dev = self.device_tier
+        slots = torch.cat([g.slots for g in gs]) if len(gs) != 1 else gs[0].slots
         if finite is not None:  # the rows as they were, to put back if the gradient was not finite
-            slots = torch.cat([g.slots for g in gs])
             before = dev.slab.index_select(0, slots)
         update(dev.slab, None, self._salts(tabs, gs))
-        for tab, g in zip(tabs, gs):
-            if g.slots.numel():
-                self._stamp(tab, dev.slab, g.slots)
-                dev.dirty.index_fill_(0, g.slots, True)  # a scalar fill: `[...] = True` syncs on CUDA
+        used = [(tab, g.slots) for tab, g in zip(tabs, gs) if g.slots.numel()]
+        if used:  # every table's stamps and dirty marks in a few calls, not a few a table
+            self._stamp_many([t for t, _ in used], dev.slab, [s for _, s in used])
+            dev.dirty.index_fill_(0, slots, True)  # a scalar fill: `[...] = True` syncs on CUDA
         if finite is not None:
             dev.slab.index_copy_(0, slots, torch.where(finite, dev.slab.index_select(0, slots), before))
             done = None

@@ -11,7 +11,7 @@ import torch
 
 from .backends.slab import Rows
 from .fused import BatchUpdate
-from .index import absent_from
+from .index import absent_from, absent_many
 
 if TYPE_CHECKING:
     from .backends.slab import SlabTier
@@ -237,6 +237,12 @@ class Cascade:
         indexes = (self.device_tier.index, self.host_tier.index, self.writeback.index)
         with self.writeback.cv:
             return absent_from(indexes, tab.index, rows)
+
+    def uncached_many(self, items: list[tuple[_Table, torch.Tensor]]) -> list[torch.Tensor]:
+        """`uncached` for several tables: a device tier's index probed once for all."""
+        indexes = (self.device_tier.index, self.host_tier.index, self.writeback.index)
+        with self.writeback.cv:
+            return absent_many(indexes, [(tab.index, rows) for tab, rows in items])
 
     def distinct_resident(self, slots: torch.Tensor) -> torch.Tensor | None:
         """`arange(n)` when every device lookup hit and no slot repeats (no id repeated), else None."""

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+import tierstore.hostread as hostread
 
 
 @dataclass(frozen=True)
@@ -21,3 +24,27 @@ class Gathered:
     # `writes` then: while that holds, the backward updates these instead of fetching again
     payload: torch.Tensor | None = None
     writes: int = -1
+
+
+@dataclass(frozen=True, eq=False)
+class Staged:
+    """A table's rows of a batch the prefetch pipeline staged: its sorted unique ids and their
+    device slots on the host (-1: not on the device), and, when every row is on the device and
+    the step's ids were kept (the sets cache), the step's indexes made at staging: the ids as
+    staged, their inverse map into `rows` and the slots, both on the device. A step whose ids
+    equal `ids` then reads nothing on the host (`TierStore` `_pinned_rows`)."""
+
+    rows: np.ndarray  # int64 [u], sorted
+    slots: np.ndarray  # int64 [u]
+    ids: torch.Tensor | None = None  # int64 [n] (CPU), the table's ids in the batch's order
+    unique: torch.Tensor | None = None  # `rows` as a CPU tensor
+    inverse: torch.Tensor | None = None  # int64 [n] on the device: ids == rows[inverse]
+    dslots: torch.Tensor | None = None  # int64 [u] on the device
+
+    @classmethod
+    def on_device(cls, uniq: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor,
+                  dslots: torch.Tensor) -> Staged:
+        """A staged table whose rows are all at `dslots`, with the step's indexes for `ids`."""
+        dev = dslots.device
+        inverse = torch.searchsorted(hostread.to_device(uniq, dev), hostread.to_device(ids, dev))
+        return cls(uniq.numpy(), slots.numpy(), ids, uniq, inverse, dslots)

@@ -246,6 +246,24 @@ def sorted_unique(ids: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(uniq)
 
 
+def absent_many(indexes: tuple[HashIndex, HashIndex, HashIndex],
+                items: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+    """`absent_from` for several (table, rows) at once: an index on a device (the sets cache)
+    is probed once for all of them and read back once, not once a table."""
+    if not items or all(ix.fast(rows) for ix in indexes for _, rows in items):
+        return [absent_from(indexes, tab, rows) for tab, rows in items]
+    sizes = [int(rows.numel()) for _, rows in items]
+    rows = torch.cat([r.to("cpu", torch.int64) for _, r in items]).contiguous()
+    tabs = torch.repeat_interleave(torch.tensor([int(t) for t, _ in items], dtype=torch.int64),
+                                   torch.tensor(sizes, dtype=torch.int64))
+    out = torch.ones(rows.numel(), dtype=torch.bool)
+    if rows.numel():
+        for ix in indexes:  # device lookups read back through an event (`tierstore.hostread`)
+            found = ix.find(hostread.to_device(tabs, ix.device), hostread.to_device(rows, ix.device))
+            out &= hostread.to_host(found)[0] < 0
+    return list(out.split(sizes))
+
+
 def absent_from(indexes: tuple[HashIndex, HashIndex, HashIndex], tab: int,
                 rows: torch.Tensor) -> torch.Tensor:
     """Mask of the keys (tab, rows) in none of three indexes (CPU bool tensor).

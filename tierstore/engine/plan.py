@@ -158,7 +158,7 @@ class Plan:
         self.tab_state = torch.tensor([t.state for t in self.tables], dtype=torch.int64)
         self.tab_params = torch.tensor([t.params for t in self.tables], dtype=torch.float64)
         self.tab_clip = torch.tensor([t.clip for t in self.tables], dtype=torch.float32)
-        self._bag_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._bag_cache: tuple[int, torch.Tensor, torch.Tensor, dict] | None = None
 
     def step(self, inverse: Sequence[torch.Tensor], n_unique: Sequence[int],
              lengths: torch.Tensor, psw: torch.Tensor | None = None) -> StepBatch:
@@ -174,6 +174,9 @@ class Plan:
             starts.append(starts[-1] + int(n))
         counts = [int(i.numel()) for i in inverse]
         n = sum(counts)
+        dev = next((i.device for i in inverse if i.device.type != "cpu"), torch.device("cpu"))
+        if dev.type != "cpu":  # indexes made on the device (staging): the batch is built there
+            return self._step_on(dev, inverse, starts, counts, lengths, psw)
         inv = torch.empty(n, dtype=torch.int64)
         at = 0
         for f, i in enumerate(inverse):  # each feature's indexes, shifted to its table's rows
@@ -201,14 +204,52 @@ class Plan:
         return StepBatch(inv, offsets, bag_out, bag_feat, w, u_table, tuple(starts), out_rows,
                          self.out_width)
 
-    def _bags(self, nf: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step_on(self, dev: torch.device, inverse: Sequence[torch.Tensor], starts: list[int],
+                 counts: list[int], lengths: torch.Tensor, psw: torch.Tensor | None) -> StepBatch:
+        """`step` for indexes already on a device: the same integers, built there by fixed-size
+        ops (sizes from the host's counts), so nothing is read back and no index crosses."""
+        to = {"device": dev, "non_blocking": True}
+        n, nt = sum(counts), len(self.tables)
+        shift = torch.tensor([starts[f.table] for f in self.features], dtype=torch.int64)
+        per_feat = torch.tensor(counts, dtype=torch.int64)
+        # each position's table start, added to its feature's indexes
+        inv = torch.cat([i.to(**to).to(torch.int64) for i in inverse]) + torch.repeat_interleave(
+            shift.to(**to), per_feat.to(**to), output_size=n)
+        if self.pooled:
+            nf = len(self.features)
+            lengths = lengths.to(torch.int64).to(**to)
+            batch = lengths.numel() // nf if nf else 0
+            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=dev)
+            torch.cumsum(lengths, 0, out=offsets[1:])
+            bag_out, bag_feat = self._bags(nf, batch, dev)
+            out_rows = batch
+        else:
+            offsets = torch.arange(n + 1, dtype=torch.int64, device=dev)
+            bag_out = offsets[:-1]
+            bag_feat = torch.repeat_interleave(torch.arange(len(self.features), device=dev),
+                                               per_feat.to(**to), output_size=n)
+            out_rows = n
+        sizes = torch.tensor([starts[t + 1] - starts[t] for t in range(nt)], dtype=torch.int64)
+        u_table = torch.repeat_interleave(torch.arange(nt, device=dev), sizes.to(**to),
+                                          output_size=starts[-1])
+        w = None if psw is None else psw.detach().to(**to).to(torch.float32).reshape(-1).contiguous()
+        return StepBatch(inv, offsets, bag_out, bag_feat, w, u_table, tuple(starts), out_rows,
+                         self.out_width)
+
+    def _bags(self, nf: int, batch: int, dev: torch.device | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each pooled bag's output row and feature (read-only; kept for the latest batch size)."""
         got = self._bag_cache
         if got is None or got[0] != batch:
             got = (batch, torch.arange(batch, dtype=torch.int64).repeat(nf),
-                   torch.arange(nf, dtype=torch.int64).repeat_interleave(batch))
+                   torch.arange(nf, dtype=torch.int64).repeat_interleave(batch), {})
             self._bag_cache = got
-        return got[1], got[2]
+        if dev is None or dev.type == "cpu":
+            return got[1], got[2]
+        on = got[3].get(dev)
+        if on is None:  # copied once per batch size and device
+            on = got[3][dev] = (got[1].to(dev, non_blocking=True), got[2].to(dev, non_blocking=True))
+        return on
 
     def scale(self, batch: StepBatch) -> torch.Tensor | None:
         """Per-position gradient scale: 1/len for mean bags (float32, as the fused path), times

@@ -19,6 +19,7 @@ import tierstore.hostread as hostread
 from .._parallel import CPUS
 from ..backends.lmdb_backend import lmdb_error
 from ..errors import ConfigError, ShapeError, TierstoreError
+from ..gathered import Staged
 from ..index import sorted_unique
 from ..jagged import JaggedBatch, is_keyed_jagged
 from ..store import TierStore
@@ -276,8 +277,11 @@ class Prefetcher:
         at a steady state, and neither changes a value: see `store.load`).
         """
         store = self.store
-        per_table = {t: sorted_unique(torch.cat(parts).to("cpu", torch.int64))
-                     for t, parts in _jagged_ids(self.extract(batch), self.features).items()}
+        ids = {t: torch.cat(parts).to("cpu", torch.int64)
+               for t, parts in _jagged_ids(self.extract(batch), self.features).items()}
+        per_table = {t: sorted_unique(i) for t, i in ids.items()}
+        # on the sets cache the step takes its indexes from staging (`Staged`): keep the ids
+        seen = ids if store.device_cache == "sets" else None
         with store.lock:
             tabs = {t: store.table_record(t) for t in per_table}
             for t, uniq in per_table.items():
@@ -310,22 +314,23 @@ class Prefetcher:
                         cold[t] = cold[t][self._uncached(tabs[t], cold[t])]
                     if data.shape[0]:
                         ringed[t] = (uniq[hit].numpy(), data[:, : tabs[t].spec.row_dim].numpy())
-            else:
-                cold = {t: uniq[self._uncached(tabs[t], uniq)] for t, uniq in per_table.items()}
+            else:  # one probe of every table's rows
+                masks = store.cascade.uncached_many([(tabs[t], uniq) for t, uniq in per_table.items()])
+                cold = {t: uniq[m] for (t, uniq), m in zip(per_table.items(), masks)}
         # read them ahead, in parallel and without the store lock (page reads hold no GIL)
         reads = StoredReads(store, {t: (tabs[t], rows.numpy()) for t, rows in cold.items()},
                             self._pool.submit,
                             self._pool.part_rows(sum(c.numel() for c in cold.values()), READ_CHUNK),
                             ahead=self.ask_ahead and self._pool.cold)
-        return per_table, tabs, since, warm_only, ringed, cold, reads
+        return per_table, tabs, since, warm_only, ringed, cold, reads, seen
 
     def prep_bytes(self, prep: Any) -> int:
         """Memory a batch read ahead holds: its ids, and its rows once read (buffers, found)."""
         if isinstance(prep, BaseException):
             return 0
-        per_table, tabs, _, _, _, cold, _ = prep
+        per_table, tabs, _, _, _, cold, _, seen = prep
         return sum(8 * u.numel() + cold[t].numel() * (4 * tabs[t].spec.row_dim + 9)
-                   for t, u in per_table.items())
+                   + (8 * seen[t].numel() if seen else 0) for t, u in per_table.items())
 
     def keep_ahead(self, pending: deque) -> bool:
         """Whether to read another batch before staging the oldest of `pending` (read ahead,
@@ -343,7 +348,7 @@ class Prefetcher:
     def finish_batch(self, step: int, prep: tuple) -> None:
         """Phase 2: register the rows read ahead and stage the batch (pins, hints) under the lock."""
         store = self.store
-        per_table, tabs, since, warm_only, ringed, cold, reads = prep
+        per_table, tabs, since, warm_only, ringed, cold, reads, seen = prep
         batch_rows = sum(u.numel() for u in per_table.values())
         got, seconds = reads.result()
         stats = store.prefetch_stats
@@ -393,9 +398,11 @@ class Prefetcher:
             # the slots on the host, read through an event: `tierstore.hostread`
             on_host = hostread.to_host(*(staged for _, staged in staged_all))
             for (t, uniq), ((d, h, s), staged), sh in zip(per_table.items(), staged_all, on_host):
-                slots[t] = (uniq.numpy(), sh.numpy())
+                slots[t] = Staged(uniq.numpy(), sh.numpy())
                 if d + h + s == 0 or int(sh.min()) >= 0:  # all on the device: unpin by slot
                     by_slot[t] = staged
+                    if seen is not None:  # the step's indexes, made here on the device
+                        slots[t] = Staged.on_device(uniq, sh, seen[t], staged)
                 elif not store.host_tier.capacity:  # one cache tier: a row staged nowhere went
                     # to the ring, and its pin went with it
                     by_slot[t] = hostread.to_device(sh[sh >= 0], staged.device)

@@ -58,6 +58,17 @@ class StoreClock:
         # index_copy_ of the value broadcast: index_fill_ with a tensor value reads it back (.item())
         target[:, tab.spec.stamp_col].index_copy_(0, slots, value.expand(slots.numel()))
 
+    def _stamp_many(self, tabs: list[_Table], target: torch.Tensor, slots: list[torch.Tensor]) -> None:
+        """`_stamp` of several tables' rows: one write per stamp column, not one per table."""
+        by_col: dict[int, list[torch.Tensor]] = {}
+        for tab, s in zip(tabs, slots):
+            tab.writes += 1
+            by_col.setdefault(tab.spec.stamp_col, []).append(s)
+        value = self._clock_value().to(target.device, non_blocking=True)
+        for col, parts in by_col.items():
+            at = parts[0] if len(parts) == 1 else torch.cat(parts)
+            target[:, col].index_copy_(0, at, value.expand(at.numel()))
+
     def _count_update(self, tab: _Table) -> int:
         """Count an update call on `tab`; a 16-bit table's count salts its stochastic rounding."""
         if not tab.spec.codec.packed:

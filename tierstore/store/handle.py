@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 import tierstore._switch as _switch
@@ -30,6 +29,7 @@ from ..cascade import Cascade
 from ..config import StoreConfig, TableSpec, parse_capacity, parse_map_limit, resolve_device
 from ..engine import check_kernels
 from ..errors import ConfigError, LogCorruptError
+from ..gathered import Staged
 from ..initializers import name_key
 from ..pinned import PinnedSteps
 from ..resolve import resolve_layout
@@ -107,7 +107,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self._barrier = 0
         # the batch in use, as the prefetch pipeline staged it: (consumer thread id,
         # {table: (sorted rows, device slots)}); its rows stay pinned until the pipeline's release
-        self.staged: tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], int] = (0, {}, -1)
+        self.staged: tuple[int, dict[str, Staged], int] = (0, {}, -1)
         # the consumer thread whose batch is warm-only (0: none): its forward reads missed rows
         # where they are, and its backward moves them up once (`Cascade.access`'s `promote`)
         self.deferring = 0

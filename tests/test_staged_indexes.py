@@ -1,0 +1,114 @@
+"""The step's indexes made at staging (the sets cache): the same integers as the host's, and
+the same bits as a step that makes them itself."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tierstore as ts
+import tierstore.pinned as pinned_mod
+from tierstore.engine import Plan
+from tierstore.gathered import Staged
+from tierstore.prefetch import Prefetcher
+
+SPECS = [ts.TableSpec("a", 5000, 8, optimizer=ts.RowWiseAdagrad(0.1)),
+         ts.TableSpec("b", 300, 4, optimizer=ts.Adam(0.01, weight_decay=0.01))]
+FEATS = {"x": "a", "y": "b", "z": "a"}
+
+
+@settings(max_examples=40, deadline=None)
+@given(pooled=st.booleans(), batch=st.integers(0, 6), weighted=st.booleans(), seed=st.integers(0, 99))
+def test_device_step_builds_the_host_steps_integers(pooled, batch, weighted, seed):
+    plan = Plan(SPECS, [(f, t, "sum") for f, t in FEATS.items()], pooled=pooled)
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(FEATS) * batch,), generator=g)
+    per_feat = [int(x.sum()) for x in lengths.split(batch)] if batch else [0] * len(FEATS)
+    n_unique = [7, 5]
+    inverse = [torch.randint(0, n_unique[plan.features[f].table], (c,), generator=g)
+               for f, c in enumerate(per_feat)]
+    psw = torch.rand(sum(per_feat), generator=g) if weighted else None
+    host = plan.step(inverse, n_unique, lengths, psw)
+    starts = [0, n_unique[0], sum(n_unique)]
+    dev = plan._step_on(torch.device("cpu"), inverse, starts, per_feat, lengths, psw)
+    for name in ("inverse", "offsets", "bag_out", "bag_feat", "u_table"):
+        assert torch.equal(getattr(host, name), getattr(dev, name)), name
+    assert (host.psw is None) == (dev.psw is None)
+    if host.psw is not None:
+        assert torch.equal(host.psw, dev.psw)
+    assert (host.u_start, host.out_rows, host.out_width) == (dev.u_start, dev.out_rows, dev.out_width)
+
+
+def _batches(n, batch=8, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        lengths = torch.randint(0, 5, (3 * batch,), generator=g)
+        sizes = [int(x.sum()) for x in lengths.split(batch)]
+        parts = [torch.randint(0, 300, (k,), generator=g) for k in sizes]
+        yield (list(FEATS), torch.cat(parts), lengths), torch.randn(batch, 20, generator=g)
+
+
+def _train(path, steps=8):
+    with ts.TierStore(path, SPECS, device="cpu", device_cache="sets", device_capacity=1024,
+                      host_capacity=64, policy="lru") as store:
+        ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+        with Prefetcher(store, _batches(steps), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
+            for sparse, weight in pf:
+                (ebc(*sparse) * weight).sum().backward()
+        return {t.name: store.read(t.name, torch.arange(t.num_rows)).clone() for t in SPECS}
+
+
+def test_staged_indexes_are_used_and_change_no_bit(tmp_path, monkeypatch):
+    used = []
+    orig = pinned_mod.PinnedSteps._staged_indexes
+
+    def counting(self, tab, ids):
+        got = orig(self, tab, ids)
+        used.append(got is not None)
+        return got
+
+    monkeypatch.setattr(pinned_mod.PinnedSteps, "_staged_indexes", counting)
+    fast = _train(tmp_path / "fast")
+    assert used and all(used)  # every table of every step took staging's indexes
+    used.clear()
+    # the same run with staging keeping only the host arrays: the step makes its indexes itself
+    monkeypatch.setattr(Staged, "on_device", classmethod(
+        lambda cls, uniq, slots, ids, dslots: cls(uniq.numpy(), slots.numpy())))
+    slow = _train(tmp_path / "slow")
+    assert used and not any(used)
+    for name in fast:
+        assert torch.equal(fast[name], slow[name]), name
+
+
+def test_other_ids_than_staged_fall_back(tmp_path):
+    with ts.TierStore(tmp_path / "s", SPECS, device="cpu", device_cache="sets",
+                      device_capacity=1024, host_capacity=64, policy="lru") as store:
+        ids = torch.tensor([3, 1, 3, 7])
+        staged = Staged.on_device(torch.tensor([1, 3, 7]), torch.tensor([0, 1, 2]), ids,
+                                  torch.tensor([0, 1, 2]))
+        assert torch.equal(staged.unique[staged.inverse], ids)
+        store.staged = (0, {"a": staged}, store.device_tier.pin_epoch)  # another thread's batch
+        assert store._staged_indexes(store.table_record("a"), ids) is None
+        store.staged = (threading.get_ident(), {"a": staged}, store.device_tier.pin_epoch)
+        assert store._staged_indexes(store.table_record("a"), ids) is not None
+        assert store._staged_indexes(store.table_record("a"), torch.tensor([3, 1, 3, 8])) is None
+        store.staged = (0, {}, -1)
+    np.testing.assert_array_equal(staged.rows, [1, 3, 7])
+
+
+def test_absent_many_is_absent_from_per_table(tmp_path):
+    with ts.TierStore(tmp_path / "s", SPECS, device="cpu", device_cache="sets", device_capacity=64,
+                      host_capacity=32, policy="lru") as store:
+        store.read("a", torch.arange(0, 200, 3))  # some rows in each tier
+        store.read("b", torch.arange(0, 90, 2))
+        items = [(store.table_record("a"), torch.arange(0, 250)),
+                 (store.table_record("b"), torch.arange(0, 120)),
+                 (store.table_record("a"), torch.empty(0, dtype=torch.int64))]
+        many = store.cascade.uncached_many(items)
+        one = [store.cascade.uncached(tab, rows) for tab, rows in items]
+        assert [m.tolist() for m in many] == [o.tolist() for o in one]
+        assert not all(m.all() for m in many[:2]) and any(m.any() for m in many[:2])
