@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -335,6 +336,22 @@ def fbgemm_available() -> str | None:
     return None
 
 
+def _kernel_profile(name: str, block: Callable[[], None], steps: int) -> str:
+    """One block under torch's profiler: the device time by kernel and the launches a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        block()
+        _sync()
+    events = prof.key_averages()
+    kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    launches = sum(e.count for e in kernels)
+    busy = sum(e.self_device_time_total for e in kernels) / 1000
+    table = events.table(sort_by="self_device_time_total", row_limit=25)
+    return (f"==== {name}: device kernels ({steps} steps): {launches / steps:.0f} launches a step, "
+            f"{busy / steps:.2f} ms of kernel time a step ====\n{table}")
+
+
 def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, blocks: int, steps: int,
             profile: list[str] | None) -> list[dict]:
     """Median samples/s and ids/s per runner over `blocks` blocks of `steps` steps, after `warmup`.
@@ -385,7 +402,11 @@ def measure(runners: list[Runner], wl: Workload, threads: int, warmup: int, bloc
             prof.disable()
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
             profile.append(f"==== {r.name} threads={threads} ({steps} steps) ====\n{buf.getvalue()}")
+            dev = getattr(r, "device", None) or getattr(getattr(r, "store", None), "device", None)
+            if torch.cuda.is_available() and dev is not None and torch.device(dev).type == "cuda":
+                profile.append(_kernel_profile(r.name, lambda r=r: run_block(r), steps))
     out = []
     for r in runners:
         srates = [wl.batch * steps / dt for dt, _ in times[id(r)]]

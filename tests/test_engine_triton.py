@@ -137,3 +137,37 @@ def test_triton_on_cuda_equals_numba_on_the_cpu(case: Case):
         tol = 2.0**-6 if any(s.dtype != "float32" for s in case.specs) else 2.4e-7
         torch.testing.assert_close(c_out, out, rtol=tol, atol=0)
         torch.testing.assert_close(c_slab, slab, rtol=tol, atol=1e-30, equal_nan=True)
+
+
+@interpreted
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_hot_rows_sum_in_position_order(mode):
+    """A row many positions read (more than the backward loads at once, as Zipf's head rows
+    are): its gradient is still added position by position, as numba does."""
+    import tierstore as ts
+    from tests.engine_cases import Case
+
+    g = torch.Generator().manual_seed(7)
+    specs = [ts.TableSpec("h", 3, 16, optimizer=ts.RowWiseAdagrad(0.1), clip=0.5),
+             ts.TableSpec("a", 5, 8, optimizer=ts.Adam(0.01))]
+    features = [("x", "h", mode), ("y", "a", mode), ("z", "h", mode)]
+    batch = 7
+    slab = torch.randn((12, max(s.row_dim for s in specs)), generator=g).abs()  # states >= 0
+    slab[:, :16] -= 0.5
+    slots = [torch.tensor([4, 0, 9]), torch.tensor([1, 2, 3, 5, 6])]
+    a = specs[1]
+    slab[slots[1], a.weight_cols + 2 * a.dim] = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])  # Adam's steps
+    lengths = torch.full((3 * batch,), 6, dtype=torch.int64)
+    lengths[3] = 0
+    ids = [torch.zeros(int(lengths[:batch].sum()), dtype=torch.int64),  # one row, 36 positions
+           torch.randint(0, 5, (int(lengths[batch:2 * batch].sum()),), generator=g),
+           torch.randint(0, 2, (int(lengths[2 * batch:].sum()),), generator=g)]
+    n = int(lengths.sum())
+    psw = torch.rand(n, generator=g) if mode == "sum" else None
+    grad = torch.randn((batch, 16 + 8 + 16), generator=g)
+    case = Case(specs, features, slab, slots, ids, lengths, psw, grad, batch)
+    out, slab_n = engine_step(case, "numba")
+    t_out, slab_t = engine_step(case, "triton")
+    assert torch.equal(out, t_out)
+    assert torch.equal(slab_n.view(torch.int32), slab_t.view(torch.int32))
+    assert not torch.equal(slab_n, slab)  # the rows were updated

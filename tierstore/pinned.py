@@ -64,15 +64,18 @@ class PinnedSteps:
         other tier holds one of them); then the pins are dropped by slot, without lookups.
         """
         pending, dev = self.pending_unpins, self.device_tier
+        by_slot = []  # dropped together: one call for every table (repeats count)
         while pending:
             item = pending.popleft()
             tab = self.tables.get(item[0])
             if tab is None:
                 continue
             if len(item) == 4 and item[3] == dev.pin_epoch:
-                dev.pin(item[2], -1)
+                by_slot.append(item[2])
             else:
                 self.pin(tab, item[1], -1)
+        if by_slot:
+            dev.pin(by_slot[0] if len(by_slot) == 1 else torch.cat(by_slot), -1)
         self._expire_scratch()
 
     def _expire_scratch(self) -> None:

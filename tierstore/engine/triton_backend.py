@@ -75,7 +75,7 @@ def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_tab
                      bag_of, bag_out, bag_feat, grad_out, grad_stride, scale, argmax, am_stride,
                      feat_col, feat_mode, tab_dim, tab_kind, tab_params, tab_clip, adam_step, lo,
                      HAS_WORK: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_MAX: tl.constexpr,
-                     NCH: tl.constexpr):
+                     NCH: tl.constexpr, KB: tl.constexpr):
     u = lo + tl.program_id(0)
     t = tl.load(u_table + u)
     dim = tl.load(tab_dim + t)
@@ -85,19 +85,34 @@ def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_tab
     d = rr * 8 + cc  # [NCH, 8]: lane d % 8, the order of row-wise Adagrad's sum of squares
     dm = d < dim
     g = tl.zeros([NCH, 8], dtype=tl.float32)
-    for k in range(tl.load(starts + u), tl.load(starts + u + 1)):
-        p = tl.load(perm + k)
-        b = tl.load(bag_of + p)
-        f = tl.load(bag_feat + b)
-        col = tl.load(feat_col + f)
-        gr = tl.load(grad_out + tl.load(bag_out + b) * grad_stride + col + d, mask=dm, other=0.0)
+    # the row's positions KB at a time: their gradient rows loaded together (a hot row's
+    # positions are not a chain of dependent loads), then added one by one in position order.
+    # Picking position i of a block adds zeros to it (exact), and a masked position adds +0.0,
+    # which leaves `g` as it is (`g` starts at +0.0, so it is never -0.0)
+    kk = tl.arange(0, KB)
+    k3 = kk[:, None, None]
+    d3 = d[None, :, :]
+    m3 = dm[None, :, :]
+    k1 = tl.load(starts + u + 1)
+    for k0 in range(tl.load(starts + u), k1, KB):
+        ks = k0 + kk
+        km = ks < k1
+        p = tl.load(perm + ks, mask=km, other=0)
+        b = tl.load(bag_of + p, mask=km, other=0)
+        f = tl.load(bag_feat + b, mask=km, other=0)
+        col = tl.load(feat_col + f, mask=km, other=0)
+        at = tl.load(bag_out + b, mask=km, other=0) * grad_stride + col
+        ok = km[:, None, None] & m3
+        gr = tl.load(grad_out + at[:, None, None] + d3, mask=ok, other=0.0)
         gr = tl.minimum(tl.maximum(gr, -clip), clip)
         if HAS_SCALE:
-            gr = gr * tl.load(scale + p)
+            gr = gr * tl.load(scale + p, mask=km, other=0.0)[:, None, None]
         if HAS_MAX:
-            sel = tl.load(argmax + b * am_stride + d, mask=dm, other=-1) == p
-            gr = tl.where((tl.load(feat_mode + f) != 2) | sel, gr, 0.0)
-        g += gr
+            sel = tl.load(argmax + b[:, None, None] * am_stride + d3, mask=ok, other=-1) == p[:, None, None]
+            pooled = tl.load(feat_mode + f, mask=km, other=0) != 2
+            gr = tl.where(pooled[:, None, None] | sel, gr, 0.0)
+        for i in tl.static_range(KB):
+            g += tl.sum(tl.where(k3 == i, gr, 0.0), axis=0)
     s = tl.load(slots + u)
     base = table + s * tab_stride
     if HAS_WORK:
@@ -159,6 +174,9 @@ def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_tab
         tl.store(base + dim + d, m, mask=dm)
         tl.store(base + 2 * dim + d, v, mask=dm)
         tl.store(base + d, w - step * tl.div_rn(m, tl.sqrt_rn(v) + eps), mask=dm)
+
+
+KB = 8  # positions of a unique row the backward loads at once
 
 
 def _pow2(n: int) -> int:
@@ -264,5 +282,5 @@ class TritonBackend:
                 batch.bag_out, batch.bag_feat, grad_out, grad_out.stride(0),
                 scale if scale is not None else dummy_f, am, am.stride(0), fc, fm, td, tk, tp, tc,
                 step, lo, HAS_WORK=work is not None, HAS_SCALE=scale is not None,
-                HAS_MAX=argmax is not None, NCH=max(1, _pow2(self.plan.max_dim) // 8),
+                HAS_MAX=argmax is not None, NCH=max(1, _pow2(self.plan.max_dim) // 8), KB=KB,
                 enable_fp_fusion=False)
