@@ -45,7 +45,7 @@ for full in (True, False):
         cases.append((tb._forward_kernel, PTR, dict(HAS_WORK=full, HAS_PSW=full, HAS_MAX=mx,
                                                      BLOCK_D=64 if full else 1)))
         cases.append((tb._backward_kernel, PTR, dict(HAS_WORK=full, HAS_SCALE=full, HAS_MAX=mx,
-                                                      NCH=8 if full else 1, KB=8)))
+                                                      NCH=8 if full else 1, KB=tb.KB)))
 for direct in (True, False):
     cases.append((hk._lookup_kernel, HBM, dict(WAYS=32, BLOCK_N=64, DIRECT=direct)))
     cases.append((hk._choose_kernel, HBM, dict(WAYS=32, DIRECT=direct)))

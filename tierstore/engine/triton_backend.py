@@ -176,7 +176,7 @@ def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_tab
         tl.store(base + d, w - step * tl.div_rn(m, tl.sqrt_rn(v) + eps), mask=dm)
 
 
-KB = 8  # positions of a unique row the backward loads at once
+KB = 16  # positions of a unique row the backward loads at once (a hot row: 1/16 the chain)
 
 
 def _pow2(n: int) -> int:
@@ -224,7 +224,8 @@ class TritonBackend:
                     batch.bag_out, batch.bag_feat, batch.psw if batch.psw is not None else dummy_f,
                     ft, fc, fm, td, out, out.stride(0), argmax, argmax.stride(0),
                     HAS_WORK=work is not None, HAS_PSW=batch.psw is not None, HAS_MAX=has_max,
-                    BLOCK_D=_pow2(self.plan.max_dim), enable_fp_fusion=False)
+                    BLOCK_D=_pow2(self.plan.max_dim), enable_fp_fusion=False,
+                    num_warps=max(1, min(4, _pow2(self.plan.max_dim) // 32)))  # a lane a column
         return out, (argmax if has_max else None)
 
     def csr(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
