@@ -7,7 +7,8 @@ outputs of any torch call with a marked input, tensors moved with `.to(..., non_
 the device; `hostread.to_host` (patched by `watching_hostread`) is the one sanctioned way back.
 A host read of a marked tensor is recorded in `reads`: `.item()`, `bool()`, `int()`, `.tolist()`,
 `.numpy()`, `.cpu()`, a blocking `.to("cpu")`, `nonzero`, `unique`, `masked_select`, `bincount`,
-`repeat_interleave` without `output_size`, `equal`, or indexing by a boolean mask. On a CUDA
+`repeat_interleave` without `output_size`, `equal`, indexing by a boolean mask, or a Python
+value put at an index (`x[i] = 0`: a blocking copy to the device). On a CUDA
 device each of these waits for the device (CUDA's sync debug mode raises on them) or, for
 `.numpy()`, fails.
 """
@@ -107,6 +108,10 @@ class DeviceTaint(TorchFunctionMode):
                 self._read(f"{name} without output_size")
             elif func in _INDEX and len(args) > 1 and _has_mask(args[1]):
                 self._read(f"{name} by a boolean mask")
+            elif func is T.__setitem__ and self.on_device(args[0]) and len(args) > 2 \
+                    and not isinstance(args[2], torch.Tensor):
+                # the Python value becomes a host tensor copied over blocking (a sync on CUDA)
+                self._read("__setitem__ of a Python value")
             elif func is T.to and self.on_device(args[0]) and _to_cpu(args, kwargs) \
                     and not kwargs.get("non_blocking", False) \
                     and not self.is_device(_target(args, kwargs)):

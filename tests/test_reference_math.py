@@ -241,6 +241,11 @@ def test_one_step_on_any_payload_matches_the_definition(opt, data):
         upd = BatchUpdate(opt, dim, n, inverse, grad_out, bag_of=bag_of, scale=scale, use_kernel=use_kernel)
         upd.apply(p, slots)
         np.testing.assert_allclose(p.double().numpy()[touched], want[touched], rtol=1e-5, atol=1e-5)
+        if use_kernel:  # a CUDA table's route (rows through the host, the same kernel): same bits
+            q = torch.cat([torch.zeros(3, p0.shape[1]), p0])  # the rows at other slots
+            BatchUpdate(opt, dim, n, inverse, grad_out, bag_of=bag_of, scale=scale).apply_on_host(
+                q, slots + 3)
+            assert torch.equal(q[3:].view(torch.int32), p.view(torch.int32))
 
 
 @pytest.mark.parametrize("opt", OPTS, ids=lambda o: o.kind)

@@ -115,14 +115,26 @@ if HAVE_NUMBA:
             row[d] = row[d] - mult * g[d]
 
     @numba.njit(cache=True, nogil=True, inline="always")
+    def ipow(b, n):  # pragma: no cover - compiled
+        """b**n for an integer n >= 0 by squaring (float64 multiplies only: the same bits on
+        every device, unlike libm's and CUDA's `pow`)."""
+        out = 1.0
+        while n > 0:
+            if n & 1:
+                out = out * b
+            b = b * b
+            n >>= 1
+        return out
+
+    @numba.njit(cache=True, nogil=True, inline="always")
     def adam_row(row, g, dim, params):  # pragma: no cover - compiled
         lr, b1, b2 = params[0], params[1], params[2]
         eps, wd = np.float32(params[3]), np.float32(params[4])
         one_b1, one_b2 = np.float32(1.0 - b1), np.float32(1.0 - b2)
         t = row[3 * dim] + np.float32(1.0)
         row[3 * dim] = t
-        tt = np.float64(t)
-        step = np.float32(lr * np.sqrt(1.0 - b2**tt) / (1.0 - b1**tt))
+        n = np.int64(t)  # a whole count (float32 holds every count up to 2**24 exactly)
+        step = np.float32(lr * np.sqrt(1.0 - ipow(b2, n)) / (1.0 - ipow(b1, n)))
         for d in range(dim):
             gd = g[d] + wd * row[d]
             m = row[dim + d] + (gd - row[dim + d]) * one_b1
@@ -269,6 +281,19 @@ class BatchUpdate:
         self._csr = None
         self.codec = CODECS[self.dtype]
 
+    def apply_on_host(self, table: torch.Tensor, slots: torch.Tensor) -> None:
+        """`apply` through a host copy of the rows (what a CUDA table's update runs)."""
+        at = slots.to(table.device)
+        rows = table.index_select(0, at).cpu()
+        self.apply(rows, torch.arange(rows.shape[0]))
+        table.index_copy_(0, at, rows.to(table.device))
+
+    def _host_kernel(self) -> bool:
+        """Whether the compiled kernels can run this update on the host."""
+        return bool(self.use_kernel and HAVE_NUMBA and self.optimizer.kind in KERNELS
+                    and all(t is None or t.device.type == "cpu"
+                            for t in (self.grad_out, self.inverse, self.bag_of, self.scale)))
+
     def kernel_for(self, table: torch.Tensor) -> int | None:
         """The optimizer's code for `update_kernel` on `table`, or None for the torch path."""
         if not (self.use_kernel and table.device.type == "cpu" and self.grad_out.device.type == "cpu"):
@@ -276,7 +301,15 @@ class BatchUpdate:
         return KERNELS.get(self.optimizer.kind)
 
     def apply(self, table: torch.Tensor, slots: torch.Tensor) -> None:
-        """Update rows `table[slots[u]]` (u = unique index) in place."""
+        """Update rows `table[slots[u]]` (u = unique index) in place.
+
+        Rows on another device (CUDA) are updated on the host by the same kernel and copied
+        back: the torch ops there reduce in another order and may contract to FMA, so the
+        bits would depend on where the rows live (this path reads back anyway; the staged
+        step's update is the engine's, which is exact on the device)."""
+        if table.device.type != "cpu" and self._host_kernel():
+            self.apply_on_host(table, slots)
+            return
         if self.codec.packed:
             self._apply_packed(table, slots)
             return

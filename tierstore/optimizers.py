@@ -11,6 +11,19 @@ import torch
 from .errors import ConfigError
 
 
+def int_pow(base: float, n: torch.Tensor) -> torch.Tensor:
+    """float64 `base ** n` for integer counts `n` by squaring: the bits the compiled kernels
+    (numba's `fused.ipow`, the Triton backward) compute, on any device."""
+    out = torch.ones(n.shape, dtype=torch.float64, device=n.device)
+    b = torch.full(n.shape, float(base), dtype=torch.float64, device=n.device)
+    n = n.clone()
+    while bool((n > 0).any()):
+        out = torch.where((n & 1) == 1, out * b, out)
+        b = b * b
+        n = n >> 1
+    return out
+
+
 @dataclass(frozen=True)
 class Optimizer:
     """Base of the fused optimizers: updates whole payload rows in place from summed gradients."""
@@ -125,9 +138,9 @@ class Adam(Optimizer):
         v_upd = g.pow(2).sub_(v).mul_(1 - b2)
         m.add_(m_upd)
         v.add_(v_upd)
-        tt = t.double()
-        bc1 = 1 - torch.pow(b1, tt)
-        bc2 = 1 - torch.pow(b2, tt)
+        n = t.to(torch.int64)
+        bc1 = 1 - int_pow(b1, n)
+        bc2 = 1 - int_pow(b2, n)
         step_size = (self.lr * bc2.sqrt() / bc1).to(payload.dtype)
         w.sub_(step_size * m.div(v.sqrt().add_(self.eps)))
 

@@ -244,11 +244,11 @@ class HbmCache:
 
     def _clear_trash(self) -> None:
         """Reset the trash line (a write for "no slot" may have landed there)."""
-        t = self.trash
-        self._keys[t] = -1
-        self._stamp[t] = 0
-        self._lock[t] = 0
-        self._dirty[t] = False
+        t = self.trash  # fills with a scalar: `x[t] = -1` copies a host tensor over (a sync on CUDA)
+        self._keys[t].fill_(-1)
+        self._stamp[t].fill_(0)
+        self._lock[t].fill_(0)
+        self._dirty[t].fill_(False)
 
     # off the hot path: these read back to the host ------------------------------------------
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,9 +5,9 @@ tests check them against the numba backend bit for bit. Bits match because every
 operation is the numba kernels' in the same order: sums run position by position, rounding is
 explicit (`div_rn`, `sqrt_rn`, not the approximate CUDA instructions), row-wise Adagrad's sum
 of squares keeps its 8-lane order, and fp fusion is off at launch (no FMA contraction). Adam's
-step size (a float64 power) is computed once per row with torch ops before the kernel: torch's
-and libm's `pow` differ in the last float64 bit for some steps, which did not change the float32
-step size for any step count up to 2M in our check.
+step size is computed in the kernel in float64 with the power `b ** count` taken by squaring
+(multiplies only), as numba's kernel does: libm's `pow` and CUDA's may differ in the last bits
+(the cross-device test held Adam to 2 float32 ulps for it), so neither backend calls `pow`.
 
 No host synchronization: the gradient's CSR (a stable sort of positions by unique row, counts
 by scatter-add) and each position's bag (`searchsorted`) are computed with device ops whose
@@ -73,7 +73,7 @@ def _forward_kernel(src, src_stride, slots, work, work_stride, work_of, inverse,
 @triton.jit
 def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_table, perm, starts,
                      bag_of, bag_out, bag_feat, grad_out, grad_stride, scale, argmax, am_stride,
-                     feat_col, feat_mode, tab_dim, tab_kind, tab_params, tab_clip, adam_step, lo,
+                     feat_col, feat_mode, tab_dim, tab_kind, tab_params, tab_clip, lo,
                      HAS_WORK: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_MAX: tl.constexpr,
                      NCH: tl.constexpr, KB: tl.constexpr):
     u = lo + tl.program_id(0)
@@ -158,14 +158,31 @@ def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_tab
         mult = tl.div_rn(lr, tl.sqrt_rn(acc) + eps)
         tl.store(base + d, w - mult * gd, mask=dm)
     else:  # adam
+        lr64 = tl.load(tab_params + t * 5)
         b1 = tl.load(tab_params + t * 5 + 1)
         b2 = tl.load(tab_params + t * 5 + 2)
         eps = tl.load(tab_params + t * 5 + 3).to(tl.float32)
         wd = tl.load(tab_params + t * 5 + 4).to(tl.float32)
         one_b1 = (1.0 - b1).to(tl.float32)
         one_b2 = (1.0 - b2).to(tl.float32)
-        tl.store(base + 3 * dim, tl.load(base + 3 * dim) + 1.0)
-        step = tl.load(adam_step + u - lo)
+        count = tl.load(base + 3 * dim) + 1.0
+        tl.store(base + 3 * dim, count)
+        # the step size in float64 as numba's `fused.adam_row`: b ** count by squaring (IEEE
+        # multiplies, the same bits on any device; `pow` differs between libm and CUDA)
+        n = count.to(tl.int64)
+        p1 = tl.full([], 1.0, tl.float64)
+        p2 = tl.full([], 1.0, tl.float64)
+        x1 = b1
+        x2 = b2
+        while n > 0:
+            odd = (n & 1) == 1
+            p1 = tl.where(odd, p1 * x1, p1)
+            p2 = tl.where(odd, p2 * x2, p2)
+            x1 = x1 * x1
+            x2 = x2 * x2
+            n = n >> 1
+        # float64 `/` and `sqrt` compile to div.rn.f64 / sqrt.rn.f64 (checked on the PTX)
+        step = (lr64 * tl.sqrt(1.0 - p2) / (1.0 - p1)).to(tl.float32)
         gd = g + wd * w
         m0 = tl.load(base + dim + d, mask=dm, other=0.0)
         v0 = tl.load(base + 2 * dim + d, mask=dm, other=0.0)
@@ -241,26 +258,6 @@ class TritonBackend:
         bag_of = torch.searchsorted(batch.offsets[1:], pos, right=True)
         return perm, starts, bag_of
 
-    def adam_steps(self, batch: StepBatch, table: torch.Tensor, slots: torch.Tensor,
-                   work: torch.Tensor | None, work_of: torch.Tensor | None, lo: int, hi: int
-                   ) -> torch.Tensor:
-        """Adam's float32 step size of unique rows [lo, hi) at their next step count (0 for
-        other optimizers), in float64 as the numba kernel computes it."""
-        dev = table.device
-        _, _, _, td, tk, tp, _ = self._arrays(dev)
-        ut = batch.u_table[lo:hi]
-        if not self.plan.has_adam:
-            return torch.zeros(1, dtype=torch.float32, device=dev)
-        col = 3 * td.index_select(0, ut)
-        t = table[slots[lo:hi], col.clamp(max=table.shape[1] - 1)]  # other tables: unused
-        if work is not None and work.shape[0]:
-            at = work_of[lo:hi]
-            t = torch.where(at >= 0, work[at.clamp(min=0), col.clamp(max=work.shape[1] - 1)], t)
-        tt = t.double() + 1.0
-        prm = tp.index_select(0, ut)
-        step = prm[:, 0] * torch.sqrt(1.0 - torch.pow(prm[:, 2], tt)) / (1.0 - torch.pow(prm[:, 1], tt))
-        return torch.where(tk.index_select(0, ut) == 3, step, 0.0).to(torch.float32)
-
     def backward(self, batch: StepBatch, table: torch.Tensor, slots: torch.Tensor,
                  work: torch.Tensor | None, work_of: torch.Tensor | None, grad_out: torch.Tensor,
                  scale: torch.Tensor | None, argmax: torch.Tensor | None, lo: int, hi: int) -> None:
@@ -275,13 +272,12 @@ class TritonBackend:
         wk = work if work is not None else dummy_f.view(1, 1)
         am = argmax if argmax is not None else dummy_i.view(1, 1)
         grad_out = grad_out.contiguous()
-        step = self.adam_steps(batch, table, slots, work, work_of, lo, hi)
         with launching():
             _backward_kernel[(hi - lo,)](
                 table, table.stride(0), slots, wk, wk.stride(0),
                 work_of if work_of is not None else dummy_i, batch.u_table, perm, starts, bag_of,
                 batch.bag_out, batch.bag_feat, grad_out, grad_out.stride(0),
                 scale if scale is not None else dummy_f, am, am.stride(0), fc, fm, td, tk, tp, tc,
-                step, lo, HAS_WORK=work is not None, HAS_SCALE=scale is not None,
+                lo, HAS_WORK=work is not None, HAS_SCALE=scale is not None,
                 HAS_MAX=argmax is not None, NCH=max(1, _pow2(self.plan.max_dim) // 8), KB=KB,
                 enable_fp_fusion=False)
