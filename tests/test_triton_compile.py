@@ -34,7 +34,7 @@ PTR = {"src": "*fp32", "slots": "*i64", "work": "*fp32", "work_of": "*i64", "inv
        "feat_table": "*i64", "feat_col": "*i64", "feat_mode": "*i64", "tab_dim": "*i64",
        "out": "*fp32", "argmax": "*i64", "table": "*fp32", "u_table": "*i64", "perm": "*i64",
        "starts": "*i64", "bag_of": "*i64", "grad_out": "*fp32", "scale": "*fp32",
-       "tab_kind": "*i64", "tab_params": "*fp64", "tab_clip": "*fp32",
+       "tab_kind": "*i64", "tab_params": "*fp64", "tab_clip": "*fp32", "goff": "*i64", "sscale": "*fp32",
        "src_stride": "i32", "work_stride": "i32", "out_stride": "i32", "am_stride": "i32",
        "tab_stride": "i32", "grad_stride": "i32", "lo": "i32"}
 HBM = {"table": "*i64", "keys": "*i64", "out": "*i64", "stamp": "*i64", "lock": "*i32",

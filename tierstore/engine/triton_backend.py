@@ -72,8 +72,8 @@ def _forward_kernel(src, src_stride, slots, work, work_stride, work_of, inverse,
 
 @triton.jit
 def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_table, perm, starts,
-                     bag_of, bag_out, bag_feat, grad_out, grad_stride, scale, argmax, am_stride,
-                     feat_col, feat_mode, tab_dim, tab_kind, tab_params, tab_clip, lo,
+                     goff, sscale, bag_of, bag_feat, grad_out, argmax, am_stride,
+                     feat_mode, tab_dim, tab_kind, tab_params, tab_clip, lo,
                      HAS_WORK: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_MAX: tl.constexpr,
                      NCH: tl.constexpr, KB: tl.constexpr):
     u = lo + tl.program_id(0)
@@ -85,34 +85,50 @@ def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_tab
     d = rr * 8 + cc  # [NCH, 8]: lane d % 8, the order of row-wise Adagrad's sum of squares
     dm = d < dim
     g = tl.zeros([NCH, 8], dtype=tl.float32)
-    # the row's positions KB at a time: their gradient rows loaded together (a hot row's
-    # positions are not a chain of dependent loads), then added one by one in position order.
-    # Picking position i of a block adds zeros to it (exact), and a masked position adds +0.0,
-    # which leaves `g` as it is (`g` starts at +0.0, so it is never -0.0)
-    kk = tl.arange(0, KB)
-    k3 = kk[:, None, None]
-    d3 = d[None, :, :]
-    m3 = dm[None, :, :]
+    # positions k in [k0, k1) of this row, in position order: `goff[k]` is the start of its
+    # gradient row in `grad_out`, `sscale[k]` its scale (both laid out by the host in this order)
+    k0 = tl.load(starts + u)
     k1 = tl.load(starts + u + 1)
-    for k0 in range(tl.load(starts + u), k1, KB):
-        ks = k0 + kk
-        km = ks < k1
-        p = tl.load(perm + ks, mask=km, other=0)
-        b = tl.load(bag_of + p, mask=km, other=0)
-        f = tl.load(bag_feat + b, mask=km, other=0)
-        col = tl.load(feat_col + f, mask=km, other=0)
-        at = tl.load(bag_out + b, mask=km, other=0) * grad_stride + col
-        ok = km[:, None, None] & m3
-        gr = tl.load(grad_out + at[:, None, None] + d3, mask=ok, other=0.0)
-        gr = tl.minimum(tl.maximum(gr, -clip), clip)
-        if HAS_SCALE:
-            gr = gr * tl.load(scale + p, mask=km, other=0.0)[:, None, None]
-        if HAS_MAX:
-            sel = tl.load(argmax + b[:, None, None] * am_stride + d3, mask=ok, other=-1) == p[:, None, None]
-            pooled = tl.load(feat_mode + f, mask=km, other=0) != 2
-            gr = tl.where(pooled[:, None, None] | sel, gr, 0.0)
-        for i in tl.static_range(KB):
-            g += tl.sum(tl.where(k3 == i, gr, 0.0), axis=0)
+    if k1 - k0 <= KB:  # most rows: one position after another
+        for k in range(k0, k1):
+            gr = tl.load(grad_out + tl.load(goff + k) + d, mask=dm, other=0.0)
+            gr = tl.minimum(tl.maximum(gr, -clip), clip)
+            if HAS_SCALE:
+                gr = gr * tl.load(sscale + k)
+            if HAS_MAX:
+                p = tl.load(perm + k)
+                b = tl.load(bag_of + p)
+                sel = tl.load(argmax + b * am_stride + d, mask=dm, other=-1) == p
+                gr = tl.where((tl.load(feat_mode + tl.load(bag_feat + b)) != 2) | sel, gr, 0.0)
+            g += gr
+    else:
+        # a hot row (Zipf's head): its positions KB at a time, their gradient rows loaded
+        # together, then added one by one in position order. Picking position i of a block
+        # adds zeros to it (exact), and a masked position adds +0.0, which leaves `g` as it is
+        # (`g` starts at +0.0, so it is never -0.0)
+        kk = tl.arange(0, KB)
+        k3 = kk[:, None, None]
+        d3 = d[None, :, :]
+        m3 = dm[None, :, :]
+        for kb in range(k0, k1, KB):
+            ks = kb + kk
+            km = ks < k1
+            ok = km[:, None, None] & m3
+            at = tl.load(goff + ks, mask=km, other=0)
+            gr = tl.load(grad_out + at[:, None, None] + d3, mask=ok, other=0.0)
+            gr = tl.minimum(tl.maximum(gr, -clip), clip)
+            if HAS_SCALE:
+                gr = gr * tl.load(sscale + ks, mask=km, other=0.0)[:, None, None]
+            if HAS_MAX:
+                p = tl.load(perm + ks, mask=km, other=0)
+                b = tl.load(bag_of + p, mask=km, other=0)
+                sel = tl.load(argmax + b[:, None, None] * am_stride + d3, mask=ok, other=-1) \
+                    == p[:, None, None]
+                pooled = tl.load(feat_mode + tl.load(bag_feat + b, mask=km, other=0), mask=km,
+                                 other=0) != 2
+                gr = tl.where(pooled[:, None, None] | sel, gr, 0.0)
+            for i in tl.static_range(KB):
+                g += tl.sum(tl.where(k3 == i, gr, 0.0), axis=0)
     s = tl.load(slots + u)
     base = table + s * tab_stride
     if HAS_WORK:
@@ -272,12 +288,16 @@ class TritonBackend:
         wk = work if work is not None else dummy_f.view(1, 1)
         am = argmax if argmax is not None else dummy_i.view(1, 1)
         grad_out = grad_out.contiguous()
+        # each position's gradient row and scale, in the kernel's (row, position) order: the
+        # loop over a row's positions then reads two values a position, not a chain of five
+        goff = (batch.bag_out.index_select(0, bag_of) * grad_out.stride(0)
+                + fc.index_select(0, batch.bag_feat.index_select(0, bag_of))).index_select(0, perm)
+        sscale = scale.index_select(0, perm) if scale is not None else dummy_f
         with launching():
             _backward_kernel[(hi - lo,)](
                 table, table.stride(0), slots, wk, wk.stride(0),
-                work_of if work_of is not None else dummy_i, batch.u_table, perm, starts, bag_of,
-                batch.bag_out, batch.bag_feat, grad_out, grad_out.stride(0),
-                scale if scale is not None else dummy_f, am, am.stride(0), fc, fm, td, tk, tp, tc,
-                lo, HAS_WORK=work is not None, HAS_SCALE=scale is not None,
+                work_of if work_of is not None else dummy_i, batch.u_table, perm, starts, goff,
+                sscale, bag_of, batch.bag_feat, grad_out, am, am.stride(0), fm, td, tk, tp, tc, lo,
+                HAS_WORK=work is not None, HAS_SCALE=scale is not None,
                 HAS_MAX=argmax is not None, NCH=max(1, _pow2(self.plan.max_dim) // 8), KB=KB,
                 enable_fp_fusion=False)
