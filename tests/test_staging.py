@@ -51,9 +51,11 @@ def test_staged_slots_equal_a_fresh_lookup(tmp_path_factory, dcap, hcap, batches
             for ids in batches:
                 uniq = torch.unique(torch.tensor(ids, dtype=torch.int64))
                 epoch = dev.pin_epoch
-                (((d, h, s), got),) = store.stage_many([(tab, uniq)])
+                host = []
+                (((d, h, s), got),) = store.stage_many([(tab, uniq)], host_copies=host)
                 want = dev.lookup(tab.tix, uniq, count=False)
                 assert torch.equal(got, want)
+                assert len(host) == 1 and torch.equal(host[0], got.cpu())  # the host's copy
                 assert d + h + s == uniq.numel()
                 if uniq.numel() and int(got.min()) >= 0:
                     assert bool((dev.pins[got] > 0).all())

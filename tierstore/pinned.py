@@ -184,8 +184,9 @@ class PinnedSteps:
             return rows <= dev.capacity + dev.scratch_slots
         return 2 * rows <= dev.capacity + self.host_tier.capacity
 
-    def stage_many(self, items: list[tuple[_Table, torch.Tensor]]
-                    ) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
+    def stage_many(self, items: list[tuple[_Table, torch.Tensor]],
+                   host_copies: list[torch.Tensor] | None = None
+                   ) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
         """Bring each table's sorted unique rows up the hierarchy and pin them, all tables at
         once: ((device, host, ssd) counts, device slots or -1 where a row overflowed to the
         host) per table.
@@ -197,11 +198,16 @@ class PinnedSteps:
         of each step (index probes, victim choice, policy and index updates, the hand-off to
         the write-behind ring) is done once a batch instead of once a table. Which rows land where may differ
         from staging table by table (victims are chosen once, with every hit protected); no value does.
+
+        `host_copies`: a list to receive each table's slots on the host too (a batch whose rows
+        were all on the device reuses the lookup's copy: one device wait fewer on CUDA).
         """
         dev, host = self.device_tier, self.host_tier
         sizes = [int(uniq.numel()) for _, uniq in items]
         total = sum(sizes)
         if total == 0:
+            if host_copies is not None:
+                host_copies.extend(torch.empty(0, dtype=torch.int64) for _ in items)
             return [((0, 0, 0), torch.empty(0, dtype=torch.int64, device=dev.device)) for _ in items]
         seg = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(sizes))
         tabs = torch.cat([tab.tix.expand(n) for (tab, _), n in zip(items, sizes)])
@@ -258,6 +264,9 @@ class PinnedSteps:
                 if k:  # the first k misses, in order, landed on the device
                     staged.index_copy_(0, to_dev(placed[:k], staged.device), dev.last_slots[:k])
         nd_of = torch.bincount(seg[dhit], minlength=len(items))
+        if host_copies is not None:  # all hits: the staged slots are the lookup's
+            full = dslots_h if not m else hostread.to_host(staged)[0]
+            host_copies.extend(full.split(sizes))
         out, lo = [], 0
         for i, n in enumerate(sizes):
             nd, nh = int(nd_of[i]), int(nh_of[i])

@@ -394,9 +394,10 @@ class Prefetcher:
             epoch = dev.pin_epoch
             slots, by_slot = {}, {}
             # all tables' misses placed at once; device slots, -1 where a row overflowed to host
-            staged_all = store.stage_many([(tabs[t], uniq) for t, uniq in per_table.items()])
-            # the slots on the host, read through an event: `tierstore.hostread`
-            on_host = hostread.to_host(*(staged for _, staged in staged_all))
+            # and the slots on the host, read through an event (`tierstore.hostread`)
+            on_host: list[torch.Tensor] = []
+            staged_all = store.stage_many([(tabs[t], uniq) for t, uniq in per_table.items()],
+                                          host_copies=on_host)
             for (t, uniq), ((d, h, s), staged), sh in zip(per_table.items(), staged_all, on_host):
                 slots[t] = Staged(uniq.numpy(), sh.numpy())
                 if d + h + s == 0 or int(sh.min()) >= 0:  # all on the device: unpin by slot
