@@ -231,3 +231,14 @@ def test_bench_staging_floor_counts_every_staged_key(tmp_path):
         for tiers in (1, 2):  # copies change the cost, never a decision
             a, b = by[(p, tiers, True)], by[(p, tiers, False)]
             assert [a[k] for k in keys] == [b[k] for k in keys]
+
+
+def test_bench_kernels_smoke(tmp_path):
+    from bench import kernels as bench_kernels
+
+    rc = bench_kernels.main(["--tables", "2", "--rows", "500", "--batch", "16",
+                             "--reps", "2", "--warmup", "0", "--device", "cpu", "--out", str(tmp_path)])
+    assert rc == 0
+    recs = _load(tmp_path / "kernels.json")
+    assert {r["phase"] for r in recs} == {"plan", "forward", "backward", "torch_bag"}
+    assert all(_positive(r["ms"]) and r["ms_min"] <= r["ms"] for r in recs)
