@@ -27,7 +27,10 @@ def ops(max_key: int = 40) -> st.SearchStrategy:
 
 
 def expected_choice(cache: HbmCache, model: Model, keys: list[int]) -> list[int]:
-    """The slot each absent key takes by the documented rule, computed line by line."""
+    """The slot each absent key takes by the documented rule, computed line by line (a direct
+    cache: the key's own line, slot k)."""
+    if cache.direct:
+        return [k if 0 <= k < cache.capacity else -1 for k in keys]
     taken: dict[int, int] = {}
     out = []
     for k in keys:

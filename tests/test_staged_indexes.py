@@ -112,3 +112,41 @@ def test_absent_many_is_absent_from_per_table(tmp_path):
         one = [store.cascade.uncached(tab, rows) for tab, rows in items]
         assert [m.tolist() for m in many] == [o.tolist() for o in one]
         assert not all(m.all() for m in many[:2]) and any(m.any() for m in many[:2])
+
+
+def test_a_resident_sets_store_stages_from_its_host_mirror(tmp_path, monkeypatch):
+    """A sets cache holding every declared row maps key k to slot k and mirrors which keys it
+    holds on the host: staging then finds a batch's slots without a device lookup, and the
+    rows train to the same bits as on the slab."""
+    import tierstore.backends.set_tier as st_mod
+
+    results = {}
+    device_lookups = []
+    orig = st_mod.SetIndex.find
+
+    def counted(self, tabs, rows):
+        device_lookups.append(rows.numel())
+        return orig(self, tabs, rows)
+
+    for cache in ("sets", "slab"):
+        with ts.TierStore(tmp_path / cache, SPECS, device="cpu", device_cache=cache,
+                          device_capacity=6000, host_capacity=0) as store:
+            if cache == "sets":
+                assert store.device_tier.held is not None  # direct
+                monkeypatch.setattr(st_mod.SetIndex, "find", counted)
+            ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+            with Prefetcher(store, _batches(6), depth=2, features=FEATS,
+                            extract=lambda b: b[0]) as pf:
+                for sparse, weight in pf:
+                    (ebc(*sparse) * weight).sum().backward()
+            store.check()  # the mirror equals the cache's keys
+            if cache == "sets":
+                assert store.prefetch_stats.lock_free_bags == 6 * 2
+                assert not device_lookups  # staging read the mirror
+                monkeypatch.undo()
+                slots = store.device_tier.lookup(torch.tensor(0), torch.arange(300), count=False)
+                found = slots[slots >= 0]
+                assert found.numel() and torch.equal(found, torch.arange(300)[slots >= 0])  # slot = key
+            results[cache] = {t.name: store.read(t.name, torch.arange(t.num_rows)) for t in SPECS}
+    for name in results["sets"]:
+        assert torch.equal(results["sets"][name], results["slab"][name]), name

@@ -258,8 +258,12 @@ def absent_many(indexes: tuple[HashIndex, HashIndex, HashIndex],
                                    torch.tensor(sizes, dtype=torch.int64))
     out = torch.ones(rows.numel(), dtype=torch.bool)
     if rows.numel():
-        for ix in indexes:  # device lookups read back through an event (`tierstore.hostread`)
-            found = ix.find(hostread.to_device(tabs, ix.device), hostread.to_device(rows, ix.device))
+        for ix in indexes:  # device lookups read back through an event (`tierstore.hostread`),
+            # unless the index answers on the host (a direct sets cache's mirror)
+            on_host = getattr(ix, "find_host", None)
+            found = on_host(tabs, rows) if on_host is not None else None
+            if found is None:
+                found = ix.find(hostread.to_device(tabs, ix.device), hostread.to_device(rows, ix.device))
             out &= hostread.to_host(found)[0] < 0
     return list(out.split(sizes))
 

@@ -213,9 +213,14 @@ class PinnedSteps:
         tabs = torch.cat([tab.tix.expand(n) for (tab, _), n in zip(items, sizes)])
         rows = torch.cat([uniq.to("cpu", torch.int64) for _, uniq in items])
         to_dev = hostread.to_device
-        dslots = dev.lookup(to_dev(tabs, dev.device), to_dev(rows, dev.device), count=False)
-        # read back through an event: a sync-debug-mode step may run on the training thread now
-        (dslots_h,) = hostread.to_host(dslots)
+        lookup_host = getattr(dev, "lookup_host", None)  # a direct sets cache: its host mirror
+        dslots_h = lookup_host(tabs, rows) if lookup_host is not None else None
+        if dslots_h is not None:
+            dslots = to_dev(dslots_h, dev.device)
+        else:
+            dslots = dev.lookup(to_dev(tabs, dev.device), to_dev(rows, dev.device), count=False)
+            # read back through an event: a sync-debug-mode step may run on the training thread
+            (dslots_h,) = hostread.to_host(dslots)
         dhit = dslots_h >= 0
         miss = torch.nonzero(~dhit).flatten()
         m = miss.numel()

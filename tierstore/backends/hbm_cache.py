@@ -68,8 +68,8 @@ class HbmCache:
     at the last use) or "lfu" (stamp = uses since the line was filled). `kernels="triton"` runs
     lookup and victim choice as Triton kernels (CUDA, or the interpreter on CPU tensors); "torch"
     runs the same rules as torch ops; both give the same slots. `direct=True`: keys are dense ids
-    below the capacity and key k's set is k // ways, so every key has a line of its own and no
-    set ever overflows (a cache that holds every row).
+    below the capacity and key k lives at slot k (in set k // ways), so every key has a line of
+    its own, no set ever overflows, and a lookup is one gather (a cache that holds every row).
     """
 
     def __init__(self, capacity: int, width: int, device: torch.device | str = "cpu",
@@ -138,6 +138,10 @@ class HbmCache:
         """Slots holding `keys` (int64 [n], any order, repeats allowed), -1 where absent."""
         if self.capacity == 0 or keys.numel() == 0:
             return torch.full_like(keys, -1)
+        if self.direct:  # key k lives at slot k: one gather, whatever the kernels
+            inside = (keys >= 0) & (keys < self.capacity)
+            held = self._keys.index_select(0, torch.where(inside, keys, self.trash))
+            return torch.where(inside & (held == keys), keys, -1)
         if self.kernels == "triton":
             return _triton_lookup(self, keys)
         return self.lookup_torch(keys)
@@ -181,6 +185,8 @@ class HbmCache:
         the set has no line left for it. Changes nothing."""
         if self.capacity == 0 or keys.numel() == 0:
             return torch.full_like(keys, -1)
+        if self.direct:  # an absent key's own line is free: it takes it
+            return torch.where((keys >= 0) & (keys < self.capacity), keys, -1)
         if self.kernels == "triton":
             return _triton_choose(self, keys)
         return self.choose_torch(keys)
@@ -268,6 +274,7 @@ class HbmCache:
         assert keys.unique().numel() == keys.numel(), "a key is cached twice"
         if keys.numel():
             assert torch.equal(self.set_of(keys), slots // self.ways), "a key outside its set"
+            assert not self.direct or torch.equal(keys, slots), "a direct key off its own line"
         empty = self._keys[: self.capacity] < 0
         assert not bool((self._dirty[: self.capacity] & empty).any()), "a dirty empty line"
         assert not bool((self._lock[: self.capacity] != 0)[empty].any()), "a locked empty line"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 import tierstore.hostread as hostread
@@ -89,10 +90,11 @@ class SetPolicy:
 class SetIndex:
     """The tier's keys seen as a hash index (what the store's checks and expiry read)."""
 
-    def __init__(self, cache: HbmCache, codec: Keys) -> None:
+    def __init__(self, cache: HbmCache, codec: Keys, held: np.ndarray | None = None) -> None:
         self.cache = cache
         self.codec = codec
         self.device = cache.device
+        self.held = held  # a direct cache's host mirror: held[k] while key k is cached
 
     @property
     def table(self) -> torch.Tensor:
@@ -107,6 +109,16 @@ class SetIndex:
         """Slots of the keys, -1 where absent."""
         rows = hostread.to_device(rows, self.cache.device).to(torch.int64)
         return self.cache.lookup(self.codec.pack(tabs, rows))
+
+    def find_host(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """`find` answered on the host from a direct cache's mirror (slot k for key k), with no
+        device read; None when there is no mirror."""
+        if self.held is None:
+            return None
+        keys = self.codec.pack(tabs.to("cpu", torch.int64), rows.to("cpu", torch.int64)).numpy()
+        inside = (keys >= 0) & (keys < len(self.held))
+        hit = inside & self.held[np.where(inside, keys, 0)]
+        return torch.from_numpy(np.where(hit, keys, -1))
 
     def keys(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tables, rows) held at these slots."""
@@ -143,7 +155,10 @@ class SetTier:
         self.usable = self.capacity
         self.width = int(width)
         self.policy = SetPolicy(self.cache.policy)
-        self.index = SetIndex(self.cache, self.codec)
+        # direct: which keys are cached, on the host too (kept by insert and remove), so
+        # staging finds a batch's slots without reading the device
+        self.held = np.zeros(self.capacity, dtype=bool) if direct else None
+        self.index = SetIndex(self.cache, self.codec, self.held)
         self.stats = TierStats()
         self.generation = 0  # bumped whenever a slot changes owner
         self.pin_epoch = 0  # bumped whenever a pinned row leaves
@@ -181,6 +196,11 @@ class SetTier:
             self.count_lookups(rows.numel(), int((slots >= 0).sum()))
         return slots
 
+    def lookup_host(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """Slots of the keys on the host (-1 where absent) when the tier can tell without a
+        device read (a direct cache), else None. Counts nothing."""
+        return self.index.find_host(tabs, rows)
+
     def count_lookups(self, n: int, hits: int) -> None:
         """Add `n` lookups, `hits` of which hit, to the tier's counters."""
         self.stats.count_lookups(n, hits)
@@ -214,6 +234,10 @@ class SetTier:
 
     def remove(self, slots: torch.Tensor) -> Rows:
         """Take rows out of the tier; returns them with dirty bits and pins."""
+        if self.held is not None:  # direct: slot k held key k
+            (gone,) = hostread.to_host(slots)
+            gone = gone.numpy()
+            self.held[gone[gone >= 0]] = False
         slots = slots.to(self.device)
         pins = self.cache.lock.view(-1).index_select(0, slots)
         out = self.cache.remove(slots)
@@ -231,6 +255,8 @@ class SetTier:
         self.last_slots = self.last_slots[:0]
         if n == 0 or self.capacity == 0:
             return 0, None
+        if self.held is not None:
+            return self._insert_direct(rows)
         rows = rows.to(self.device)
         keys = self.codec.pack(rows.tabs, rows.rows)
         cache = self.cache
@@ -272,6 +298,21 @@ class SetTier:
         (payload,) = hostread.to_host(v.payload.index_select(0, hostread.to_device(gone, self.device)))
         return k, Rows(*self.codec.unpack(old.index_select(0, gone)), payload, dirty)
 
+    def _insert_direct(self, rows: Rows) -> tuple[int, Rows | None]:
+        """`insert` into a direct cache: every absent key takes its own line (slot k), so all
+        land and nothing is evicted; no device read."""
+        n = len(rows)
+        keys_h = self.codec.pack(rows.tabs.to("cpu", torch.int64), rows.rows.to("cpu", torch.int64))
+        rows = rows.to(self.device)
+        keys = hostread.to_device(keys_h, self.device)
+        lock = rows.pins if rows.pins is not None else 0
+        v = self.cache.insert(keys, rows.payload, rows.dirty, lock=lock, slots=keys)
+        self.held[keys_h.numpy()] = True
+        self.generation += 1
+        self.stats.insertions += n
+        self.last_slots = v.slots
+        return n, None
+
     def admit(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         """Every arriving row is admitted."""
         return None
@@ -306,5 +347,8 @@ class SetTier:
         return self.codec.unpack(self.cache.resident()[0])
 
     def check(self) -> None:
-        """Assert the cache's invariants."""
+        """Assert the cache's invariants (and a direct cache's host mirror)."""
         self.cache.check()
+        if self.held is not None:
+            held = (self.cache.keys.view(-1) >= 0).cpu().numpy()
+            assert np.array_equal(held, self.held), "the host mirror differs from the cache"
