@@ -10,7 +10,6 @@ import torch
 
 import tierstore.admission as _adm
 import tierstore.cascade as _cas
-import tierstore.hostread as hostread
 
 from .errors import InvalidGradientError
 from .fused import BatchUpdate, bag_positions
@@ -134,10 +133,12 @@ class BagPaths:
         flags = []
         pending = self.deferred_checks
         while pending and (wait or pending[0][1] is None or pending[0][1].query()):
-            flags.append(pending.popleft()[0])
-        # read through an event, not `bool()`: this runs between staged steps that may be under
-        # the sync debug mode (`tierstore.hostread`)
-        if flags and not bool(hostread.to_host(torch.stack(flags).all())[0]):
+            flag, done = pending.popleft()
+            if done is not None:
+                done.synchronize()  # (done already, unless `wait`)
+            flags.append(flag)
+        # host values (a CUDA flag was copied to pinned memory before its event): no device read
+        if flags and not bool(torch.stack(flags).all()):
             raise InvalidGradientError("a staged step's output gradient held NaN/Inf values; "
                                        "its update was discarded (nothing changed)")
 
@@ -209,7 +210,12 @@ class BagPaths:
         if finite is not None:
             dev.slab.index_copy_(0, slots, torch.where(finite, dev.slab.index_select(0, slots), before))
             done = None
-            if finite.device.type == "cuda":  # when it is safe to read without waiting
+            if finite.device.type == "cuda":  # the flag lands in pinned host memory in stream
+                # order, and the event says when: `raise_deferred` then reads it on the host
+                # without enqueuing anything (a read enqueued later would wait for later steps)
+                flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+                flag.copy_(finite, non_blocking=True)
+                finite = flag
                 done = torch.cuda.Event()
                 done.record()
             self.deferred_checks.append((finite, done))
