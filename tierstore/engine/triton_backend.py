@@ -212,6 +212,14 @@ def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_tab
 KB = 16  # positions of a unique row the backward loads at once (a hot row: 1/16 the chain)
 
 
+def _row_warps(dim: int) -> int:
+    """Warps a backward program (one unique row) runs on: one up to dim 64, as FBGEMM's warp a
+    row; its sums across lanes (the row-wise Adagrad lanes, a hot row's blocks) then stay in
+    the warp, with no shared memory or barrier. The bits do not depend on it: those sums pick
+    one value among zeros."""
+    return 1 if dim <= 64 else 2 if dim <= 128 else 4
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -300,4 +308,4 @@ class TritonBackend:
                 sscale, bag_of, batch.bag_feat, grad_out, am, am.stride(0), fm, td, tk, tp, tc, lo,
                 HAS_WORK=work is not None, HAS_SCALE=scale is not None,
                 HAS_MAX=argmax is not None, NCH=max(1, _pow2(self.plan.max_dim) // 8), KB=KB,
-                enable_fp_fusion=False)
+                enable_fp_fusion=False, num_warps=_row_warps(self.plan.max_dim))
