@@ -150,3 +150,17 @@ def test_a_resident_sets_store_stages_from_its_host_mirror(tmp_path, monkeypatch
             results[cache] = {t.name: store.read(t.name, torch.arange(t.num_rows)) for t in SPECS}
     for name in results["sets"]:
         assert torch.equal(results["sets"][name], results["slab"][name]), name
+
+
+def test_tables_deduplicated_in_parallel_equal_one_by_one(monkeypatch):
+    from tierstore.index import sorted_unique
+    from tierstore.prefetch import pipeline
+
+    g = torch.Generator().manual_seed(1)
+    ids = {f"t{k}": torch.randint(0, 5000 * (k + 1), (20000 + 997 * k,), generator=g)
+           for k in range(6)}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # parallel_for's bound
+    got = pipeline._sorted_unique_each(ids)
+    assert list(got) == list(ids)
+    for t, i in ids.items():
+        assert torch.equal(got[t], sorted_unique(i)) and torch.equal(got[t], torch.unique(i))

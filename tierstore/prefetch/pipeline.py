@@ -16,7 +16,7 @@ import torch
 
 import tierstore.hostread as hostread
 
-from .._parallel import CPUS
+from .._parallel import CPUS, parallel_for
 from ..backends.lmdb_backend import lmdb_error
 from ..errors import ConfigError, ShapeError, TierstoreError
 from ..gathered import Staged
@@ -52,6 +52,26 @@ def _jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, li
         table = features.get(key, key) if features else key
         out.setdefault(table, []).append(ids.reshape(-1))
     return out
+
+
+PARALLEL_IDS = 1 << 16  # ids in a batch from which its tables are deduplicated in parallel
+
+
+def _sorted_unique_each(ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each table's sorted unique ids; a large batch's tables on several threads (the dedup
+    and the sort release the GIL; torch's thread count bounds them, as for the kernels)."""
+    items = list(ids.items())
+    out: list[torch.Tensor | None] = [None] * len(items)
+
+    def work(lo: int, hi: int) -> None:
+        for k in range(lo, hi):
+            out[k] = sorted_unique(items[k][1])
+
+    if sum(i.numel() for _, i in items) >= PARALLEL_IDS:
+        parallel_for(work, len(items), min_chunk=1)
+    else:
+        work(0, len(items))
+    return {t: u for (t, _), u in zip(items, out)}
 
 
 class Prefetcher:
@@ -279,7 +299,7 @@ class Prefetcher:
         store = self.store
         ids = {t: torch.cat(parts).to("cpu", torch.int64)
                for t, parts in _jagged_ids(self.extract(batch), self.features).items()}
-        per_table = {t: sorted_unique(i) for t, i in ids.items()}
+        per_table = _sorted_unique_each(ids)
         # on the sets cache the step takes its indexes from staging (`Staged`): keep the ids
         seen = ids if store.device_cache == "sets" else None
         with store.lock:
