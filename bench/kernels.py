@@ -23,7 +23,7 @@ from tierstore import RowWiseAdagrad, TableSpec
 from tierstore.engine import Engine, Plan, check_kernels
 
 from .common import OUT_DIR, save, table
-from .training import Workload
+from .training import add_workload_options, workload_from
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     """Median ms of each phase over `args.reps` steps of the pool's batches."""
     device = torch.device(args.device)
     kernels = check_kernels(args.kernels, device)
-    wl = Workload(args.tables, args.rows, args.dim, args.batch, args.max_len, args.alpha, args.pool)
+    wl = workload_from(args, args.pool)
     specs = [TableSpec(n, args.rows, args.dim, optimizer=RowWiseAdagrad(lr=0.01)) for n in wl.names]
     plan = Plan(specs, [(n, n, "sum") for n in wl.names])
     engine = Engine(plan, kernels)
@@ -109,12 +109,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kernels", default="auto", choices=("auto", "numba", "triton"))
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2048)
-    p.add_argument("--max-len", type=int, default=20)
-    p.add_argument("--alpha", type=float, default=1.05)
+    add_workload_options(p)  # bench.training's shape
     p.add_argument("--pool", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
