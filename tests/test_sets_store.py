@@ -143,3 +143,15 @@ def test_expiry_and_admission_run_over_the_sets_tier(tmp_path):
     assert got["slab"][0] == got["sets"][0] and got["sets"][0]["t"] > 0
     assert torch.equal(got["slab"][1], got["sets"][1])
     assert torch.equal(got["slab"][2], got["sets"][2])
+
+
+def test_a_step_whose_staging_overflowed_keeps_the_other_tables_staged(tmp_path):
+    """A set full of locked lines sends a staged row down a tier: its table's step goes the
+    locked way, and the step's other tables still read the slots staging pinned them in. The
+    bits equal an all-resident store's."""
+    base, _ = _train(tmp_path / "base", 0, caps=(10**5, 10**5))
+    got, stats = _train(tmp_path / "s", 2, caps=(32, 40), policy="lru", device_cache="sets")
+    for k in base:
+        assert torch.equal(got[k], base[k]), k
+    pf = stats["prefetch"]
+    assert pf["staged_bags_locked"] > 0, pf  # tables read as staged inside locked steps

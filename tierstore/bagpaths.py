@@ -51,6 +51,7 @@ class BagPaths:
         """
         tabs = [self.table_record(t) for t, _ in items]
         ids = [self.check_ids(tab, i) for tab, (_, i) in zip(tabs, items)]
+        staged: list[Gathered | None] = [None] * len(tabs)
         if self._pinnable(tabs) and self._begin_unlocked():  # no locked operation moves rows now
             try:
                 gs = [self._pinned_rows(tab, i) for tab, i in zip(tabs, ids)]
@@ -61,6 +62,7 @@ class BagPaths:
                             self._pending_hits.append(g.slots)
                     self.prefetch_stats.lock_free_bags += len(gs)
                     return out, gs
+                staged = gs  # a table staging could not place whole: the others keep their rows
             finally:
                 self._end_unlocked()
         with self.exclusive():
@@ -77,7 +79,7 @@ class BagPaths:
                     held.append(slots)
 
             try:
-                for tab, i in zip(tabs, ids):
+                for tab, i, pinned in zip(tabs, ids, staged):
                     self.record_access(tab.spec.name, i)
                     mask = self.admit_mask(tab, i)
                     if mask is not None:  # some ids not admitted yet: they read their initial rows
@@ -86,11 +88,19 @@ class BagPaths:
                         gs.append(g)
                         weights.append(g.weights)
                         continue
-                    g = self._step_rows(tab, i, hold)
+                    if pinned is not None and pinned.generation == dev.pin_epoch:
+                        # staged whole and still pinned: read where staging put it, as on the
+                        # lock-free path (only the tables it could not place go the long way)
+                        g = pinned
+                        self.prefetch_stats.staged_bags_locked += 1
+                        if g.slots.numel():
+                            self._pending_hits.append(g.slots)
+                    else:
+                        g = self._step_rows(tab, i, hold)
+                        if g.slots is not None and g.slots.numel():
+                            resident.append(g.slots)
                     gs.append(g)
                     weights.append(None if g.slots is not None else g.weights)
-                    if g.slots is not None and g.slots.numel():
-                        resident.append(g.slots)
                 return pool(gs, weights, dev.slab), gs
             finally:
                 for slots in held:

@@ -104,6 +104,9 @@ class PrefetchStats:
     cold_read_batches: int = 0
     stage_seconds: float = 0.0  # staging time spent holding the store lock
     lock_free_bags: int = 0  # bag lookups (and their updates) served from pinned slots, lock-free
+    # tables of a locked step (another table's rows could not all be staged) still read from
+    # the slots staging pinned them in
+    staged_bags_locked: int = 0
     # the most rows a window held with the batch being read (unique rows, summed per batch): a
     # window stays pinned while this fits the caches (twice over), or the cache plus its
     # staging slots (once, with `staging_capacity`); what to size `staging_capacity` by
