@@ -16,11 +16,10 @@ def int_pow(base: float, n: torch.Tensor) -> torch.Tensor:
     (numba's `fused.ipow`, the Triton backward) compute, on any device."""
     out = torch.ones(n.shape, dtype=torch.float64, device=n.device)
     b = torch.full(n.shape, float(base), dtype=torch.float64, device=n.device)
-    n = n.clone()
-    while bool((n > 0).any()):
-        out = torch.where((n & 1) == 1, out * b, out)
+    bits = int(n.max()).bit_length() if n.numel() else 0  # one read of the largest count
+    for k in range(bits):
+        out = torch.where(((n >> k) & 1) == 1, out * b, out)
         b = b * b
-        n = n >> 1
     return out
 
 

@@ -213,8 +213,8 @@ class PinnedSteps:
         tabs = torch.cat([tab.tix.expand(n) for (tab, _), n in zip(items, sizes)])
         rows = torch.cat([uniq.to("cpu", torch.int64) for _, uniq in items])
         to_dev = hostread.to_device
-        lookup_host = getattr(dev, "lookup_host", None)  # a direct sets cache: its host mirror
-        dslots_h = lookup_host(tabs, rows) if lookup_host is not None else None
+        find_host = getattr(dev.index, "find_host", None)  # a direct sets cache: its host mirror
+        dslots_h = find_host(tabs, rows) if find_host is not None else None
         if dslots_h is not None:
             dslots = to_dev(dslots_h, dev.device)
         else:

@@ -89,11 +89,11 @@ def resolve_layout(device_type: str, device_rows: int, host_rows: int, policy: s
     reasons = []
     cpu = device_type == "cpu"
     given = (device_rows, host_rows)
-    if table_rows > 0 and (defaults[0] and device_rows > table_rows
-                           or defaults[1] and device_rows + host_rows > table_rows):
-        device_rows = min(device_rows, table_rows) if defaults[0] else device_rows
-        host_rows = min(host_rows, max(0, table_rows - device_rows)) if defaults[1] else host_rows
-    if table_rows > 0 and (device_rows, host_rows) != given:
+    if table_rows > 0 and defaults[0]:
+        device_rows = min(device_rows, table_rows)
+    if table_rows > 0 and defaults[1]:
+        host_rows = min(host_rows, max(0, table_rows - device_rows))
+    if (device_rows, host_rows) != given:
         reasons.append(f"default capacities clamped to the {table_rows} declared rows (device "
                        f"{device_rows}, host {host_rows}): a slot past them could never be used")
     named = policy is not None

@@ -196,11 +196,6 @@ class SetTier:
             self.count_lookups(rows.numel(), int((slots >= 0).sum()))
         return slots
 
-    def lookup_host(self, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-        """Slots of the keys on the host (-1 where absent) when the tier can tell without a
-        device read (a direct cache), else None. Counts nothing."""
-        return self.index.find_host(tabs, rows)
-
     def count_lookups(self, n: int, hits: int) -> None:
         """Add `n` lookups, `hits` of which hit, to the tier's counters."""
         self.stats.count_lookups(n, hits)

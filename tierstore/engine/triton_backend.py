@@ -232,6 +232,7 @@ class TritonBackend:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._dummy: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _arrays(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The plan's per-feature and per-table arrays on `device` (copied once per device)."""
@@ -244,6 +245,15 @@ class TritonBackend:
             self._on[device] = got
         return got
 
+    def _dummies(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float32 and an int64 placeholder on `device` for pointers a variant does not read
+        (made once: not two allocations and fills a call)."""
+        got = self._dummy.get(device)
+        if got is None:
+            got = self._dummy[device] = (torch.zeros(1, dtype=torch.float32, device=device),
+                                         torch.zeros(1, dtype=torch.int64, device=device))
+        return got
+
     def forward(self, batch: StepBatch, src: torch.Tensor, slots: torch.Tensor,
                 work: torch.Tensor | None, work_of: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -254,8 +264,7 @@ class TritonBackend:
         has_max = self.plan.has_max
         argmax = torch.empty((batch.n_bags, self.plan.max_dim) if has_max else (1, 1),
                              dtype=torch.int64, device=dev)
-        dummy_f = torch.zeros(1, dtype=torch.float32, device=dev)
-        dummy_i = torch.zeros(1, dtype=torch.int64, device=dev)
+        dummy_f, dummy_i = self._dummies(dev)
         wk = work if work is not None else dummy_f.view(1, 1)
         if batch.n_bags:
             with launching():
@@ -291,8 +300,7 @@ class TritonBackend:
         dev = table.device
         _, fc, fm, td, tk, tp, tc = self._arrays(dev)
         perm, starts, bag_of = self.csr(batch)
-        dummy_f = torch.zeros(1, dtype=torch.float32, device=dev)
-        dummy_i = torch.zeros(1, dtype=torch.int64, device=dev)
+        dummy_f, dummy_i = self._dummies(dev)
         wk = work if work is not None else dummy_f.view(1, 1)
         am = argmax if argmax is not None else dummy_i.view(1, 1)
         grad_out = grad_out.contiguous()

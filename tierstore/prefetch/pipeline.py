@@ -419,11 +419,12 @@ class Prefetcher:
             staged_all = store.stage_many([(tabs[t], uniq) for t, uniq in per_table.items()],
                                           host_copies=on_host)
             for (t, uniq), ((d, h, s), staged), sh in zip(per_table.items(), staged_all, on_host):
-                slots[t] = Staged(uniq.numpy(), sh.numpy())
-                if d + h + s == 0 or int(sh.min()) >= 0:  # all on the device: unpin by slot
+                on_device = d + h + s == 0 or int(sh.min()) >= 0
+                # with the step's ids kept (the sets cache), its indexes made here on the device
+                slots[t] = Staged.on_device(uniq, sh, seen[t], staged) \
+                    if on_device and seen is not None else Staged(uniq.numpy(), sh.numpy())
+                if on_device:  # all on the device: unpin by slot
                     by_slot[t] = staged
-                    if seen is not None:  # the step's indexes, made here on the device
-                        slots[t] = Staged.on_device(uniq, sh, seen[t], staged)
                 elif not store.host_tier.capacity:  # one cache tier: a row staged nowhere went
                     # to the ring, and its pin went with it
                     by_slot[t] = hostread.to_device(sh[sh >= 0], staged.device)

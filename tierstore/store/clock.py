@@ -53,10 +53,7 @@ class StoreClock:
     def _stamp(self, tab: _Table, target: torch.Tensor, slots: torch.Tensor) -> None:
         """Record the clock as the last-update stamp of updated rows `target[slots]` (and count
         the update in the table's `writes`)."""
-        tab.writes += 1
-        value = self._clock_value().to(target.device, non_blocking=True)
-        # index_copy_ of the value broadcast: index_fill_ with a tensor value reads it back (.item())
-        target[:, tab.spec.stamp_col].index_copy_(0, slots, value.expand(slots.numel()))
+        self._stamp_many([tab], target, [slots])
 
     def _stamp_many(self, tabs: list[_Table], target: torch.Tensor, slots: list[torch.Tensor]) -> None:
         """`_stamp` of several tables' rows: one write per stamp column, not one per table."""
@@ -65,8 +62,8 @@ class StoreClock:
             tab.writes += 1
             by_col.setdefault(tab.spec.stamp_col, []).append(s)
         value = self._clock_value().to(target.device, non_blocking=True)
-        for col, parts in by_col.items():
-            at = parts[0] if len(parts) == 1 else torch.cat(parts)
+        for col, parts in by_col.items():  # index_copy_ of the value broadcast: index_fill_ with
+            at = parts[0] if len(parts) == 1 else torch.cat(parts)  # a tensor value reads it back
             target[:, col].index_copy_(0, at, value.expand(at.numel()))
 
     def _count_update(self, tab: _Table) -> int:
