@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import numpy as np
 import torch
 from hypothesis import given, settings
 
@@ -39,6 +40,12 @@ def test_index_matches_dict(ops, capacity, kernels):
         if probe:
             got = idx.find(torch.tensor([k[0] for k in probe]), torch.tensor([k[1] for k in probe]))
             assert got.tolist() == [ref.get(k, -1) for k in probe]
+            if idx.use_kernels:  # staging's one-pass probe: the same slots, misses and hits
+                tabs_np = np.array([k[0] for k in probe], dtype=np.int64)
+                slots, miss, hits = idx.probe(tabs_np, np.array([k[1] for k in probe], dtype=np.int64))
+                assert slots.tolist() == got.tolist()
+                assert miss.tolist() == [i for i, s in enumerate(slots) if s < 0]
+                assert hits.tolist() == [s for s in slots if s >= 0]
 
 
 def test_torch_and_numba_paths_agree_on_a_big_batch():

@@ -309,8 +309,9 @@ if HAVE_NUMBA:
         n = rows.shape[0]
         for i in range(n):
             j = i + PREFETCH_AHEAD
-            if j < n:
+            if j < n:  # the first index's line, and the last's (where a missing key ends)
                 prefetch(t1, _home(tab, rows[j], m1), 0)
+                prefetch(t3, _home(tab, rows[j], m3), 0)
             r = rows[i]
             out[i] = not (_holds(t1, m1, tab, r) or _holds(t2, m2, tab, r) or _holds(t3, m3, tab, r))
 
@@ -352,3 +353,36 @@ if HAVE_NUMBA:
             for c in range(w):
                 out[i, c] = src[r, c]
         return out
+
+if HAVE_NUMBA:
+
+    @numba.njit(cache=True, nogil=True)
+    def hash_probe(table, mask, tabs, rows, slots, miss, hits):  # pragma: no cover - compiled
+        """Each key's slot (or -1) into `slots`, the positions of the missing keys into `miss`
+        and the found slots, in key order, into `hits`; returns the number of misses."""
+        n = rows.shape[0]
+        nm = nh = 0
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch(table, _home(tabs[j], rows[j], mask), 0)
+            t = tabs[i]
+            r = rows[i]
+            p = _home(t, r, mask)
+            res = -1
+            while True:
+                e = table[p, 0]
+                if e == -1:
+                    break
+                if e >= 0 and table[p, 1] == r and (e >> SLOT_BITS) == t:
+                    res = e & SLOT_MASK
+                    break
+                p = (p + 1) & mask
+            slots[i] = res
+            if res < 0:
+                miss[nm] = i
+                nm += 1
+            else:
+                hits[nh] = res
+                nh += 1
+        return nm

@@ -209,6 +209,9 @@ class PinnedSteps:
             if host_copies is not None:
                 host_copies.extend(torch.empty(0, dtype=torch.int64) for _ in items)
             return [((0, 0, 0), torch.empty(0, dtype=torch.int64, device=dev.device)) for _ in items]
+        if (dev.device.type == "cpu" and not host.capacity and getattr(dev.index, "probe", None)
+                and dev.index.fast(items[0][1])):
+            return self._stage_one_tier(items, sizes, host_copies)
         seg = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(sizes))
         tabs = torch.cat([tab.tix.expand(n) for (tab, _), n in zip(items, sizes)])
         rows = torch.cat([uniq.to("cpu", torch.int64) for _, uniq in items])
@@ -276,6 +279,57 @@ class PinnedSteps:
         for i, n in enumerate(sizes):
             nd, nh = int(nd_of[i]), int(nh_of[i])
             out.append(((nd, nh, n - nd - nh), staged[lo : lo + n]))
+            lo += n
+        return out
+
+    def _stage_one_tier(self, items: list[tuple[_Table, torch.Tensor]], sizes: list[int],
+                        host_copies: list[torch.Tensor] | None
+                        ) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
+        """`stage_many` on a CPU device tier with no host tier below it (the resolved default
+        on a CPU): one compiled probe of every key (slots, misses and hits at once), then the
+        misses loaded and placed with numpy bookkeeping, no torch op a phase. Same moves, same
+        slots, same counts as the general path."""
+        dev = self.device_tier
+        rows = np.concatenate([u.numpy() for _, u in items]) if len(items) > 1 else items[0][1].numpy()
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        tabs = np.repeat(np.array([int(tab.index) for tab, _ in items], dtype=np.int64), sizes)
+        slots, miss, hits = dev.index.probe(tabs, rows)
+        m = len(miss)
+        if m:  # room in the write-behind ring for the victims, or fail before any row moves
+            self.writeback.reserve(m)
+        hit_slots = torch.from_numpy(hits)
+        dev.touch(hit_slots)
+        dev.pin(hit_slots, 1)
+        staged = torch.from_numpy(slots)  # the lookup's own array: filled in below
+        bounds = np.searchsorted(miss, np.cumsum([0] + sizes)) if m else np.zeros(len(sizes) + 1, np.int64)
+        if m:
+            mtabs, mrows = torch.from_numpy(tabs[miss]), torch.from_numpy(rows[miss])
+            placed = torch.from_numpy(miss)
+            which = [i for i in range(len(items)) if bounds[i + 1] > bounds[i]]
+            loaded = self.loader.load_many([(items[i][0], mrows[bounds[i] : bounds[i + 1]]) for i in which])
+            payload = loaded[0] if len(loaded) == 1 else torch.cat(loaded)
+            moving = Rows(mtabs, mrows, payload, torch.zeros(m, dtype=torch.bool),
+                          torch.ones(m, dtype=torch.int32))
+            pad = self._refused(torch.arange(m), mtabs, mrows)
+            if pad is not None:  # refused by the policy: to the scratch pad while it has room
+                kp = dev.insert_scratch(moving.take(pad))
+                if kp:
+                    staged.index_copy_(0, placed.index_select(0, pad[:kp]), dev.last_slots[:kp])
+                    rest = torch.ones(m, dtype=torch.bool)
+                    rest[pad[:kp]] = False
+                    moving, placed = moving.take(rest), placed[rest]
+            if dev.staging:  # staging slots take what the cache cannot
+                self._place_staged(moving, placed, staged, hit_slots)
+            else:
+                k = self.cascade.place(moving, protect=hit_slots, overflow_first=True)
+                if k:  # the first k misses, in order, landed on the device
+                    staged.index_copy_(0, placed[:k], dev.last_slots[:k])
+        if host_copies is not None:
+            host_copies.extend(staged.split(sizes))
+        out, lo = [], 0
+        for i, n in enumerate(sizes):
+            nd = n - int(bounds[i + 1] - bounds[i])
+            out.append(((nd, 0, n - nd), staged[lo : lo + n]))
             lo += n
         return out
 
