@@ -386,3 +386,81 @@ if HAVE_NUMBA:
                 hits[nh] = res
                 nh += 1
         return nm
+
+    @numba.njit(cache=True, nogil=True)
+    def unpin_expired(pins, slots, transient, out):  # pragma: no cover - compiled
+        """pins[s] -= 1 for each slot (never below zero); the transient slots whose pins reach
+        zero are written to `out` (a slot may appear twice); returns how many."""
+        k = 0
+        for i in range(slots.shape[0]):
+            s = slots[i]
+            v = pins[s] - 1
+            if v <= 0:
+                pins[s] = 0
+                if transient[s]:
+                    out[k] = s
+                    k += 1
+            else:
+                pins[s] = v
+        return k
+
+    @numba.njit(cache=True, nogil=True)
+    def hash_gather(table, mask, tab, rows, src, data, found, known):  # pragma: no cover
+        """For each key (tab, rows[i]) an index holds: copy row `src[slot, :w]` into `data[i]`
+        (w = data's width) and set found[i] and known[i]; returns how many were held."""
+        n = rows.shape[0]
+        w = data.shape[1]
+        k = 0
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n:
+                prefetch(table, _home(tab, rows[j], mask), 0)
+            r = rows[i]
+            p = _home(tab, r, mask)
+            while True:
+                e = table[p, 0]
+                if e == -1:
+                    break
+                if e >= 0 and table[p, 1] == r and (e >> SLOT_BITS) == tab:
+                    s = e & SLOT_MASK
+                    for c in range(w):
+                        data[i, c] = src[s, c]
+                    found[i] = True
+                    known[i] = True
+                    k += 1
+                    break
+                p = (p + 1) & mask
+        return k
+
+    @numba.njit(cache=True, nogil=True)
+    def sorted_gather(brows, bdata, bfound, rows, todo, data, found, known):  # pragma: no cover
+        """For each position `todo[i]` whose row is in `brows` (sorted): copy its buffered row
+        and found flag into `data`/`found` and set `known`. Returns (positions left unknown,
+        in order, in a new array; rows found among those copied)."""
+        n = todo.shape[0]
+        m = brows.shape[0]
+        w = data.shape[1]
+        left = np.empty(n, dtype=np.int64)
+        nl = 0
+        nf = 0
+        for i in range(n):
+            at = todo[i]
+            r = rows[at]
+            lo, hi = 0, m
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if brows[mid] < r:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo < m and brows[lo] == r:
+                for c in range(w):
+                    data[at, c] = bdata[lo, c]
+                found[at] = bfound[lo]
+                known[at] = True
+                if bfound[lo]:
+                    nf += 1
+            else:
+                left[nl] = at
+                nl += 1
+        return left[:nl], nf

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+import tierstore._kernels as _kernels
+
 if TYPE_CHECKING:
     from .backends.lmdb_backend import LmdbBackend
     from .backends.wal import WriteLog
@@ -69,7 +71,9 @@ class RowLoader:
             data = np.zeros((n, spec.row_dim), dtype=np.float32)
             found = np.zeros(n, dtype=bool)
             known = np.zeros(n, dtype=bool)
-            if n and self.writeback.tail:
+            if n and self.writeback.tail and self.writeback.index.fast(rows):
+                self.writeback.gather_into(tab.index, rows_np, data, found, known)
+            elif n and self.writeback.tail:
                 hit, wdata = self.writeback.lookup(tab.index, rows)
                 if wdata.shape[0]:
                     h = hit.numpy()
@@ -162,6 +166,19 @@ class RowLoader:
             tail, lseq = since if isinstance(since, tuple) else (since, None)
             wrapped = not wb.still_current(tail)
             if (wrapped and lseq is None) or not len(brows):
+                continue
+            if not wrapped and _kernels.HAVE_NUMBA:  # the common case: one compiled pass
+                left, f = _kernels.sorted_gather(brows, bdata, bfound, rows_np, todo, data, found, known)
+                k = len(todo) - len(left)
+                if k:
+                    st = self.ssd_stats  # read from LMDB by the pipeline's threads, counted at use
+                    st.lookups += k
+                    st.hits += int(f)
+                    st.misses += k - int(f)
+                    self.prefetch_stats.rows_read_ahead += k
+                todo = left
+                if not len(todo):
+                    return
                 continue
             want = rows_np[todo]
             pos = np.searchsorted(brows, want)

@@ -348,7 +348,16 @@ class SlabTier:
         s = self._distinct_pad(s)  # a slot may have expired twice since the last take
         slots = torch.from_numpy(s)
         out = self._take(slots, self.dirty.index_select(0, slots), pins=False)
-        self._release(slots)
+        if self.device.type == "cpu":  # pad slots only: no policy, no free list
+            self.generation += 1
+            self.index.remove(slots)
+            self.dirty.numpy()[s] = False
+            self.occupied.numpy()[s] = False
+            self.pins.numpy()[s] = 0
+            self.transient[s] = False
+            self._scratch = np.concatenate([self._scratch, s[::-1]])
+        else:
+            self._release(slots)
         return out
 
     def _distinct_pad(self, s: np.ndarray) -> np.ndarray:
@@ -403,6 +412,14 @@ class SlabTier:
 
     def pin(self, slots: torch.Tensor, delta: int) -> None:
         """Add `delta` to the prefetch pins of resident slots (never below zero)."""
+        if (delta == -1 and self.scratch_slots and slots.numel() and self.device.type == "cpu"
+                and _kernels.HAVE_NUMBA):  # an unpin: the pad rows at their last unpin, in the pass
+            s = slots.contiguous().numpy()
+            out = np.empty(s.shape[0], dtype=np.int64)
+            k = _kernels.unpin_expired(self.pins.numpy(), s, self.transient, out)
+            if k:
+                self._expired.append(out[:k])
+            return
         if slots.numel() and self.device.type == "cpu" and _kernels.HAVE_NUMBA:
             _kernels.add_pins(self.pins.numpy(), slots.contiguous().numpy(), int(delta))
         elif slots.numel():  # only the named slots: the cost never grows with the capacity

@@ -28,6 +28,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+import tierstore._kernels as _kernels
+
 from ..errors import StoreClosedError, TierstoreError
 from ..index import HashIndex
 from .slab import Rows
@@ -164,6 +166,17 @@ class WriteBehind:
         if count:
             self.hits += int(data.shape[0])
         return hit, data
+
+    def gather_into(self, tab: int, rows: np.ndarray, data: np.ndarray, found: np.ndarray,
+                    known: np.ndarray) -> int:
+        """`lookup` writing straight into a loader's arrays: each row the ring holds gets its
+        newest version's first `data.shape[1]` columns, and `found`/`known` set; returns how
+        many (counted as ring hits). CPU kernels only (`index.fast`)."""
+        with self.cv:
+            k = _kernels.hash_gather(self.index.table.numpy(), self.index.mask, int(tab), rows,
+                                     self.payload.numpy(), data, found, known) if self.index.live else 0
+        self.hits += int(k)
+        return int(k)
 
     def contains(self, tab: int, rows: torch.Tensor) -> torch.Tensor:
         """Mask of the rows that have a version in the ring."""
