@@ -464,3 +464,6 @@ if HAVE_NUMBA:
                 left[nl] = at
                 nl += 1
         return left[:nl], nf
+
+    home = _home  # the index's home position of a key (for kernels elsewhere)
+    delete_at = _delete_at  # backward-shift deletion at a position (for kernels elsewhere)

@@ -101,6 +101,19 @@ class HashIndex:
         nm = _kernels.hash_probe(self.table.numpy(), self.mask, tabs, rows, slots, miss, hits)
         return slots, miss[:nm], hits[: n - nm]
 
+    def make_room(self, n: int) -> None:
+        """Rebuild now if `n` more keys would fill the table past 85% (before a kernel adds
+        keys itself, then reports them with `account`)."""
+        if (self.live + self.tombs + n) * 20 > self.size * 17:
+            self._rebuild()
+
+    def account(self, added: int, tombs: int, max_probe: int) -> None:
+        """Record what a kernel did to the table: live keys added (net), tombstones left (net),
+        its largest probe distance."""
+        self.live += added
+        self.tombs += tombs
+        self.max_probe = max(self.max_probe, max_probe)
+
     def add(self, tabs: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Insert keys that are absent, mapping them to free `slots` (all distinct)."""
         n = rows.numel()

@@ -304,26 +304,23 @@ class PinnedSteps:
         bounds = np.searchsorted(miss, np.cumsum([0] + sizes)) if m else np.zeros(len(sizes) + 1, np.int64)
         if m:
             mtabs, mrows = torch.from_numpy(tabs[miss]), torch.from_numpy(rows[miss])
-            placed = torch.from_numpy(miss)
             which = [i for i in range(len(items)) if bounds[i + 1] > bounds[i]]
             loaded = self.loader.load_many([(items[i][0], mrows[bounds[i] : bounds[i + 1]]) for i in which])
             payload = loaded[0] if len(loaded) == 1 else torch.cat(loaded)
-            moving = Rows(mtabs, mrows, payload, torch.zeros(m, dtype=torch.bool),
-                          torch.ones(m, dtype=torch.int32))
-            pad = self._refused(torch.arange(m), mtabs, mrows)
-            if pad is not None:  # refused by the policy: to the scratch pad while it has room
-                kp = dev.insert_scratch(moving.take(pad))
-                if kp:
-                    staged.index_copy_(0, placed.index_select(0, pad[:kp]), dev.last_slots[:kp])
-                    rest = torch.ones(m, dtype=torch.bool)
-                    rest[pad[:kp]] = False
-                    moving, placed = moving.take(rest), placed[rest]
-            if dev.staging:  # staging slots take what the cache cannot
-                self._place_staged(moving, placed, staged, hit_slots)
+            if dev.fused_placement:  # the placement below in one compiled pass, same outcome
+                refused = None
+                if dev.selective and dev.reserve_scratch(dev.capacity // SCRATCH_SHARE):
+                    admit = dev.admit(mtabs, mrows)
+                    if admit is not None and not bool(admit.all()):
+                        refused = ~admit.numpy()
+                got, evicted = dev.place_misses(tabs[miss], rows[miss], payload.contiguous(), refused)
+                slots[miss] = got
+                if evicted is not None:
+                    self.cascade.write_down(evicted)
             else:
-                k = self.cascade.place(moving, protect=hit_slots, overflow_first=True)
-                if k:  # the first k misses, in order, landed on the device
-                    staged.index_copy_(0, placed[:k], dev.last_slots[:k])
+                self._place_misses(Rows(mtabs, mrows, payload, torch.zeros(m, dtype=torch.bool),
+                                        torch.ones(m, dtype=torch.int32)),
+                                   torch.from_numpy(miss), staged, hit_slots)
         if host_copies is not None:
             host_copies.extend(staged.split(sizes))
         out, lo = [], 0
@@ -332,6 +329,27 @@ class PinnedSteps:
             out.append(((nd, 0, n - nd), staged[lo : lo + n]))
             lo += n
         return out
+
+    def _place_misses(self, moving: Rows, placed: torch.Tensor, staged: torch.Tensor,
+                      hit_slots: torch.Tensor) -> None:
+        """Place one cache tier's staged misses (`moving`, at positions `placed` of the batch)
+        op by op: refused rows to the scratch pad, the rest into the cache (and its staging
+        slots), recording each landed row's slot in `staged`."""
+        dev, m = self.device_tier, len(moving)
+        pad = self._refused(torch.arange(m), moving.tabs, moving.rows)
+        if pad is not None:  # refused by the policy: to the scratch pad while it has room
+            kp = dev.insert_scratch(moving.take(pad))
+            if kp:
+                staged.index_copy_(0, placed.index_select(0, pad[:kp]), dev.last_slots[:kp])
+                rest = torch.ones(m, dtype=torch.bool)
+                rest[pad[:kp]] = False
+                moving, placed = moving.take(rest), placed[rest]
+        if dev.staging:  # staging slots take what the cache cannot
+            self._place_staged(moving, placed, staged, hit_slots)
+        else:
+            k = self.cascade.place(moving, protect=hit_slots, overflow_first=True)
+            if k:  # the first k misses, in order, landed on the device
+                staged.index_copy_(0, placed[:k], dev.last_slots[:k])
 
     def _place_staged(self, moving: Rows, placed: torch.Tensor, staged: torch.Tensor,
                       protect: torch.Tensor) -> None:

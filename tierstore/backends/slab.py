@@ -13,8 +13,9 @@ import tierstore._memory as _memory
 
 from ..index import HashIndex
 from ..policies import Evictable, make_policy
-from ..policies.base import key_hash
+from ..policies.base import key_hash, key_hash_np
 from ..stats import TierStats
+from . import stage_kernels
 
 
 @dataclass
@@ -335,6 +336,55 @@ class SlabTier:
         self.stats.scratch_rows += k
         self.last_slots = slots
         return k
+
+    @property
+    def fused_placement(self) -> bool:
+        """Whether `place_misses` applies: a CPU tier with staging slots, numba, and a policy
+        whose victims are a plain queue walk (`QueuePolicy.plain_victims`)."""
+        return (self.staging > 0 and self.device.type == "cpu" and _kernels.HAVE_NUMBA
+                and self.index.fast(self.slab) and getattr(self.policy, "plain_victims", False))
+
+    def place_misses(self, tabs: np.ndarray, rows: np.ndarray, payload: torch.Tensor,
+                     refused: np.ndarray | None) -> tuple[np.ndarray, Rows | None]:
+        """Staged misses (absent keys, clean, each with its batch's pin) placed in one compiled
+        pass (`stage_kernels.place_misses`, only where `fused_placement`): the rows the policy
+        refused (`refused`, a mask, or None) to the scratch pad, the rest into the cache after
+        the policy's victims, what the cache cannot take to the pad. Returns each row's slot
+        (-1: placed nowhere) and the dirty victims, for the write-behind ring."""
+        m = len(rows)
+        staged = np.empty(m, dtype=np.int64)
+        if m == 0:
+            return staged, None
+        self.index.make_room(m)
+        pol = self.policy
+        ev_tabs, ev_rows = np.empty(m, dtype=np.int64), np.empty(m, dtype=np.int64)
+        ev_payload = np.empty((m, self.width), dtype=np.float32)
+        ins_slots, ins_pos = np.empty(m, dtype=np.int64), np.empty(m, dtype=np.int64)
+        nfree, npad, nev, nv, fit, npadded, tombs, maxd = stage_kernels.place_misses(
+            self.index.table.numpy(), self.index.pos_of.numpy(), self.index.mask,
+            self.slab.numpy(), self.dirty.numpy(), self.occupied.numpy(), self.pins.numpy(),
+            self.transient, self._free_buf.numpy(), self._nfree, self._scratch, len(self._scratch),
+            pol.state, self.capacity, pol.victim_order, tabs, rows, payload.numpy(),
+            refused if refused is not None else np.empty(0, dtype=np.bool_),
+            staged, ev_tabs, ev_rows, ev_payload, ins_slots, ins_pos)
+        self._nfree = int(nfree)
+        self._scratch = self._scratch[: int(npad)]
+        self.index.account(int(fit + npadded - nv), int(tombs), int(maxd))
+        self.generation += 1
+        self.stats.insertions += int(fit + npadded)
+        self.stats.scratch_rows += int(npadded)
+        self.stats.evictions += int(nv)
+        self.stats.writebacks += int(nev)
+        self.last_slots = torch.from_numpy(ins_slots[:fit])
+        if fit:
+            at = ins_pos[:fit]
+            pol.on_insert(self.last_slots, torch.from_numpy(key_hash_np(tabs[at], rows[at]))
+                          if pol.wants_keys else None)
+        evicted = None
+        if nev:
+            evicted = Rows(torch.from_numpy(ev_tabs[:nev]), torch.from_numpy(ev_rows[:nev]),
+                           torch.from_numpy(ev_payload[:nev]), torch.ones(int(nev), dtype=torch.bool))
+        return staged, evicted
 
     def take_expired(self) -> Rows | None:
         """Take out the pad rows whose last pin dropped (their slots return to the pad)."""

@@ -183,6 +183,20 @@ class QueuePolicy(Policy):
         self._victim_lists = np.array(self.victim_lists, dtype=np.int64)
 
     @property
+    def plain_victims(self) -> bool:
+        """Whether victims are the oldest allowed slots of `victim_lists`, in order, and an
+        eviction only unlinks them (no walk of its own, no hook): a caller may then run that
+        walk inside its own kernel (`SlabTier.place_misses`)."""
+        t = type(self)
+        return (t.walk is QueuePolicy.walk and t.on_evict is QueuePolicy.on_evict
+                and t.on_remove is QueuePolicy.on_remove and t._evicted is QueuePolicy._evicted)
+
+    @property
+    def victim_order(self) -> np.ndarray:
+        """`victim_lists` as an int64 array, in walk order."""
+        return self._victim_lists
+
+    @property
     def g(self) -> np.ndarray:
         """The globals row: queue lengths, then the policy's own globals."""
         return self.state[-1]

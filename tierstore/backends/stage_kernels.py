@@ -1,0 +1,140 @@
+"""The staged misses of a CPU cache tier placed in one compiled pass (`SlabTier.place_misses`).
+
+What `SlabTier.insert_scratch`, `insert` and `insert_scratch` again do for a batch of staged
+misses, in the same order and with the same outcome (slots, victims, queue and index state),
+without a torch or numpy op a phase: refused rows to free scratch-pad slots, then the rest into
+the cache (free slots after the victims of the policy's plain eviction walk: the oldest
+unpinned slots of its victim queues), then what the cache could not take to the pad again.
+The dirty victims' keys and payloads are copied out for the write-behind ring. The policy's
+`on_insert` runs after it (its own kernel): the new slots are not in its queues meanwhile.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+import tierstore._kernels as _kernels
+import tierstore.policies.queues as q
+
+SLOT_BITS = _kernels.SLOT_BITS
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _add(table, pos_of, mask, t, r, s):  # pragma: no cover - compiled
+    """Index the absent key (t, r) at slot s; returns (tombstone reused, probe distance)."""
+    h = _kernels.home(t, r, mask)
+    p = h
+    while table[p, 0] >= 0:
+        p = (p + 1) & mask
+    reused = 1 if table[p, 0] == -2 else 0
+    table[p, 0] = (t << SLOT_BITS) | s
+    table[p, 1] = r
+    pos_of[s] = p
+    return reused, (p - h) & mask
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _fill(slab, dirty, pins, payload, i, s):  # pragma: no cover - compiled
+    """Row i of the misses into slot s: payload, clean, one pin (its batch's)."""
+    for c in range(slab.shape[1]):
+        slab[s, c] = payload[i, c]
+    dirty[s] = False
+    pins[s] = 1
+
+
+@numba.njit(cache=True, nogil=True)
+def place_misses(table, pos_of, mask, slab, dirty, occupied, pins, transient,
+                 free, nfree, pad, npad, S, cap, vlists,
+                 tabs, rows, payload, refused,
+                 staged, ev_tabs, ev_rows, ev_payload, ins_slots, ins_pos):  # pragma: no cover
+    """Place m staged misses (rows `tabs`/`rows`/`payload`, `refused[i]`: the policy declined
+    row i, or an empty mask: none) in the tier; `staged[i]` gets row i's slot or -1.
+
+    `free[:nfree]` and `pad[:npad]` are stacks (top at the end). Returns (nfree, npad, dirty
+    victims copied out, victims, cache inserts (their slots and miss positions in
+    `ins_slots`/`ins_pos`), pad inserts, tombstones left minus reused, largest probe distance).
+    """
+    m = rows.shape[0]
+    log = np.empty((0, 3), dtype=np.int64)
+    nlog = np.zeros(1, dtype=np.int64)
+    tombs = 0
+    maxd = 0
+    npadded = 0
+    rest = np.empty(m, dtype=np.int64)  # the rows for the cache, in order
+    nrest = 0
+    for i in range(m):  # refused rows to the pad while it has room
+        staged[i] = -1
+        if refused.shape[0] and refused[i] and npad > 0:
+            npad -= 1
+            s = pad[npad]
+            reused, d = _add(table, pos_of, mask, tabs[i], rows[i], s)
+            tombs -= reused
+            maxd = max(maxd, d)
+            _fill(slab, dirty, pins, payload, i, s)
+            occupied[s] = True
+            transient[s] = True
+            staged[i] = s
+            npadded += 1
+        else:
+            rest[nrest] = i
+            nrest += 1
+    # victims: the oldest unpinned slots of the victim queues, in order (a plain walk)
+    need = nrest - nfree
+    victims = np.empty(max(need, 0), dtype=np.int64)
+    nv = 0
+    for j in range(vlists.shape[0]):
+        t = cap + vlists[j]
+        s = S[t, q.NEXT]
+        while s != t and nv < need:
+            if pins[s] == 0:
+                victims[nv] = s
+                nv += 1
+            s = S[s, q.NEXT]
+    nev = 0
+    for k in range(nv):  # out of the index and the queues; dirty ones copied out first
+        s = victims[k]
+        p = pos_of[s]
+        if dirty[s]:
+            ev_tabs[nev] = table[p, 0] >> SLOT_BITS
+            ev_rows[nev] = table[p, 1]
+            for c in range(ev_payload.shape[1]):
+                ev_payload[nev, c] = slab[s, c]
+            nev += 1
+        pos_of[s] = -1
+        tombs += _kernels.delete_at(table, pos_of, p, mask)
+        if S[s, q.LIST] >= 0:
+            q.unlink(S, s, log, nlog)
+        for c in range(q.FIRST_FREE, S.shape[1]):
+            S[s, c] = 0
+    fit = min(nrest, nfree + nv)
+    for k in range(fit):  # the victims' slots first, then free ones
+        i = rest[k]
+        if k < nv:
+            s = victims[k]
+        else:
+            nfree -= 1
+            s = free[nfree]
+            occupied[s] = True
+        reused, d = _add(table, pos_of, mask, tabs[i], rows[i], s)
+        tombs -= reused
+        maxd = max(maxd, d)
+        _fill(slab, dirty, pins, payload, i, s)
+        staged[i] = s
+        ins_slots[k] = s
+        ins_pos[k] = i
+    for k in range(fit, nrest):  # what the cache could not take: to the pad while it has room
+        if npad == 0:
+            break
+        i = rest[k]
+        npad -= 1
+        s = pad[npad]
+        reused, d = _add(table, pos_of, mask, tabs[i], rows[i], s)
+        tombs -= reused
+        maxd = max(maxd, d)
+        _fill(slab, dirty, pins, payload, i, s)
+        occupied[s] = True
+        transient[s] = True
+        staged[i] = s
+        npadded += 1
+    return nfree, npad, nev, nv, fit, npadded, tombs, maxd
