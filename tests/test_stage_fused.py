@@ -1,6 +1,6 @@
-"""The fused placement of staged misses (`SlabTier.place_misses`) does what the op-by-op path
-(`insert_scratch`, `insert`, `insert_scratch`) does: same slots, victims, index, queues, pins,
-stacks and counters, under any sequence of batches, pins and capacities."""
+"""The fused placement of staged misses (`SlabTier.place_misses`) and the fused take of expired
+pad rows (`take_expired` on staging slots) do what the op-by-op paths do: same slots, victims,
+index, queues, pins, stacks and counters, under any sequence of batches, pins and capacities."""
 
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ def test_fused_placement_matches_op_by_op(batches, capacity, staging, policy):
     some cached rows made dirty: both tiers end every batch in the same state."""
     a = SlabTier("a", capacity, WIDTH, policy, staging=staging)
     b = SlabTier("b", capacity, WIDTH, policy, staging=staging)
+    b.index.use_kernels = False  # the reference: every step op by op (expiry included)
     assert a.fused_placement
     counter = 0
     for batch, dirty_some, unpin_some in batches:
@@ -107,8 +108,12 @@ def test_fused_placement_matches_op_by_op(batches, capacity, staging, policy):
                 d = occ[torch.tensor(dirty_some, dtype=torch.int64) % occ.numel()] if dirty_some else occ[:0]
                 tier.mark_dirty(d)
                 u = occ[torch.tensor(unpin_some, dtype=torch.int64) % occ.numel()] if unpin_some else occ[:0]
-                tier.pin(u.unique(), -1)
-                tier.take_expired()
+                tier.pin(torch.cat([u, u[:1]]), -1)  # a slot unpinned twice: listed twice
+            ta, tb = a.take_expired(), b.take_expired()
+            assert (ta is None) == (tb is None)
+            if ta is not None:
+                assert ta.rows.tolist() == tb.rows.tolist() and ta.tabs.tolist() == tb.tabs.tolist()
+                assert torch.equal(ta.payload, tb.payload) and torch.equal(ta.dirty, tb.dirty)
 
 
 def test_fused_placement_needs_a_plain_walk_and_staging_slots():

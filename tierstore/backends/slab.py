@@ -390,8 +390,10 @@ class SlabTier:
         """Take out the pad rows whose last pin dropped (their slots return to the pad)."""
         if not self._expired:
             return None
-        s = np.concatenate(self._expired)
+        s = np.concatenate(self._expired) if len(self._expired) > 1 else self._expired[0]
         self._expired.clear()
+        if self.staging and self.device.type == "cpu" and self.index.fast(self.slab):
+            return self._take_pad(s)
         s = s[self.transient[s] & (self.pins.numpy()[s] == 0)]
         if s.size == 0:
             return None
@@ -409,6 +411,27 @@ class SlabTier:
         else:
             self._release(slots)
         return out
+
+    def _take_pad(self, s: np.ndarray) -> Rows | None:
+        """`take_expired` of staging slots in one compiled pass (`stage_kernels.take_pad`)."""
+        if self._pad_marks is None:
+            self._pad_marks = np.empty(self.staging, dtype=np.int32)
+        n = len(s)
+        tabs, rows = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        payload, dirty = np.empty((n, self.width), dtype=np.float32), np.empty(n, dtype=np.bool_)
+        slots = np.empty(n, dtype=np.int64)
+        k, tombs = stage_kernels.take_pad(
+            np.ascontiguousarray(s, dtype=np.int64), self.pins.numpy(), self.transient,
+            self._pad_marks, self.capacity, self.index.table.numpy(), self.index.pos_of.numpy(),
+            self.index.mask, self.slab.numpy(), self.dirty.numpy(), self.occupied.numpy(),
+            tabs, rows, payload, dirty, slots)
+        if k == 0:
+            return None
+        self.generation += 1
+        self.index.account(-int(k), int(tombs), 0)
+        self._scratch = np.concatenate([self._scratch, slots[:k][::-1]])
+        return Rows(torch.from_numpy(tabs[:k]), torch.from_numpy(rows[:k]), torch.from_numpy(payload[:k]),
+                    torch.from_numpy(dirty[:k]))
 
     def _distinct_pad(self, s: np.ndarray) -> np.ndarray:
         """Pad slots `s` without repeats. Staging slots (all >= capacity) are marked in an array

@@ -138,3 +138,35 @@ def place_misses(table, pos_of, mask, slab, dirty, occupied, pins, transient,
         staged[i] = s
         npadded += 1
     return nfree, npad, nev, nv, fit, npadded, tombs, maxd
+
+
+@numba.njit(cache=True, nogil=True)
+def take_pad(expired, pins, transient, marks, cap, table, pos_of, mask, slab, dirty, occupied,
+             out_tabs, out_rows, out_payload, out_dirty, out_slots):  # pragma: no cover
+    """`SlabTier.take_expired` in one pass: of the pad slots in `expired` still transient and
+    unpinned, each once (at its last occurrence, in that order), copy its key, row and dirty
+    bit out, drop it from the index and empty it. `marks` is scratch over the staging slots
+    (slot - cap). Returns (rows taken, tombstones left)."""
+    n = expired.shape[0]
+    for i in range(n):
+        marks[expired[i] - cap] = i
+    k = 0
+    tombs = 0
+    for i in range(n):
+        s = expired[i]
+        if marks[s - cap] != i or not transient[s] or pins[s] != 0:
+            continue
+        p = pos_of[s]
+        out_tabs[k] = table[p, 0] >> SLOT_BITS
+        out_rows[k] = table[p, 1]
+        for c in range(slab.shape[1]):
+            out_payload[k, c] = slab[s, c]
+        out_dirty[k] = dirty[s]
+        out_slots[k] = s
+        k += 1
+        pos_of[s] = -1
+        tombs += _kernels.delete_at(table, pos_of, p, mask)
+        dirty[s] = False
+        occupied[s] = False
+        transient[s] = False
+    return k, tombs
