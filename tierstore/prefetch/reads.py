@@ -109,6 +109,10 @@ class ReaderPool:
             self._cold.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
+_TablePart = tuple[Any, np.ndarray, Future]  # (table key, positions, rows read)
+_LogPart = tuple[np.ndarray, np.ndarray, Future]  # (table numbers, positions, entries read)
+
+
 class StoredReads:
     """Rows of a batch's tables that no cache holds, read below the caches on reader threads.
 
@@ -128,11 +132,19 @@ class StoredReads:
         self.cpu_seconds = 0.0  # the readers' CPU seconds, set by `result`
         self.faults: int | None = 0  # their major page faults (None: not counted), by `result`
         self._keys = list(cold)  # a log part's entries name their table by position in this list
-        self._table_parts: list[tuple[Any, np.ndarray, Future]] = []
-        self._log_parts: list[tuple[np.ndarray, np.ndarray, Future]] = []
+        # the log lookups that split the rows into parts run on a reader thread too: the
+        # staging thread only submits this task (`_plan`), which submits the parts
+        self._plan = submit(self._plan_parts, store, submit, part_rows, ahead) \
+            if any(len(rows) for _, rows in cold.values()) else None
+
+    def _plan_parts(self, store: Any, submit: Callable[..., Future], part_rows: int, ahead: bool
+                    ) -> tuple[list[_TablePart], list[_LogPart]]:
+        """Look the rows up in the log and submit the read parts: (table parts, log parts)."""
+        table_parts: list[_TablePart] = []
+        log_parts: list[_LogPart] = []
         lkeys, lpos, ltabs, lrows, lseqs = [], [], [], [], []
         for k, key in enumerate(self._keys):
-            tab, rows = cold[key]
+            tab, rows = self.cold[key]
             if not len(rows):
                 continue
             seqs = store.log.lookup(tab.index, torch.from_numpy(rows))
@@ -140,7 +152,7 @@ class StoredReads:
             rest = np.flatnonzero(~inlog)
             for pos in np.array_split(rest, max(1, len(rest) // part_rows)):
                 if len(pos):
-                    self._table_parts.append(
+                    table_parts.append(
                         (key, pos, submit(_timed, store.loader.read_table, tab, rows[pos], ahead)))
             if inlog.any():
                 at = np.flatnonzero(inlog)
@@ -156,9 +168,10 @@ class StoredReads:
             tabs, rows, seqs = np.concatenate(ltabs)[order], np.concatenate(lrows)[order], seqs[order]
             width = store.width
             for sel in np.array_split(np.arange(len(seqs)), max(1, len(seqs) // part_rows)):
-                self._log_parts.append(
+                log_parts.append(
                     (which[sel], pos[sel],
                      submit(_timed, store.loader.read_log_entries, tabs[sel], rows[sel], seqs[sel], width)))
+        return table_parts, log_parts
 
     def result(self) -> tuple[dict[Any, tuple[np.ndarray, np.ndarray]], float]:
         """({key: (rows [n, row_dim], found [n])} in the order asked, reader seconds in all);
@@ -170,14 +183,15 @@ class StoredReads:
         seconds = 0.0
         self.cpu_seconds = 0.0
         self.faults = 0
-        for key, pos, fut in self._table_parts:
+        table_parts, log_parts = self._plan.result() if self._plan is not None else ([], [])
+        for key, pos, fut in table_parts:
             (data, found), sec, cpu, faults = fut.result()
             out[key][0][pos] = data
             out[key][1][pos] = found
             seconds += sec
             self.cpu_seconds += cpu
             self.faults = _add_faults(self.faults, faults)
-        for which, pos, fut in self._log_parts:
+        for which, pos, fut in log_parts:
             (data, found), sec, cpu, faults = fut.result()
             seconds += sec
             self.cpu_seconds += cpu
