@@ -4,7 +4,6 @@ the same bits as a step that makes them itself."""
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -165,10 +164,3 @@ def test_tables_deduplicated_in_parallel_equal_one_by_one(monkeypatch):
     assert list(got) == list(ids)
     for t, i in ids.items():
         assert torch.equal(got[t], sorted_unique(i)) and torch.equal(got[t], torch.unique(i))
-    with ThreadPoolExecutor(1) as pool:  # half the tables on a reader thread
-        for n in (1, 2, 6):
-            part = dict(list(ids.items())[:n])
-            shared = pipeline._sorted_unique_each(part, pool.submit)
-            assert list(shared) == list(part)
-            for t, i in part.items():
-                assert torch.equal(shared[t], torch.unique(i)), (n, t)

@@ -55,15 +55,13 @@ def _jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, li
 
 
 PARALLEL_IDS = 1 << 16  # ids in a batch from which its tables are deduplicated in parallel
-SHARED_IDS = 1 << 13  # ids from which a pipeline's reader threads take half the tables
 
 
-def _sorted_unique_each(ids: dict[str, torch.Tensor],
-                        submit: Callable[..., Any] | None = None) -> dict[str, torch.Tensor]:
+def _sorted_unique_each(ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each table's sorted unique ids; a large batch's tables on several threads (the dedup
-    and the sort release the GIL). With `submit` (a pipeline's reader pool, idle while the
-    staging thread prepares a batch) a batch of SHARED_IDS ids or more gives half its ids'
-    tables to one reader task; else torch's thread count bounds them, as for the kernels."""
+    and the sort release the GIL; torch's thread count bounds them, as for the kernels).
+    (Handing half the tables to an idle reader thread measured slower: the staging thread
+    waited 1.7 ms a batch for the reader to get a core, against 0.5 ms of work.)"""
     items = list(ids.items())
     out: list[torch.Tensor | None] = [None] * len(items)
 
@@ -71,17 +69,7 @@ def _sorted_unique_each(ids: dict[str, torch.Tensor],
         for k in range(lo, hi):
             out[k] = sorted_unique(items[k][1])
 
-    total = sum(i.numel() for _, i in items)
-    if submit is not None and len(items) > 1 and total >= SHARED_IDS:
-        cut, acc = 0, 0  # the first tables, up to about half the ids, stay on this thread
-        while cut < len(items) - 1 and 2 * (acc + items[cut][1].numel()) <= total:
-            acc += items[cut][1].numel()
-            cut += 1
-        cut = max(cut, 1)
-        fut = submit(work, cut, len(items))
-        work(0, cut)
-        fut.result()
-    elif total >= PARALLEL_IDS:
+    if sum(i.numel() for _, i in items) >= PARALLEL_IDS:
         parallel_for(work, len(items), min_chunk=1)
     else:
         work(0, len(items))
@@ -313,10 +301,7 @@ class Prefetcher:
         store = self.store
         ids = {t: torch.cat(parts).to("cpu", torch.int64)
                for t, parts in _jagged_ids(self.extract(batch), self.features).items()}
-        # the readers share the dedup while reads hit the page cache: the last batch's reads
-        # are done by now (a staged batch ago). Cold reads may still hold them: not then
-        share = self._pool.submit if self._pool is not None and not self._pool.cold else None
-        per_table = _sorted_unique_each(ids, share)
+        per_table = _sorted_unique_each(ids)
         # on the sets cache the step takes its indexes from staging (`Staged`): keep the ids
         seen = ids if store.device_cache == "sets" else None
         with store.lock:
