@@ -143,6 +143,8 @@ def add_cold_options(p: argparse.ArgumentParser) -> None:
                         "cold (default: the pipeline's)")
     p.add_argument("--ask-ahead", choices=("on", "off"), default="on",
                    help="Prefetcher(ask_ahead=...): cold reads ask the disk for all their pages first")
+    p.add_argument("--readers", type=int, default=None,
+                   help="Prefetcher(readers=...): reader threads (default: the pipeline's)")
 
 
 def pipeline_options(args: argparse.Namespace) -> dict:
@@ -150,4 +152,6 @@ def pipeline_options(args: argparse.Namespace) -> dict:
     out: dict = {"ask_ahead": args.ask_ahead == "on"}
     if args.reads_ahead is not None:
         out["reads_ahead"] = args.reads_ahead
+    if args.readers is not None:
+        out["readers"] = args.readers
     return out

@@ -26,9 +26,14 @@ from ..store import TierStore
 from .reads import ReaderPool, StoredReads
 
 _END = object()
-# reader threads of a pipeline: more than one per CPU only queue for cores. On the 2-core VM, 2
-# readers ran steady cache10 and cache1 steps 1.04x faster than 4 (BENCHMARKS.md, session 9)
-DEFAULT_READERS = min(4, CPUS)
+# reader threads of a pipeline: one per CPU but one, at least one, at most 4. More only queue
+# for cores: the training and staging threads need one each. On the 2-core VM one reader ran
+# issue 36's held-out cache10 and cache1 steps 10-15% faster than two, and the standard shape
+# as fast (BENCHMARKS.md, 2026-11-27); two ran 1.04x faster than four (session 9)
+DEFAULT_READERS = max(1, min(4, CPUS - 1))
+# reads judged cold (waiting on the disk) run on their own pool of at least this many threads:
+# one reader read a half-cached table 1.75x slower than two (BENCHMARKS.md, 2026-11-27)
+COLD_READERS_MIN = min(4, CPUS)
 READ_CHUNK = 16384  # rows per reader task: page-cached reads gain nothing from more GIL hand-offs
 CLOSE_TIMEOUT_S = 2.0  # how long close() waits for the staging thread before leaving it (daemon)
 # while reads wait on the disk, batches are read further ahead than the one being staged: up to
@@ -81,7 +86,7 @@ class Prefetcher:
 
     Staged rows are pinned (protected from eviction) until their batch has been used: batch i is
     released when the consumer asks for batch i+1. Cold rows are first read from LMDB by
-    `readers` threads (default: 4, at most one per CPU) without the store lock (py-lmdb releases
+    `readers` threads (default: one per CPU but one, 1 to 4) without the store lock (py-lmdb releases
     the GIL), which pulls their pages into the page cache; staging then moves them into the
     caches under the store lock, so a row staged early still reflects every update made before
     its batch runs. Look-ahead policies receive each staged row's next use within the window.
@@ -142,7 +147,10 @@ class Prefetcher:
         self._stop = threading.Event()
         self._ready: queue.Queue = queue.Queue()
         self._permits = threading.Semaphore(depth + 1)
-        self._pool = ReaderPool(readers) if depth > 0 else None
+        # while reads wait on the disk, at least COLD_READERS_MIN threads read (one reader per
+        # CPU but one suits page-cached reads, not a disk's queue)
+        self._pool = ReaderPool(readers, cold_readers=max(readers, COLD_READERS_MIN)) \
+            if depth > 0 else None
         self._thread: threading.Thread | None = None
         # Lifecycle: the threads hold no strong reference to this object (the staging loop
         # takes one through a weakref only while it stages), so an abandoned Prefetcher is
