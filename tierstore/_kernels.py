@@ -110,6 +110,18 @@ if HAVE_NUMBA:
         h = h ^ (h >> 29)
         return h & mask
 
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _slot_of(table, mask, t, r):  # pragma: no cover - compiled
+        """The slot the index holds key (t, r) at, or -1 (entries: [tab << 40 | slot, row])."""
+        p = _home(t, r, mask)
+        while True:
+            e = table[p, 0]
+            if e == -1:
+                return -1
+            if e >= 0 and table[p, 1] == r and (e >> SLOT_BITS) == t:
+                return e & SLOT_MASK
+            p = (p + 1) & mask
+
     @numba.njit(cache=True, nogil=True)
     def hash_find(table, tabs, rows, out, mask, lo, hi):  # pragma: no cover
         """Write the slot of each key i in [lo, hi) into out, or -1 (entries: [tab << 40 | slot, row])."""
@@ -119,19 +131,7 @@ if HAVE_NUMBA:
             j = i + PREFETCH_AHEAD
             if j < n:
                 prefetch(table, _home(tabs[0] if one else tabs[j], rows[j], mask), 0)
-            t = tabs[0] if one else tabs[i]
-            r = rows[i]
-            p = _home(t, r, mask)
-            res = -1
-            while True:
-                e = table[p, 0]
-                if e == -1:
-                    break
-                if e >= 0 and table[p, 1] == r and (e >> SLOT_BITS) == t:
-                    res = e & SLOT_MASK
-                    break
-                p = (p + 1) & mask
-            out[i] = res
+            out[i] = _slot_of(table, mask, tabs[0] if one else tabs[i], rows[i])
 
     @numba.njit(cache=True, nogil=True)
     def hash_add(table, pos_of, tabs, rows, slots, mask):  # pragma: no cover
@@ -293,14 +293,7 @@ if HAVE_NUMBA:
     @numba.njit(cache=True, nogil=True, inline="always")
     def _holds(table, mask, t, r):  # pragma: no cover - compiled
         """Whether hash table `table` holds the key (t, r)."""
-        p = _home(t, r, mask)
-        while True:
-            e = table[p, 0]
-            if e == -1:
-                return False
-            if e >= 0 and table[p, 1] == r and (e >> SLOT_BITS) == t:
-                return True
-            p = (p + 1) & mask
+        return _slot_of(table, mask, t, r) >= 0
 
     @numba.njit(cache=True, nogil=True)
     def hash_absent(t1, m1, t2, m2, t3, m3, tab, rows, out):  # pragma: no cover - compiled
@@ -366,18 +359,7 @@ if HAVE_NUMBA:
             j = i + PREFETCH_AHEAD
             if j < n:
                 prefetch(table, _home(tabs[j], rows[j], mask), 0)
-            t = tabs[i]
-            r = rows[i]
-            p = _home(t, r, mask)
-            res = -1
-            while True:
-                e = table[p, 0]
-                if e == -1:
-                    break
-                if e >= 0 and table[p, 1] == r and (e >> SLOT_BITS) == t:
-                    res = e & SLOT_MASK
-                    break
-                p = (p + 1) & mask
+            res = _slot_of(table, mask, tabs[i], rows[i])
             slots[i] = res
             if res < 0:
                 miss[nm] = i
@@ -415,21 +397,13 @@ if HAVE_NUMBA:
             j = i + PREFETCH_AHEAD
             if j < n:
                 prefetch(table, _home(tab, rows[j], mask), 0)
-            r = rows[i]
-            p = _home(tab, r, mask)
-            while True:
-                e = table[p, 0]
-                if e == -1:
-                    break
-                if e >= 0 and table[p, 1] == r and (e >> SLOT_BITS) == tab:
-                    s = e & SLOT_MASK
-                    for c in range(w):
-                        data[i, c] = src[s, c]
-                    found[i] = True
-                    known[i] = True
-                    k += 1
-                    break
-                p = (p + 1) & mask
+            s = _slot_of(table, mask, tab, rows[i])
+            if s >= 0:
+                for c in range(w):
+                    data[i, c] = src[s, c]
+                found[i] = True
+                known[i] = True
+                k += 1
         return k
 
     @numba.njit(cache=True, nogil=True)

@@ -43,6 +43,19 @@ def _fill(slab, dirty, pins, payload, i, s):  # pragma: no cover - compiled
     pins[s] = 1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _to_pad(table, pos_of, mask, slab, dirty, occupied, pins, transient, tabs, rows, payload,
+            i, s, staged):  # pragma: no cover - compiled
+    """Row i of the misses into pad slot s (indexed, filled, marked transient); returns `_add`'s
+    (tombstone reused, probe distance)."""
+    reused, d = _add(table, pos_of, mask, tabs[i], rows[i], s)
+    _fill(slab, dirty, pins, payload, i, s)
+    occupied[s] = True
+    transient[s] = True
+    staged[i] = s
+    return reused, d
+
+
 @numba.njit(cache=True, nogil=True)
 def place_misses(table, pos_of, mask, slab, dirty, occupied, pins, transient,
                  free, nfree, pad, npad, S, cap, vlists,
@@ -67,14 +80,10 @@ def place_misses(table, pos_of, mask, slab, dirty, occupied, pins, transient,
         staged[i] = -1
         if refused.shape[0] and refused[i] and npad > 0:
             npad -= 1
-            s = pad[npad]
-            reused, d = _add(table, pos_of, mask, tabs[i], rows[i], s)
+            reused, d = _to_pad(table, pos_of, mask, slab, dirty, occupied, pins, transient,
+                                tabs, rows, payload, i, pad[npad], staged)
             tombs -= reused
             maxd = max(maxd, d)
-            _fill(slab, dirty, pins, payload, i, s)
-            occupied[s] = True
-            transient[s] = True
-            staged[i] = s
             npadded += 1
         else:
             rest[nrest] = i
@@ -126,16 +135,11 @@ def place_misses(table, pos_of, mask, slab, dirty, occupied, pins, transient,
     for k in range(fit, nrest):  # what the cache could not take: to the pad while it has room
         if npad == 0:
             break
-        i = rest[k]
         npad -= 1
-        s = pad[npad]
-        reused, d = _add(table, pos_of, mask, tabs[i], rows[i], s)
+        reused, d = _to_pad(table, pos_of, mask, slab, dirty, occupied, pins, transient,
+                            tabs, rows, payload, rest[k], pad[npad], staged)
         tombs -= reused
         maxd = max(maxd, d)
-        _fill(slab, dirty, pins, payload, i, s)
-        occupied[s] = True
-        transient[s] = True
-        staged[i] = s
         npadded += 1
     return nfree, npad, nev, nv, fit, npadded, tombs, maxd
 
