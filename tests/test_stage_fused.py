@@ -46,7 +46,7 @@ def _state(tier: SlabTier) -> dict:
         "held": tier.index.held(torch.arange(tier.slots)).tolist(),
         "slab": tier.slab.clone(), "dirty": tier.dirty.tolist(), "occupied": tier.occupied.tolist(),
         "pins": tier.pins.tolist(), "transient": tier.transient.tolist(),
-        "free": tier._free_buf[: tier._nfree].tolist(), "pad": tier._scratch.tolist(),
+        "free": tier.stacks()[0].tolist(), "pad": tier.stacks()[1].tolist(),
         "policy": tier.policy.state.copy(), "live": tier.index.live,
         "stats": (tier.stats.insertions, tier.stats.evictions, tier.stats.writebacks,
                   tier.stats.scratch_rows),

@@ -347,8 +347,6 @@ if HAVE_NUMBA:
                 out[i, c] = src[r, c]
         return out
 
-if HAVE_NUMBA:
-
     @numba.njit(cache=True, nogil=True)
     def hash_probe(table, mask, tabs, rows, slots, miss, hits):  # pragma: no cover - compiled
         """Each key's slot (or -1) into `slots`, the positions of the missing keys into `miss`

@@ -256,21 +256,7 @@ class PinnedSteps:
             loaded = self.loader.load_many([(items[i][0], mrows[at]) for i, at in zip(which, ats)])
             for at, got in zip(ats, loaded):
                 payload.index_copy_(0, at, got)
-            moving, placed = Rows(mtabs, mrows, payload, dirty, pins), miss
-            pad = self._refused(cold, mtabs, mrows)
-            if pad is not None:  # refused by the policy: to the scratch pad while it has room
-                kp = dev.insert_scratch(moving.take(pad))
-                if kp:
-                    staged.index_copy_(0, to_dev(miss[pad[:kp]], staged.device), dev.last_slots[:kp])
-                    rest = torch.ones(m, dtype=torch.bool)
-                    rest[pad[:kp]] = False
-                    moving, placed = moving.take(rest), miss[rest]
-            if dev.staging:  # one cache tier, whose staging slots take what it cannot
-                self._place_staged(moving, placed, staged, hit_slots)
-            else:
-                k = self.cascade.place(moving, protect=hit_slots, overflow_first=True)
-                if k:  # the first k misses, in order, landed on the device
-                    staged.index_copy_(0, to_dev(placed[:k], staged.device), dev.last_slots[:k])
+            self._place_misses(Rows(mtabs, mrows, payload, dirty, pins), miss, staged, hit_slots, cold)
         nd_of = torch.bincount(seg[dhit], minlength=len(items))
         if host_copies is not None:  # all hits: the staged slots are the lookup's
             full = dslots_h if not m else hostread.to_host(staged)[0]
@@ -307,12 +293,12 @@ class PinnedSteps:
             which = [i for i in range(len(items)) if bounds[i + 1] > bounds[i]]
             loaded = self.loader.load_many([(items[i][0], mrows[bounds[i] : bounds[i + 1]]) for i in which])
             payload = loaded[0] if len(loaded) == 1 else torch.cat(loaded)
-            if dev.fused_placement:  # the placement below in one compiled pass, same outcome
+            if dev.fused_placement:  # `_place_misses` in one compiled pass, same outcome
+                pad = self._refused(torch.arange(m), mtabs, mrows)
                 refused = None
-                if dev.selective and dev.reserve_scratch(dev.capacity // SCRATCH_SHARE):
-                    admit = dev.admit(mtabs, mrows)
-                    if admit is not None and not bool(admit.all()):
-                        refused = ~admit.numpy()
+                if pad is not None:
+                    refused = np.zeros(m, dtype=np.bool_)
+                    refused[pad.numpy()] = True
                 got, evicted = dev.place_misses(tabs[miss], rows[miss], payload.contiguous(), refused)
                 slots[miss] = got
                 if evicted is not None:
@@ -320,7 +306,7 @@ class PinnedSteps:
             else:
                 self._place_misses(Rows(mtabs, mrows, payload, torch.zeros(m, dtype=torch.bool),
                                         torch.ones(m, dtype=torch.int32)),
-                                   torch.from_numpy(miss), staged, hit_slots)
+                                   torch.from_numpy(miss), staged, hit_slots, torch.arange(m))
         if host_copies is not None:
             host_copies.extend(staged.split(sizes))
         out, lo = [], 0
@@ -331,25 +317,26 @@ class PinnedSteps:
         return out
 
     def _place_misses(self, moving: Rows, placed: torch.Tensor, staged: torch.Tensor,
-                      hit_slots: torch.Tensor) -> None:
-        """Place one cache tier's staged misses (`moving`, at positions `placed` of the batch)
-        op by op: refused rows to the scratch pad, the rest into the cache (and its staging
-        slots), recording each landed row's slot in `staged`."""
-        dev, m = self.device_tier, len(moving)
-        pad = self._refused(torch.arange(m), moving.tabs, moving.rows)
+                      hit_slots: torch.Tensor, cold: torch.Tensor) -> None:
+        """Place a batch's staged misses (`moving`, at positions `placed` of the batch; `cold`:
+        which of them came from below the caches) op by op: rows the device policy refuses to
+        the scratch pad, the rest into the device tier (its staging slots, or the cascade),
+        recording each row that landed on the device in `staged`."""
+        dev, m, to_dev = self.device_tier, len(moving), hostread.to_device
+        pad = self._refused(cold, moving.tabs, moving.rows)
         if pad is not None:  # refused by the policy: to the scratch pad while it has room
             kp = dev.insert_scratch(moving.take(pad))
             if kp:
-                staged.index_copy_(0, placed.index_select(0, pad[:kp]), dev.last_slots[:kp])
+                staged.index_copy_(0, to_dev(placed[pad[:kp]], staged.device), dev.last_slots[:kp])
                 rest = torch.ones(m, dtype=torch.bool)
                 rest[pad[:kp]] = False
                 moving, placed = moving.take(rest), placed[rest]
-        if dev.staging:  # staging slots take what the cache cannot
+        if dev.staging:  # one cache tier, whose staging slots take what it cannot
             self._place_staged(moving, placed, staged, hit_slots)
         else:
             k = self.cascade.place(moving, protect=hit_slots, overflow_first=True)
             if k:  # the first k misses, in order, landed on the device
-                staged.index_copy_(0, placed[:k], dev.last_slots[:k])
+                staged.index_copy_(0, to_dev(placed[:k], staged.device), dev.last_slots[:k])
 
     def _place_staged(self, moving: Rows, placed: torch.Tensor, staged: torch.Tensor,
                       protect: torch.Tensor) -> None:

@@ -71,15 +71,8 @@ class RowLoader:
             data = np.zeros((n, spec.row_dim), dtype=np.float32)
             found = np.zeros(n, dtype=bool)
             known = np.zeros(n, dtype=bool)
-            if n and self.writeback.tail and self.writeback.index.fast(rows):
+            if n and self.writeback.tail:
                 self.writeback.gather_into(tab.index, rows_np, data, found, known)
-            elif n and self.writeback.tail:
-                hit, wdata = self.writeback.lookup(tab.index, rows)
-                if wdata.shape[0]:
-                    h = hit.numpy()
-                    data[h] = wdata[:, : spec.row_dim].numpy()
-                    found |= h
-                    known |= h
             ahead = self.readahead.get(spec.name)
             if ahead and not known.all():
                 self._read_ahead(tab, ahead, rows_np, data, found, known)
@@ -169,13 +162,7 @@ class RowLoader:
                 continue
             if not wrapped and _kernels.HAVE_NUMBA:  # the common case: one compiled pass
                 left, f = _kernels.sorted_gather(brows, bdata, bfound, rows_np, todo, data, found, known)
-                k = len(todo) - len(left)
-                if k:
-                    st = self.ssd_stats  # read from LMDB by the pipeline's threads, counted at use
-                    st.lookups += k
-                    st.hits += int(f)
-                    st.misses += k - int(f)
-                    self.prefetch_stats.rows_read_ahead += k
+                self._count_read_ahead(len(todo) - len(left), int(f))
                 todo = left
                 if not len(todo):
                     return
@@ -196,14 +183,18 @@ class RowLoader:
                 found[at] = bfound[src]
                 known[at] = True
                 todo = todo[~hit]
-                k, f = len(at), int(np.count_nonzero(bfound[src]))
-                st = self.ssd_stats  # read from LMDB by the pipeline's threads, counted at use
-                st.lookups += k
-                st.hits += f
-                st.misses += k - f
-                self.prefetch_stats.rows_read_ahead += k
+                self._count_read_ahead(len(at), int(np.count_nonzero(bfound[src])))
             if not len(todo):
                 return
+
+    def _count_read_ahead(self, k: int, f: int) -> None:
+        """Count `k` rows served from read-ahead buffers, `f` of them found in LMDB: read by the
+        pipeline's threads, counted at use."""
+        st = self.ssd_stats
+        st.lookups += k
+        st.hits += f
+        st.misses += k - f
+        self.prefetch_stats.rows_read_ahead += k
 
     def add_read_ahead(self, table: str, since: int | tuple[int, int], rows: np.ndarray,
                         data: np.ndarray, found: np.ndarray, keep: int) -> None:

@@ -341,8 +341,8 @@ class SlabTier:
     def fused_placement(self) -> bool:
         """Whether `place_misses` applies: a CPU tier with staging slots, numba, and a policy
         whose victims are a plain queue walk (`QueuePolicy.plain_victims`)."""
-        return (self.staging > 0 and self.device.type == "cpu" and _kernels.HAVE_NUMBA
-                and self.index.fast(self.slab) and getattr(self.policy, "plain_victims", False))
+        return (self.staging > 0 and self.index.fast(self.slab)  # fast: numba, a CPU tier
+                and getattr(self.policy, "plain_victims", False))
 
     def place_misses(self, tabs: np.ndarray, rows: np.ndarray, payload: torch.Tensor,
                      refused: np.ndarray | None) -> tuple[np.ndarray, Rows | None]:
@@ -392,7 +392,7 @@ class SlabTier:
             return None
         s = np.concatenate(self._expired) if len(self._expired) > 1 else self._expired[0]
         self._expired.clear()
-        if self.staging and self.device.type == "cpu" and self.index.fast(self.slab):
+        if self.staging and self.index.fast(self.slab):  # staging slots: one compiled pass
             return self._take_pad(s)
         s = s[self.transient[s] & (self.pins.numpy()[s] == 0)]
         if s.size == 0:
@@ -400,29 +400,18 @@ class SlabTier:
         s = self._distinct_pad(s)  # a slot may have expired twice since the last take
         slots = torch.from_numpy(s)
         out = self._take(slots, self.dirty.index_select(0, slots), pins=False)
-        if self.device.type == "cpu":  # pad slots only: no policy, no free list
-            self.generation += 1
-            self.index.remove(slots)
-            self.dirty.numpy()[s] = False
-            self.occupied.numpy()[s] = False
-            self.pins.numpy()[s] = 0
-            self.transient[s] = False
-            self._scratch = np.concatenate([self._scratch, s[::-1]])
-        else:
-            self._release(slots)
+        self._release(slots)
         return out
 
     def _take_pad(self, s: np.ndarray) -> Rows | None:
         """`take_expired` of staging slots in one compiled pass (`stage_kernels.take_pad`)."""
-        if self._pad_marks is None:
-            self._pad_marks = np.empty(self.staging, dtype=np.int32)
         n = len(s)
         tabs, rows = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
         payload, dirty = np.empty((n, self.width), dtype=np.float32), np.empty(n, dtype=np.bool_)
         slots = np.empty(n, dtype=np.int64)
         k, tombs = stage_kernels.take_pad(
             np.ascontiguousarray(s, dtype=np.int64), self.pins.numpy(), self.transient,
-            self._pad_marks, self.capacity, self.index.table.numpy(), self.index.pos_of.numpy(),
+            self._marks(), self.capacity, self.index.table.numpy(), self.index.pos_of.numpy(),
             self.index.mask, self.slab.numpy(), self.dirty.numpy(), self.occupied.numpy(),
             tabs, rows, payload, dirty, slots)
         if k == 0:
@@ -439,12 +428,17 @@ class SlabTier:
         0.14 ms for 38k slots); a pad carved from the cache falls back to `np.unique`."""
         if not self.staging:
             return np.unique(s)
-        if self._pad_marks is None:
-            self._pad_marks = np.empty(self.staging, dtype=np.int32)
+        marks = self._marks()
         pos = np.arange(s.size, dtype=np.int32)
         at = s - self.capacity
-        self._pad_marks[at] = pos  # each slot keeps one position: the last that wrote it
-        return s[self._pad_marks[at] == pos]
+        marks[at] = pos  # each slot keeps one position: the last that wrote it
+        return s[marks[at] == pos]
+
+    def _marks(self) -> np.ndarray:
+        """Scratch marks, one per staging slot (made on first use)."""
+        if self._pad_marks is None:
+            self._pad_marks = np.empty(self.staging, dtype=np.int32)
+        return self._pad_marks
 
     def insert(self, rows: Rows, protect: torch.Tensor | None = None,
                keep_clean: bool = True) -> tuple[int, Rows | None]:
@@ -505,6 +499,11 @@ class SlabTier:
             s = s[self.transient[s]]
             if s.size:
                 self._expired.append(s[self.pins.numpy()[s] == 0])
+
+    def stacks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(free cache slots, free pad slots), copies, each a stack with its top at the end:
+        for checks and tests."""
+        return self._free_buf[: self._nfree].cpu().numpy().copy(), self._scratch.copy()
 
     def dirty_chunks(self, chunk: int) -> Iterator[tuple[torch.Tensor, Rows]]:
         """Slots and rows of the dirty resident rows, `chunk` rows at a time (for flushing)."""

@@ -171,7 +171,15 @@ class WriteBehind:
                     known: np.ndarray) -> int:
         """`lookup` writing straight into a loader's arrays: each row the ring holds gets its
         newest version's first `data.shape[1]` columns, and `found`/`known` set; returns how
-        many (counted as ring hits). CPU kernels only (`index.fast`)."""
+        many (counted as ring hits). With the index's kernels, one compiled pass."""
+        if not self.index.fast(self.payload):
+            hit, got = self.lookup(tab, torch.from_numpy(rows))
+            if got.shape[0]:
+                h = hit.numpy()
+                data[h] = got[:, : data.shape[1]].numpy()
+                found |= h
+                known |= h
+            return int(got.shape[0])
         with self.cv:
             k = _kernels.hash_gather(self.index.table.numpy(), self.index.mask, int(tab), rows,
                                      self.payload.numpy(), data, found, known) if self.index.live else 0

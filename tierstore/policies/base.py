@@ -185,11 +185,11 @@ class QueuePolicy(Policy):
     @property
     def plain_victims(self) -> bool:
         """Whether victims are the oldest allowed slots of `victim_lists`, in order, and an
-        eviction only unlinks them (no walk of its own, no hook): a caller may then run that
-        walk inside its own kernel (`SlabTier.place_misses`)."""
+        eviction only unlinks them (no walk of its own, so no eviction hook runs): a caller may
+        then run that walk inside its own kernel (`SlabTier.place_misses`)."""
         t = type(self)
         return (t.walk is QueuePolicy.walk and t.on_evict is QueuePolicy.on_evict
-                and t.on_remove is QueuePolicy.on_remove and t._evicted is QueuePolicy._evicted)
+                and t.on_remove is QueuePolicy.on_remove)
 
     @property
     def victim_order(self) -> np.ndarray:
