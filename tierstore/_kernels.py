@@ -296,17 +296,21 @@ if HAVE_NUMBA:
         return _slot_of(table, mask, t, r) >= 0
 
     @numba.njit(cache=True, nogil=True)
-    def hash_absent(t1, m1, t2, m2, t3, m3, tab, rows, out):  # pragma: no cover - compiled
-        """out[i] = key (tab, rows[i]) is in none of three hash tables (masks m1..m3); a key
-        found in one is not probed in the next ones."""
+    def hash_absent(t1, m1, t2, m2, t3, m3, tabs, rows, out):  # pragma: no cover - compiled
+        """out[i] = key (tabs[i], rows[i]) is in none of three hash tables (masks m1..m3; one
+        table index for all keys when `tabs` has one entry); a key found in one is not probed
+        in the next ones."""
         n = rows.shape[0]
+        one = tabs.shape[0] == 1
         for i in range(n):
             j = i + PREFETCH_AHEAD
             if j < n:  # the first index's line, and the last's (where a missing key ends)
-                prefetch(t1, _home(tab, rows[j], m1), 0)
-                prefetch(t3, _home(tab, rows[j], m3), 0)
+                tj = tabs[0] if one else tabs[j]
+                prefetch(t1, _home(tj, rows[j], m1), 0)
+                prefetch(t3, _home(tj, rows[j], m3), 0)
             r = rows[i]
-            out[i] = not (_holds(t1, m1, tab, r) or _holds(t2, m2, tab, r) or _holds(t3, m3, tab, r))
+            t = tabs[0] if one else tabs[i]
+            out[i] = not (_holds(t1, m1, t, r) or _holds(t2, m2, t, r) or _holds(t3, m3, t, r))
 
     @numba.njit(cache=True, nogil=True)
     def scatter_rows(dst, idx, src):  # pragma: no cover - compiled

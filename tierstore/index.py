@@ -275,10 +275,13 @@ def absent_many(indexes: tuple[HashIndex, HashIndex, HashIndex],
                 items: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
     """`absent_from` for several (table, rows) at once: an index on a device (the sets cache)
     is probed once for all of them and read back once, not once a table."""
-    if not items or all(ix.fast(rows) for ix in indexes for _, rows in items):
+    if len(items) < 2:
         return [absent_from(indexes, tab, rows) for tab, rows in items]
     sizes = [int(rows.numel()) for _, rows in items]
     rows = torch.cat([r.to("cpu", torch.int64) for _, r in items]).contiguous()
+    if all(ix.fast(rows) for ix in indexes):  # one compiled pass over every table's keys
+        return list(_absent_np(indexes, np.repeat(np.array([int(t) for t, _ in items], dtype=np.int64),
+                                                  sizes), rows).split(sizes))
     tabs = torch.repeat_interleave(torch.tensor([int(t) for t, _ in items], dtype=torch.int64),
                                    torch.tensor(sizes, dtype=torch.int64))
     out = torch.ones(rows.numel(), dtype=torch.bool)
@@ -293,6 +296,17 @@ def absent_many(indexes: tuple[HashIndex, HashIndex, HashIndex],
     return list(out.split(sizes))
 
 
+def _absent_np(indexes: tuple[HashIndex, HashIndex, HashIndex], tabs: np.ndarray,
+               rows: torch.Tensor) -> torch.Tensor:
+    """`absent_from`'s compiled pass: keys (tabs[i] or tabs[0], rows[i]), rows a contiguous
+    CPU int64 tensor."""
+    out = torch.empty(rows.numel(), dtype=torch.bool)
+    (a, b, c) = indexes
+    _kernels.hash_absent(a.table.numpy(), a.mask, b.table.numpy(), b.mask, c.table.numpy(),
+                         c.mask, tabs, rows.numpy(), out.numpy())
+    return out
+
+
 def absent_from(indexes: tuple[HashIndex, HashIndex, HashIndex], tab: int,
                 rows: torch.Tensor) -> torch.Tensor:
     """Mask of the keys (tab, rows) in none of three indexes (CPU bool tensor).
@@ -302,11 +316,7 @@ def absent_from(indexes: tuple[HashIndex, HashIndex, HashIndex], tab: int,
     n = rows.numel()
     rows = rows.to("cpu", torch.int64).contiguous()
     if all(ix.fast(rows) for ix in indexes) and n:
-        out = torch.empty(n, dtype=torch.bool)
-        (a, b, c) = indexes
-        _kernels.hash_absent(a.table.numpy(), a.mask, b.table.numpy(), b.mask, c.table.numpy(),
-                             c.mask, int(tab), rows.numpy(), out.numpy())
-        return out
+        return _absent_np(indexes, np.array([int(tab)], dtype=np.int64), rows)
     out = torch.ones(n, dtype=torch.bool)
     t = torch.tensor(tab, dtype=torch.int64)
     for ix in indexes:  # device lookups read back through an event (`tierstore.hostread`)

@@ -159,7 +159,15 @@ class SlabTier:
 
     def touch(self, slots: torch.Tensor) -> None:
         """Tell the policy these resident slots were used (scratch-pad rows by key: `on_pass`)."""
-        if slots.numel():
+        if slots.numel() and self.scratch_slots and self.device.type == "cpu" and _kernels.HAVE_NUMBA:
+            s = np.ascontiguousarray(slots.numpy(), dtype=np.int64)  # one pass splits them
+            ranked, pad = np.empty_like(s), np.empty_like(s)
+            nr, npad = stage_kernels.split_touched(s, bool(self.staging), self.capacity, self.transient,
+                                                   ranked, pad)
+            self.policy.on_hit(torch.from_numpy(ranked[:nr]))
+            if npad:
+                self.policy.on_pass(key_hash(*self.index.keys(torch.from_numpy(pad[:npad]))))
+        elif slots.numel():
             self.policy.on_hit(self.ranked(slots))
             if self.scratch_slots:
                 s = slots.cpu().numpy()

@@ -174,3 +174,20 @@ def take_pad(expired, pins, transient, marks, cap, table, pos_of, mask, slab, di
         occupied[s] = False
         transient[s] = False
     return k, tombs
+
+
+@numba.njit(cache=True, nogil=True)
+def split_touched(slots, staging, cap, transient, ranked, pad):  # pragma: no cover - compiled
+    """`SlabTier.touch`'s split of used slots, in order: those the policy ranks (all, or below
+    `cap` when the tier has staging slots) into `ranked`, the scratch pad's into `pad`.
+    Returns (ranked count, pad count)."""
+    nr = npad = 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if not staging or s < cap:
+            ranked[nr] = s
+            nr += 1
+        if transient[s]:
+            pad[npad] = s
+            npad += 1
+    return nr, npad

@@ -114,15 +114,19 @@ class WriteBehind:
     def _append(self, part: Rows) -> None:
         k = len(part)
         tabs, rows = part.tabs.reshape(-1).contiguous(), part.rows.contiguous()
-        slots = torch.arange(self.tail, self.tail + k, dtype=torch.int64) % self.capacity
-        s = slots.numpy()
+        lo = self.tail % self.capacity
+        slots = torch.from_numpy(np.arange(lo, lo + k, dtype=np.int64) % self.capacity)
         # one pass: a reused slot (committed, tail - capacity < head) forgets its key, and a key
         # with an older ring version moves to its new slot (the newest version wins; the writer
         # skips slots that no longer hold a key)
         self.index.assign(tabs, rows, slots)
-        self._tabs[s] = tabs.numpy()
-        self._rows[s] = rows.numpy()
-        self.payload.index_copy_(0, slots, part.payload)
+        # the slots are at most two runs of the ring (it wraps once): plain copies
+        first = min(k, self.capacity - lo)
+        for dst, src in ((slice(lo, lo + first), slice(0, first)), (slice(0, k - first), slice(first, k))):
+            if src.stop > src.start:
+                self._tabs[dst] = tabs.numpy()[src]
+                self._rows[dst] = rows.numpy()[src]
+                self.payload[dst] = part.payload[src]
         self.tail += k
         self.rows_in += k
 
