@@ -444,7 +444,7 @@ def test_hlfu_counts_saturate_and_age_by_halving():
     assert p.agings == 0
     before = p.counts(torch.arange(cap))
     # one more access than the period needs: the sketch and the cached counts are halved
-    need = int(p.period - p.g[p.lists + 1])
+    need = int(p.period - p.since)
     p.on_hit(torch.tensor([3] * need))
     assert p.agings == 1
     after = p.counts(torch.arange(cap))
@@ -470,7 +470,7 @@ def test_hlfu_below_another_ranks_arrivals_by_the_upper_count_without_counting()
     ev = torch.ones(4, dtype=torch.bool)
     assert lower.victims(1, ev).tolist() == [3]
     # the upper tier halves the shared sketch; the lower one halves its cached counts with it
-    need = int(upper.period - upper.g[upper.lists + 1])
+    need = int(upper.period - upper.since)
     upper.on_hit(torch.tensor([0] * need))
     assert upper.agings == 1 and lower.agings == 0
     lower.on_hit(torch.tensor([], dtype=torch.int64))
@@ -498,7 +498,7 @@ def test_hlfu_admits_a_row_once_its_count_beats_the_lowest_cached_count():
     answers = [bool(p.admit(new)[0]) for _ in range(4)]
     assert answers == [False, False, False, True]  # counts 1, 2, 3 refused; 4 > 3 admitted
     assert p.counts(torch.arange(cap)).tolist() == [3] * cap  # nothing cached moved
-    assert p.g[p.lists + 1] == 3 * cap + 3  # the refused accesses count towards aging
+    assert p.since == 3 * cap + 3  # the refused accesses count towards aging
     # below another tier, or for a policy without a test, every row is admitted
     upper, lower = make_policy("hlfu", 4), make_policy("hlfu", 4)
     lower.follow(upper)

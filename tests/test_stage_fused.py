@@ -47,7 +47,8 @@ def _state(tier: SlabTier) -> dict:
         "slab": tier.slab.clone(), "dirty": tier.dirty.tolist(), "occupied": tier.occupied.tolist(),
         "pins": tier.pins.tolist(), "transient": tier.transient.tolist(),
         "free": tier.stacks()[0].tolist(), "pad": tier.stacks()[1].tolist(),
-        "policy": tier.policy.state.copy(), "live": tier.index.live,
+        "policy": tier.policy.state.copy(), "since": getattr(tier.policy, "since", None),
+        "live": tier.index.live,
         "stats": (tier.stats.insertions, tier.stats.evictions, tier.stats.writebacks,
                   tier.stats.scratch_rows),
     }

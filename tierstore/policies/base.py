@@ -173,11 +173,12 @@ class QueuePolicy(Policy):
 
     lists: ClassVar[int] = 1
     columns: ClassVar[int] = 0
+    extra_globals: ClassVar[int] = 2  # the policy's own globals after the queue lengths
     victim_lists: ClassVar[tuple[int, ...]] = (0,)
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
         super().__init__(capacity, device)
-        self.state = q.new_state(self.capacity, self.lists, self.columns)
+        self.state = q.new_state(self.capacity, self.lists, self.columns, self.extra_globals)
         self._scratch_mark = np.zeros(self.capacity, dtype=np.bool_)
         self._scratch_log = np.empty((4096, 3), dtype=np.int64)
         self._victim_lists = np.array(self.victim_lists, dtype=np.int64)

@@ -30,7 +30,7 @@ from .base import Policy, QueuePolicy, as_numpy
 
 MAX_COUNT = 7  # counts saturate here (measured: 7 loses ~2% of the hits 15 keeps); queue c - 1 holds count c
 _KEY, _STAMP = q.FIRST_FREE, q.FIRST_FREE + 1
-_CLOCK, _SINCE = MAX_COUNT, MAX_COUNT + 1  # globals: access clock, accesses since the last aging
+_CLOCK = MAX_COUNT  # the one global after the queue lengths: the access clock (8 words a row)
 _M1 = np.int64(-4658895280553007687)
 _M2 = np.int64(-7723592293110705685)
 _NO_KEYS = np.empty(0, dtype=np.int64)
@@ -82,7 +82,7 @@ def _estimate(lines, h):  # pragma: no cover - compiled
 def _access(S, cap, lines, slots, keys, count):  # pragma: no cover - compiled
     """Count each access (or, with `count` False, only read the sketch) and move its slot to
     the end of its count's queue; with `keys` (inserts) the slots are new and take those key
-    hashes."""
+    hashes. Returns the accesses counted."""
     log = np.empty((0, 3), dtype=np.int64)
     nlog = np.zeros(1, dtype=np.int64)
     g = S.shape[0] - 1
@@ -105,7 +105,7 @@ def _access(S, cap, lines, slots, keys, count):  # pragma: no cover - compiled
         S[g, _CLOCK] += 1
         S[s, _STAMP] = S[g, _CLOCK]
         done += 1
-    S[g, _SINCE] += done
+    return done
 
 
 @numba.njit(cache=True, nogil=True)
@@ -161,6 +161,7 @@ class HistoryLFU(QueuePolicy):
     name = "hlfu"
     lists = MAX_COUNT
     columns = 2
+    extra_globals = 1  # the clock; accesses since the last aging are `since`, off the array
     victim_lists = tuple(range(MAX_COUNT))
     wants_keys = True
     aging_period = 32  # halve every 32 x capacity accesses (docs/policies.md: "History LFU")
@@ -170,6 +171,7 @@ class HistoryLFU(QueuePolicy):
         super().__init__(capacity, device)
         self.sketch = self.new_sketch(self.capacity)
         self.period = max(1, self.aging_period * self.capacity)
+        self.since = 0  # accesses counted since the last aging
         self.agings = 0
         self.upper: HistoryLFU | None = None  # the tier above, whose sketch this one reads
 
@@ -189,8 +191,8 @@ class HistoryLFU(QueuePolicy):
 
     def on_hit(self, slots: torch.Tensor) -> None:
         """Count the accesses; each slot moves to the newest end of its new count's queue."""
-        _access(self.state, self.capacity, self.sketch, as_numpy(slots), _NO_KEYS,
-                self.upper is None)
+        self.since += _access(self.state, self.capacity, self.sketch, as_numpy(slots), _NO_KEYS,
+                              self.upper is None)
         self._maybe_age()
 
     def on_insert(self, slots: torch.Tensor, keys: torch.Tensor | None = None) -> None:
@@ -198,7 +200,7 @@ class HistoryLFU(QueuePolicy):
         arrives from the tier above, whose sketch counted its accesses)."""
         s = as_numpy(slots)
         k = as_numpy(keys) if keys is not None else s + 1  # no keys: each slot is its own key
-        _access(self.state, self.capacity, self.sketch, s, k, self.upper is None)
+        self.since += _access(self.state, self.capacity, self.sketch, s, k, self.upper is None)
         self._maybe_age()
 
     def admit(self, keys: torch.Tensor) -> torch.Tensor | None:
@@ -209,7 +211,7 @@ class HistoryLFU(QueuePolicy):
         k = as_numpy(keys)
         out = np.empty(k.shape[0], dtype=np.bool_)
         _admit(self.state, self.sketch, k, out)
-        self.g[_SINCE] += int(np.count_nonzero(~out))
+        self.since += int(np.count_nonzero(~out))
         self._maybe_age()
         return torch.from_numpy(out)
 
@@ -219,21 +221,20 @@ class HistoryLFU(QueuePolicy):
             return
         k = as_numpy(keys)
         _count_all(self.sketch, k)
-        self.g[_SINCE] += k.shape[0]
+        self.since += k.shape[0]
         self._maybe_age()
 
     def _maybe_age(self) -> None:
         """Halve the sketch and the cached counts once `period` accesses were counted (below
         another tier: the cached counts, once that tier has halved the shared sketch)."""
-        g = self.g
         if self.upper is not None:
             if self.upper.agings == self.agings:
                 return
             self.agings = self.upper.agings
         else:
-            if g[_SINCE] < self.period:
+            if self.since < self.period:
                 return
-            g[_SINCE] = 0
+            self.since = 0
             self.sketch >>= 1
             self.agings += 1
         slots = np.concatenate([q.queue_order(self.state, self.capacity, lst)
