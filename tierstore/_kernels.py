@@ -216,9 +216,12 @@ if HAVE_NUMBA:
         pos2 = pos_of.reshape(-1, 1)  # a 2-D view for the prefetch hint
         for i in range(n):
             j = i + PREFETCH_AHEAD
+            if j + PREFETCH_AHEAD < n:  # two stages: the slot's position, then its old entry
+                prefetch(pos2, slots[j + PREFETCH_AHEAD], 0)
             if j < n:
                 prefetch(table, _home(tabs[j], rows[j], mask), 0)
-                prefetch(pos2, slots[j], 0)
+                if pos_of[slots[j]] >= 0:
+                    prefetch(table, pos_of[slots[j]], 0)
             t = tabs[i]
             r = rows[i]
             s = slots[i]
