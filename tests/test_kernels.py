@@ -119,3 +119,34 @@ def test_threads_split_kernels_without_changing_a_bit(tmp_path, monkeypatch):
         torch.set_num_threads(before)
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+
+
+@settings(max_examples=examples())
+@given(buffered=st.sets(st.integers(0, 60), max_size=30), asked=st.lists(st.integers(0, 60), max_size=40),
+       data=st.data())
+def test_sorted_gather_copies_every_buffered_row_asked_in_any_order(buffered, asked, data):
+    import numpy as np
+
+    from tierstore._kernels import sorted_gather
+
+    brows = np.array(sorted(buffered), dtype=np.int64)
+    bdata = np.arange(len(brows) * 3, dtype=np.float32).reshape(-1, 3)
+    bfound = np.array([r % 3 != 0 for r in brows], dtype=bool)
+    rows = np.array(asked, dtype=np.int64)
+    if data.draw(st.booleans()):  # the usual case: rows asked in increasing order
+        rows.sort()
+    todo = np.array(sorted(data.draw(st.sets(st.integers(0, max(len(asked) - 1, 0)), max_size=len(asked))))
+                    if asked else [], dtype=np.int64)
+    out = np.full((len(rows), 3), -1.0, dtype=np.float32)
+    found, known = np.zeros(len(rows), dtype=bool), np.zeros(len(rows), dtype=bool)
+    left, nf = sorted_gather(brows, bdata, bfound, rows, todo, out, found, known)
+    where = {int(r): i for i, r in enumerate(brows)}
+    expect_left = [int(a) for a in todo if int(rows[a]) not in where]
+    assert left.tolist() == expect_left
+    assert nf == sum(bool(bfound[where[int(rows[a])]]) for a in todo if int(rows[a]) in where)
+    for a in range(len(rows)):
+        i = where.get(int(rows[a]))
+        if a in set(todo.tolist()) and i is not None:
+            assert known[a] and found[a] == bfound[i] and out[a].tolist() == bdata[i].tolist()
+        else:
+            assert not known[a] and out[a].tolist() == [-1.0] * 3

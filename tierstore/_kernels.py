@@ -288,7 +288,11 @@ if HAVE_NUMBA:
     @numba.njit(cache=True, nogil=True)
     def add_pins(pins, slots, delta):  # pragma: no cover - compiled
         """pins[s] += delta for each slot (repeats add up); with delta < 0 never below zero."""
-        for i in range(slots.shape[0]):
+        n = slots.shape[0]
+        pins2 = pins.reshape(-1, 1)  # a 2-D view for the prefetch hint
+        for i in range(n):
+            if i + PREFETCH_AHEAD < n:
+                prefetch(pins2, slots[i + PREFETCH_AHEAD], 0)
             s = slots[i]
             v = pins[s] + delta
             pins[s] = 0 if (delta < 0 and v < 0) else v
@@ -379,7 +383,11 @@ if HAVE_NUMBA:
         """pins[s] -= 1 for each slot (never below zero); the transient slots whose pins reach
         zero are written to `out` (a slot may appear twice); returns how many."""
         k = 0
-        for i in range(slots.shape[0]):
+        n = slots.shape[0]
+        pins2 = pins.reshape(-1, 1)  # a 2-D view for the prefetch hint
+        for i in range(n):
+            if i + PREFETCH_AHEAD < n:
+                prefetch(pins2, slots[i + PREFETCH_AHEAD], 0)
             s = slots[i]
             v = pins[s] - 1
             if v <= 0:
@@ -415,23 +423,28 @@ if HAVE_NUMBA:
     def sorted_gather(brows, bdata, bfound, rows, todo, data, found, known):  # pragma: no cover
         """For each position `todo[i]` whose row is in `brows` (sorted): copy its buffered row
         and found flag into `data`/`found` and set `known`. Returns (positions left unknown,
-        in order, in a new array; rows found among those copied)."""
+        in order, in a new array; rows found among those copied). Rows asked in increasing
+        order (the usual case) search only past the last one found."""
         n = todo.shape[0]
         m = brows.shape[0]
         w = data.shape[1]
         left = np.empty(n, dtype=np.int64)
         nl = 0
         nf = 0
+        start = 0
         for i in range(n):
             at = todo[i]
             r = rows[at]
-            lo, hi = 0, m
+            if i and r < rows[todo[i - 1]]:  # out of order: search the whole buffer
+                start = 0
+            lo, hi = start, m
             while lo < hi:
                 mid = (lo + hi) >> 1
                 if brows[mid] < r:
                     lo = mid + 1
                 else:
                     hi = mid
+            start = lo
             if lo < m and brows[lo] == r:
                 for c in range(w):
                     data[at, c] = bdata[lo, c]
