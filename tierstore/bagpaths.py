@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -25,18 +24,22 @@ R = TypeVar("R")
 class BagPaths:
     """How a batch of ids becomes pooled embeddings and how its gradient updates the rows."""
 
-    def _promoting(self) -> bool:
-        """Whether this thread's gathers move missed rows up (not during a warm-only batch)."""
-        return self.deferring != threading.get_ident()
-
     def gather_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered:
         if ids.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64)
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
         uniq, inv = sort_unique(*dedup(ids))
-        payload = self.cascade.access(tab, uniq, None, promote=self._promoting())
+        payload = self.cascade.access(tab, uniq, None, promote=self.staging.promotes())
         return Gathered(uniq, inv, tab.spec.codec.decode(payload, tab.spec.dim), self.cascade.last_dslots,
                         self.device_tier.generation)
+
+    def _pinnable(self, tabs: list[_Table]) -> bool:
+        """Whether a step over these tables may read the pipeline's pinned rows lock-free (not
+        while recording a trace or with admission: both count under the lock). A CUDA device
+        tier reads them so only as the sets cache (its pins and slots need no host reads)."""
+        return ((self.device_tier.device.type == "cpu" or self.device_cache == "sets")
+                and self._recorder is None
+                and not any(tab.spec.name in self._admission for tab in tabs))
 
     def step_forward(self, items: Sequence[tuple[str, torch.Tensor]],
                      pool: Callable[[list[Gathered], list[torch.Tensor | None], torch.Tensor], R]
@@ -52,19 +55,19 @@ class BagPaths:
         tabs = [self.table_record(t) for t, _ in items]
         ids = [self.check_ids(tab, i) for tab, (_, i) in zip(tabs, items)]
         staged: list[Gathered | None] = [None] * len(tabs)
-        if self._pinnable(tabs) and self._begin_unlocked():  # no locked operation moves rows now
+        if self._pinnable(tabs) and self.staging.begin_unlocked():  # no locked operation moves rows now
             try:
-                gs = [self._pinned_rows(tab, i) for tab, i in zip(tabs, ids)]
+                gs = [self.staging.pinned_rows(tab, i) for tab, i in zip(tabs, ids)]
                 if all(g is not None for g in gs):
                     out = pool(gs, [None] * len(gs), self.device_tier.slab)
                     for g in gs:
                         if g.slots.numel():
-                            self._pending_hits.append(g.slots)
+                            self.staging.count_hits(g.slots)
                     self.prefetch_stats.lock_free_bags += len(gs)
                     return out, gs
                 staged = gs  # a table staging could not place whole: the others keep their rows
             finally:
-                self._end_unlocked()
+                self.staging.end_unlocked()
         with self.exclusive():
             self.check_live()
             gs, weights, held, resident = [], [], [], []
@@ -94,7 +97,7 @@ class BagPaths:
                         g = pinned
                         self.prefetch_stats.staged_bags_locked += 1
                         if g.slots.numel():
-                            self._pending_hits.append(g.slots)
+                            self.staging.count_hits(g.slots)
                     else:
                         g = self._step_rows(tab, i, hold)
                         if g.slots is not None and g.slots.numel():
@@ -122,7 +125,7 @@ class BagPaths:
         if dslots is not None:  # `uniq` may stay unsorted: only these slots are touched
             return Gathered(uniq, inv, torch.empty(0, dim), dslots, dev.generation)
         uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
-        promote = self._promoting()
+        promote = self.staging.promotes()
         if hold is not None:
             hold()
         payload = self.cascade.access(tab, uniq, None, promote=promote)
@@ -173,13 +176,13 @@ class BagPaths:
         """
         tabs = [self.table_record(t) for t, _ in items]
         gs = [g for _, g in items]
-        if all(g.pinned for g in gs) and self._begin_unlocked():
+        if all(g.pinned for g in gs) and self.staging.begin_unlocked():
             try:
                 if self._in_place(tabs, gs):
                     self._update_in_place(tabs, gs, update, finite)
                     return
             finally:
-                self._end_unlocked()
+                self.staging.end_unlocked()
         if finite is not None and not bool(finite):
             raise InvalidGradientError("the output gradient holds NaN/Inf values; nothing was updated")
         with self.exclusive():
@@ -246,7 +249,7 @@ class BagPaths:
         update(work, torch.arange(work.shape[0], device=dev), self._salts(tabs, gs))
         payload = work.cpu() if work.device.type != "cpu" else work
         at = 0
-        promote = self.deferring != (threading.get_ident() if thread is None else thread)
+        promote = self.staging.promotes(thread)
         for tab, g, keep in zip(tabs, gs, keeps):
             u = g.unique.numel()
             rows, uniq = payload[at : at + u], g.unique
@@ -333,4 +336,4 @@ class BagPaths:
             self._stamp(tab, dev.slab, g.slots)
             dev.dirty.index_fill_(0, g.slots, True)
             return
-        self.cascade.access(tab, unique, update, promote=self._promoting(), known=known)
+        self.cascade.access(tab, unique, update, promote=self.staging.promotes(), known=known)
