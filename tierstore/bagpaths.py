@@ -1,7 +1,9 @@
-"""TierStore's training paths: gather a batch, pool bags, apply a bag gradient with the fused optimizer."""
+"""The store's training paths: gather a batch, a step's forward and backward over the engine, a
+bag gradient applied with the fused optimizer."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -9,6 +11,7 @@ import torch
 
 import tierstore.admission as _adm
 import tierstore.cascade as _cas
+import tierstore.validate as validate
 
 from .errors import InvalidGradientError
 from .fused import BatchUpdate, bag_positions
@@ -16,15 +19,43 @@ from .gathered import Gathered as Gathered  # re-exported
 from .index import dedup, sort_unique
 
 if TYPE_CHECKING:
+    from .backends.set_tier import SetTier
+    from .backends.slab import SlabTier
+    from .pinned import StagingArea
+    from .stats import PrefetchStats
     from .store import _Table
 
 R = TypeVar("R")
 
 
 class BagPaths:
-    """How a batch of ids becomes pooled embeddings and how its gradient updates the rows."""
+    """How a batch of ids becomes pooled embeddings and how its gradient updates the rows.
+
+    A part the store owns (`store.paths`), built from the device tier, the cascade (rows that
+    are not resident), the staging area (a prefetched batch's pinned rows, the lock-free path
+    and `exclusive()`), the access gate (admission and the trace), the prefetch stats, the
+    store's device and device cache, and four of the store's calls: `table_record` and
+    `check_live` (its tables and state), `stamp_many` and `count_update` (its clock). It owns
+    `fused` (numba kernels for a bag update on the CPU; False: the torch path) and the device
+    flags of staged steps' gradient checks not read yet (`deferred_checks`).
+    """
+
+    def __init__(self, device_tier: SlabTier | SetTier, cascade: _cas.Cascade, staging: StagingArea,
+                 gate: _adm.AccessGate, stats: PrefetchStats, device: torch.device,
+                 device_cache: str, fused: bool, *, table_record: Callable[[str], _Table],
+                 check_live: Callable[[], None],
+                 stamp_many: Callable[[list[_Table], torch.Tensor, list[torch.Tensor]], None],
+                 count_update: Callable[[_Table], int]) -> None:
+        self.device_tier, self.cascade, self.staging, self.gate = device_tier, cascade, staging, gate
+        self.prefetch_stats, self.device, self.device_cache, self.fused = stats, device, device_cache, fused
+        self.table_record, self.check_live = table_record, check_live
+        self.stamp_many, self.count_update = stamp_many, count_update
+        # device flags of staged steps' gradient checks not read yet, each with the CUDA event
+        # recorded after its step (None on the CPU): `raise_deferred`
+        self.deferred_checks: collections.deque = collections.deque()
 
     def gather_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered:
+        """A table's rows of `ids` (validated), made resident and deduplicated (store lock held)."""
         if ids.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64)
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
@@ -38,8 +69,7 @@ class BagPaths:
         while recording a trace or with admission: both count under the lock). A CUDA device
         tier reads them so only as the sets cache (its pins and slots need no host reads)."""
         return ((self.device_tier.device.type == "cpu" or self.device_cache == "sets")
-                and self._recorder is None
-                and not any(tab.spec.name in self._admission for tab in tabs))
+                and not self.gate.counts(tabs))
 
     def step_forward(self, items: Sequence[tuple[str, torch.Tensor]],
                      pool: Callable[[list[Gathered], list[torch.Tensor | None], torch.Tensor], R]
@@ -53,7 +83,7 @@ class BagPaths:
         pipeline pinned is read without the store lock; any other takes it once for all tables.
         """
         tabs = [self.table_record(t) for t, _ in items]
-        ids = [self.check_ids(tab, i) for tab, (_, i) in zip(tabs, items)]
+        ids = [validate.row_ids(tab.spec, i) for tab, (_, i) in zip(tabs, items)]
         staged: list[Gathered | None] = [None] * len(tabs)
         if self._pinnable(tabs) and self.staging.begin_unlocked():  # no locked operation moves rows now
             try:
@@ -68,7 +98,7 @@ class BagPaths:
                 staged = gs  # a table staging could not place whole: the others keep their rows
             finally:
                 self.staging.end_unlocked()
-        with self.exclusive():
+        with self.staging.exclusive():
             self.check_live()
             gs, weights, held, resident = [], [], [], []
             dev = self.device_tier
@@ -83,8 +113,8 @@ class BagPaths:
 
             try:
                 for tab, i, pinned in zip(tabs, ids, staged):
-                    self.record_access(tab.spec.name, i)
-                    mask = self.admit_mask(tab, i)
+                    self.gate.record(tab.spec.name, i)
+                    mask = self.gate.count(tab, i)
                     if mask is not None:  # some ids not admitted yet: they read their initial rows
                         hold()
                         g = _adm.gather_masked(self, tab, i, mask)
@@ -99,7 +129,7 @@ class BagPaths:
                         if g.slots.numel():
                             self.staging.count_hits(g.slots)
                     else:
-                        g = self._step_rows(tab, i, hold)
+                        g = self.step_rows(tab, i, hold)
                         if g.slots is not None and g.slots.numel():
                             resident.append(g.slots)
                     gs.append(g)
@@ -109,7 +139,7 @@ class BagPaths:
                 for slots in held:
                     dev.pin(slots, -1)
 
-    def _step_rows(self, tab: _Table, ids: torch.Tensor,
+    def step_rows(self, tab: _Table, ids: torch.Tensor,
                    hold: Callable[[], None] | None = None) -> Gathered:
         """A table's rows for a step's forward (store lock held): device slots when every one
         is resident, else the weights of its sorted unique rows (brought up the tiers, after
@@ -185,7 +215,7 @@ class BagPaths:
                 self.staging.end_unlocked()
         if finite is not None and not bool(finite):
             raise InvalidGradientError("the output gradient holds NaN/Inf values; nothing was updated")
-        with self.exclusive():
+        with self.staging.exclusive():
             self.check_live()
             tabs = [self.table_record(t) for t, _ in items]
             if self._in_place(tabs, gs):
@@ -200,12 +230,12 @@ class BagPaths:
     def _slots_valid(self, tab: _Table, g: Gathered) -> bool:
         """Whether a table's rows are still in the device slots its forward found (and all admitted)."""
         dev = self.device_tier
-        return (g.slots is not None and tab.spec.name not in self._admission
+        return (g.slots is not None and not self.gate.gated(tab)
                 and g.generation == (dev.pin_epoch if g.pinned else dev.generation))
 
     def _salts(self, tabs: list[_Table], gs: list[Gathered]) -> list[tuple[torch.Tensor | None, int]]:
         """Each 16-bit table's rounding salt (its unique ids and update count, counted here)."""
-        return [(g.unique, self._count_update(tab)) if tab.spec.codec.packed else (None, 0)
+        return [(g.unique, self.count_update(tab)) if tab.spec.codec.packed else (None, 0)
                 for tab, g in zip(tabs, gs)]
 
     def _update_in_place(self, tabs: list[_Table], gs: list[Gathered],
@@ -218,7 +248,7 @@ class BagPaths:
         update(dev.slab, None, self._salts(tabs, gs))
         used = [(tab, g.slots) for tab, g in zip(tabs, gs) if g.slots.numel()]
         if used:  # every table's stamps and dirty marks in a few calls, not a few a table
-            self._stamp_many([t for t, _ in used], dev.slab, [s for _, s in used])
+            self.stamp_many([t for t, _ in used], dev.slab, [s for _, s in used])
             dev.dirty.index_fill_(0, slots, True)  # a scalar fill: `[...] = True` syncs on CUDA
         if finite is not None:
             dev.slab.index_copy_(0, slots, torch.where(finite, dev.slab.index_select(0, slots), before))
@@ -239,7 +269,7 @@ class BagPaths:
         table's rows written back through the cascade (store lock held)."""
         parts, keeps = [], []
         for tab, g in zip(tabs, gs):
-            mask = self._admitted(tab, g.unique) if g.unique.numel() else None
+            mask = self.gate.admitted(tab, g.unique) if g.unique.numel() else None
             keep = None if mask is None else torch.from_numpy(mask)
             parts.append(self._payload_now(tab, g, keep))
             keeps.append(keep)
@@ -319,7 +349,7 @@ class BagPaths:
         if per_sample_weights is not None:
             psw = per_sample_weights.detach().to("cpu", torch.float32).reshape(-1)
             scale = psw if scale is None else scale * psw
-        mask = self._admitted(tab, unique)  # counted by the forward / gather
+        mask = self.gate.admitted(tab, unique)  # counted by the forward / gather
         if mask is not None:  # drop the positions of rows not admitted (updates discarded)
             unique, inverse, (bag_of, scale) = _adm.filter_positions(mask, unique, inverse,
                                                                      bag_of, scale)
@@ -330,10 +360,10 @@ class BagPaths:
                 unique, inverse = sort_unique(unique, inverse)
                 in_place, known = False, None
         update = BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(), inverse, grad_out,
-                             bag_of, scale, self.fused, tab.spec.dtype, self._count_update(tab), unique)
+                             bag_of, scale, self.fused, tab.spec.dtype, self.count_update(tab), unique)
         if in_place:
             update.apply(dev.slab, g.slots)  # rows still where gather found them: update in place
-            self._stamp(tab, dev.slab, g.slots)
+            self.stamp_many([tab], dev.slab, [g.slots])
             dev.dirty.index_fill_(0, g.slots, True)
             return
         self.cascade.access(tab, unique, update, promote=self.staging.promotes(), known=known)

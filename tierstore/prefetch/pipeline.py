@@ -180,13 +180,13 @@ class Prefetcher:
         if self._closed:
             raise StopIteration
         self._release(self._consumed)
-        self.store.raise_deferred()  # a staged step's gradient check left to the device
+        self.store.paths.raise_deferred()  # a staged step's gradient check left to the device
         if self.depth == 0:
             try:
                 batch = next(self._source)
             except StopIteration:
                 self.close()
-                self.store.raise_deferred(wait=True)  # the last steps' checks too
+                self.store.paths.raise_deferred(wait=True)  # the last steps' checks too
                 raise
             self._consumed += 1
             self.store.prefetch_stats.batches += 1
@@ -205,7 +205,7 @@ class Prefetcher:
         if item is _END:
             self._raise_worker_error()
             self.close()
-            self.store.raise_deferred(wait=True)  # the last steps' checks too
+            self.store.paths.raise_deferred(wait=True)  # the last steps' checks too
             raise StopIteration
         step, batch = item
         self._consumed = step

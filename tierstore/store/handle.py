@@ -1,8 +1,8 @@
-"""The TierStore class: its constructor, and the mixins by concept that hold its methods."""
+"""The TierStore class: its constructor, which builds the parts it owns, and the mixins by concept
+that hold its methods."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import os
@@ -43,7 +43,7 @@ from .opening import StoreOpening
 from .rows import RowApi
 
 
-class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics, BagPaths):
+class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics):
     """Embedding rows over three tiers (device cache, host cache, LMDB) with fused optimizers.
 
     Upper tiers are exclusive write-back caches: a row lives in at most one cache tier, with a
@@ -99,15 +99,11 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics, 
         switch = _switch.configured()  # a bad TIERSTORE_SWITCH_INTERVAL fails before any file opens
         self.closed = True
         self.lock = threading.RLock()
-        # device flags of staged steps' gradient checks not read yet, each with the CUDA event
-        # recorded after its step (None on the CPU): `raise_deferred`
-        self.deferred_checks: collections.deque = collections.deque()
         self.prefetch_stats = PrefetchStats()
         # feature name -> table, registered by TieredEmbeddingBagCollection (None: ambiguous);
         # lets a Prefetcher over the store read jagged batches keyed by feature
         self.feature_tables: dict[str, str | None] = {}
         self.prefetchers: weakref.WeakSet = weakref.WeakSet()  # stopped when the store closes
-        self.fused = _st.HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
         from ..policies import make_policy
 
         probe = make_policy(policy, 0)  # an unknown policy is refused before the store is touched
@@ -148,7 +144,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics, 
         self.tables = {t.name: _Table(t, i, name_key(seed, t.name)) for i, t in enumerate(tables)}
         self.by_index = [self.tables[n] for n in names]
         try:  # table name -> admission state, for tables with an admission config
-            self._admission = _adm.open_admission(self)
+            admission = _adm.open_admission(self)
             self.expiry = _exp.Expiry(self)  # cutoffs per table, ttl expiry points, its deleter
         except BaseException:
             self.backend.close()
@@ -179,7 +175,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics, 
                                     self.ssd_stats, self.prefetch_stats)
             self.io_seconds = self.loader.io_seconds  # LMDB read seconds: training thread, others
             self.cascade = Cascade(self.device_tier, self.host_tier, self.loader, self.writeback,
-                                   self.ssd_stats, width, self.device, self._stamp, self._clock_value)
+                                   self.ssd_stats, width, self.device, self.stamp, self.clock_value)
             # the staging and pin area: the prefetch pipeline's batches, staged and pinned, and
             # their steps' lock-free path
             self.staging = StagingArea(self.device_tier, self.host_tier, self.cascade, self.loader,
@@ -189,14 +185,20 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics, 
             self.log.start_merger(self._add_written)
             # the logical clock (store.advance, stamped on updates) and the tables' update counts
             self._load_clock(self.backend.get_meta("clock") or {})
-            self._recorder = None
+            recorder = None
             if record is not None:
                 from ..traces import TraceRecorder
 
                 try:
-                    self._recorder = TraceRecorder(record)
+                    recorder = TraceRecorder(record)
                 except OSError as exc:
                     raise ConfigError(f"cannot record the access trace to {record!r}: {exc}") from exc
+            self.gate = _adm.AccessGate(admission, recorder)  # admission and the access trace
+            # the training paths: a step's rows for the engine, its update, `gather`'s rows
+            self.paths = BagPaths(self.device_tier, self.cascade, self.staging, self.gate,
+                                  self.prefetch_stats, self.device, self.device_cache, _st.HAVE_NUMBA,
+                                  table_record=self.table_record, check_live=self.check_live,
+                                  stamp_many=self.stamp_many, count_update=self.count_update)
         except BaseException:
             if self.log is not None:
                 self.log.stop_merger()
@@ -210,6 +212,15 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics, 
     def exclusive(self) -> contextlib.AbstractContextManager[None]:
         """The store lock, with no lock-free step over pinned rows running (`StagingArea.exclusive`)."""
         return self.staging.exclusive()
+
+    @property
+    def fused(self) -> bool:
+        """Whether updates run the numba kernels on the CPU (False: the torch path); settable."""
+        return self.paths.fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self.paths.fused = value
 
     @property
     def map_limit(self) -> int | None:
