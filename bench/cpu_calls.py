@@ -25,7 +25,7 @@ from tierstore.backends.wal.writelog import WriteLog
 from tierstore.bagpaths import BagPaths
 from tierstore.cascade import Cascade
 from tierstore.index import HashIndex
-from tierstore.pinned import PinnedSteps
+from tierstore.pinned import StagingArea
 from tierstore.policies.base import Policy, QueuePolicy
 from tierstore.prefetch.pipeline import Prefetcher
 from tierstore.stored_rows import RowLoader
@@ -35,9 +35,9 @@ from tierstore.stored_rows import RowLoader
 # merger's, and the writer's own when the log is full), LMDB table reads, puts and commits
 TARGETS: tuple[tuple[type, str], ...] = (
     (Prefetcher, "prepare_batch"), (Prefetcher, "finish_batch"),
-    (PinnedSteps, "stage_many"), (BagPaths, "step_forward"), (BagPaths, "step_backward"),
-    (PinnedSteps, "drain_hits"), (PinnedSteps, "drain_unpins"), (PinnedSteps, "pin"),
-    (PinnedSteps, "_expire_scratch"),
+    (StagingArea, "stage_many"), (BagPaths, "step_forward"), (BagPaths, "step_backward"),
+    (StagingArea, "drain_hits"), (StagingArea, "drain_unpins"), (StagingArea, "pin"),
+    (StagingArea, "_expire_scratch"),
     (Cascade, "access"), (Cascade, "_read_in_place"), (Cascade, "_fetch_misses"),
     (Cascade, "place"), (Cascade, "uncached"), (Cascade, "write_down"),
     (RowLoader, "load"), (RowLoader, "load_many"), (RowLoader, "read_stored"),

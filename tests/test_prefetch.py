@@ -568,12 +568,12 @@ def test_a_warm_only_backward_leaves_the_weights_its_forward_returned_unchanged(
         if resident:  # some of the rows device-resident before the warm-only step
             store.read("b", torch.arange(resident))
         ids, offsets = torch.tensor([0, 1, 2, 3, 4, 5, 6]), torch.tensor([0, 3])
-        store.deferring = threading.get_ident()  # as the pipeline marks a warm-only batch
-        g = store._step_rows(tab, ids)
+        store.staging.deferring = threading.get_ident()  # as the pipeline marks a warm-only batch
+        g = store.paths.step_rows(tab, ids)
         assert g.payload is not None
         before, kept = g.weights.clone(), g.payload.clone()
-        store.apply_bag_grads(tab, g, offsets, torch.ones(2, 5), None, "sum")
-        store.deferring = 0
+        store.paths.apply_bag_grads(tab, g, offsets, torch.ones(2, 5), None, "sum")
+        store.staging.deferring = 0
         assert torch.equal(g.weights, before)
         assert torch.equal(g.payload, kept)
         assert not torch.equal(store.read("b", torch.arange(7)), before)  # the update did land

@@ -115,4 +115,4 @@ def test_a_non_finite_last_staged_gradient_is_raised_when_the_batches_end(tmp_pa
             ebc(*sparse).mul(weight).sum().backward()
             with pytest.raises(InvalidGradientError, match="discarded"):
                 next(pf)  # the source is done: its last step's check is read, waiting if need be
-        assert not store.deferred_checks
+        assert not store.paths.deferred_checks

@@ -18,7 +18,7 @@ WIDTH = 3
 
 def _op_by_op(tier: SlabTier, tabs: np.ndarray, rows: np.ndarray, payload: torch.Tensor,
               refused: np.ndarray | None) -> tuple[np.ndarray, Rows | None]:
-    """The placement as `PinnedSteps` does it without the kernel (the reference)."""
+    """The placement as `StagingArea` does it without the kernel (the reference)."""
     m = len(rows)
     staged = np.full(m, -1, dtype=np.int64)
     moving = Rows(torch.from_numpy(tabs), torch.from_numpy(rows), payload,

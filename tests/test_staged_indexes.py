@@ -64,14 +64,14 @@ def _train(path, steps=8):
 
 def test_staged_indexes_are_used_and_change_no_bit(tmp_path, monkeypatch):
     used = []
-    orig = pinned_mod.PinnedSteps._staged_indexes
+    orig = pinned_mod.StagingArea.staged_indexes
 
     def counting(self, tab, ids):
         got = orig(self, tab, ids)
         used.append(got is not None)
         return got
 
-    monkeypatch.setattr(pinned_mod.PinnedSteps, "_staged_indexes", counting)
+    monkeypatch.setattr(pinned_mod.StagingArea, "staged_indexes", counting)
     fast = _train(tmp_path / "fast")
     assert used and all(used)  # every table of every step took staging's indexes
     used.clear()
@@ -91,12 +91,12 @@ def test_other_ids_than_staged_fall_back(tmp_path):
         staged = Staged.on_device(torch.tensor([1, 3, 7]), torch.tensor([0, 1, 2]), ids,
                                   torch.tensor([0, 1, 2]))
         assert torch.equal(staged.unique[staged.inverse], ids)
-        store.staged = (0, {"a": staged}, store.device_tier.pin_epoch)  # another thread's batch
-        assert store._staged_indexes(store.table_record("a"), ids) is None
-        store.staged = (threading.get_ident(), {"a": staged}, store.device_tier.pin_epoch)
-        assert store._staged_indexes(store.table_record("a"), ids) is not None
-        assert store._staged_indexes(store.table_record("a"), torch.tensor([3, 1, 3, 8])) is None
-        store.staged = (0, {}, -1)
+        store.staging.staged = (0, {"a": staged}, store.device_tier.pin_epoch)  # another thread's batch
+        assert store.staging.staged_indexes(store.table_record("a"), ids) is None
+        store.staging.staged = (threading.get_ident(), {"a": staged}, store.device_tier.pin_epoch)
+        assert store.staging.staged_indexes(store.table_record("a"), ids) is not None
+        assert store.staging.staged_indexes(store.table_record("a"), torch.tensor([3, 1, 3, 8])) is None
+        store.staging.staged = (0, {}, -1)
     np.testing.assert_array_equal(staged.rows, [1, 3, 7])
 
 

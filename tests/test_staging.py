@@ -39,7 +39,7 @@ def test_add_pins_matches_index_add_then_clamp(slots, delta, start):
 @given(st.integers(0, 12), st.integers(0, 12),
        st.lists(st.lists(st.integers(0, 30), max_size=25), min_size=1, max_size=5))
 def test_staged_slots_equal_a_fresh_lookup(tmp_path_factory, dcap, hcap, batches):
-    """`_stage_many` gives every row's device slot (-1 off the device), as a
+    """`StagingArea.stage_many` gives every row's device slot (-1 off the device), as a
     lookup right then would; unpinning the batches by slot leaves no pin behind."""
     path = tmp_path_factory.mktemp("s")
     spec = ts.TableSpec("a", 100, 3, optimizer=ts.SGD(0.1))
@@ -52,7 +52,7 @@ def test_staged_slots_equal_a_fresh_lookup(tmp_path_factory, dcap, hcap, batches
                 uniq = torch.unique(torch.tensor(ids, dtype=torch.int64))
                 epoch = dev.pin_epoch
                 host = []
-                (((d, h, s), got),) = store.stage_many([(tab, uniq)], host_copies=host)
+                (((d, h, s), got),) = store.staging.stage_many([(tab, uniq)], host_copies=host)
                 want = dev.lookup(tab.tix, uniq, count=False)
                 assert torch.equal(got, want)
                 assert len(host) == 1 and torch.equal(host[0], got.cpu())  # the host's copy
@@ -62,8 +62,8 @@ def test_staged_slots_equal_a_fresh_lookup(tmp_path_factory, dcap, hcap, batches
                     staged.append(("a", uniq, got, epoch))
                 else:
                     staged.append(("a", uniq))
-            store.pending_unpins.extend(staged)
-            store.drain_unpins()
+            store.staging.unpin_later(staged)
+            store.staging.drain_unpins()
             assert int(dev.pins.sum()) == 0 and int(store.host_tier.pins.sum()) == 0
         store.check()
 
@@ -74,7 +74,7 @@ def test_staged_slots_equal_a_fresh_lookup(tmp_path_factory, dcap, hcap, batches
                 min_size=1, max_size=4))
 def test_staging_all_tables_at_once_gives_each_rows_slot_and_keeps_every_value(
         tmp_path_factory, dcap, hcap, batches):
-    """`_stage_many` (one placement for a batch's tables, as the pipeline stages) returns each
+    """`StagingArea.stage_many` (one placement for a batch's tables, as the pipeline stages) returns each
     row's device slot (-1 off the device) as a lookup right then would, with the rows' sources
     counted, every staged row pinned where it is, and every row's value unchanged."""
     path = tmp_path_factory.mktemp("s")
@@ -94,7 +94,7 @@ def test_staging_all_tables_at_once_gives_each_rows_slot_and_keeps_every_value(
                 where = [(int((dev.lookup(tab.tix, uniq, count=False) >= 0).sum()),
                           int((host.lookup(tab.tix, uniq, count=False) >= 0).sum()))
                          for tab, uniq in items]  # the exclusive caches before staging
-                for (tab, uniq), ((d, h, s), got), dh in zip(items, store.stage_many(items), where):
+                for (tab, uniq), ((d, h, s), got), dh in zip(items, store.staging.stage_many(items), where):
                     assert (d, h) == dh and d + h + s == uniq.numel()
                     assert torch.equal(got, dev.lookup(tab.tix, uniq, count=False))
                     pinned.append((tab.spec.name, uniq))
@@ -107,8 +107,8 @@ def test_staging_all_tables_at_once_gives_each_rows_slot_and_keeps_every_value(
                     assert bool(((dslots >= 0) | (hslots >= 0)).all())
                 assert bool((dev.pins[dslots[dslots >= 0]] > 0).all())
                 assert bool((host.pins[hslots[hslots >= 0]] > 0).all())
-            store.pending_unpins.extend(pinned)
-            store.drain_unpins()
+            store.staging.unpin_later(pinned)
+            store.staging.drain_unpins()
             assert int(dev.pins.sum()) == 0 and int(host.pins.sum()) == 0
         store.check()
         for spec in specs:
@@ -123,7 +123,7 @@ def test_unpin_by_slot_falls_back_to_lookups_when_the_epoch_moved(tmp_path):
         with store.lock:
             uniq = torch.arange(5)
             epoch = dev.pin_epoch
-            ((_, slots),) = store.stage_many([(tab, uniq)])
+            ((_, slots),) = store.staging.stage_many([(tab, uniq)])
             slots = slots.clone()
             # a pinned row leaves the device (the epoch moves): the slots no longer name the rows
             moved = dev.remove(slots[:2])
@@ -131,8 +131,8 @@ def test_unpin_by_slot_falls_back_to_lookups_when_the_epoch_moved(tmp_path):
             store.cascade.access(tab, torch.tensor([10, 11]), None)  # other rows take the freed slots
             store.cascade.place(moved, protect=slots[2:])  # back in, at other slots
             assert not torch.equal(dev.lookup(tab.tix, uniq, count=False), slots)
-            store.pending_unpins.append(("a", uniq, slots, epoch))
-            store.drain_unpins()
+            store.staging.unpin_later([("a", uniq, slots, epoch)])
+            store.staging.drain_unpins()
             assert int(dev.pins.sum()) == 0 and int(store.host_tier.pins.sum()) == 0
         store.check()
 

@@ -26,7 +26,9 @@ from .index import dedup, sort_unique
 from .sizes import parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .bagpaths import BagPaths
     from .store import TierStore, _Table
+    from .traces import TraceRecorder
 
 LINE = 64  # bytes (= 8-bit counters) per sketch line: one cache line per id
 PAGE_SHIFT = 16  # sketch pages of 64 KiB are the unit of persistence
@@ -379,6 +381,43 @@ class TableAdmission:
 
 
 # store-side operations --------------------------------------------------------------------------
+class AccessGate:
+    """What a store counts of every access: its tables' admission (a row is admitted once its id
+    was seen often enough) and the access trace, when one is recorded. A part the store owns."""
+
+    def __init__(self, states: dict[str, TableAdmission], recorder: TraceRecorder | None) -> None:
+        self.states = states  # table name -> its admission state, for tables with a config
+        self.recorder = recorder
+
+    def count(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
+        """Count `ids` for admission; the admitted mask over them, or None when all are."""
+        adm = self.states.get(tab.spec.name)
+        return None if adm is None else adm.count(ids)
+
+    def admitted(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
+        """The admitted mask over `ids` without counting them, or None when all are."""
+        adm = self.states.get(tab.spec.name)
+        return None if adm is None else adm.admitted_mask(ids)
+
+    def record(self, table: str, ids: torch.Tensor) -> None:
+        """Append the requested ids to the access trace, when recording."""
+        if self.recorder is not None:
+            self.recorder.record(table, ids)
+
+    def gated(self, tab: _Table) -> bool:
+        """Whether the table has admission (some of its ids may not be admitted yet)."""
+        return tab.spec.name in self.states
+
+    def counts(self, tabs: list[_Table]) -> bool:
+        """Whether accesses of these tables are counted (a trace, or admission on one of them)."""
+        return self.recorder is not None or any(tab.spec.name in self.states for tab in tabs)
+
+    def close(self) -> None:
+        """Close the access trace, if one is recorded."""
+        if self.recorder is not None:
+            self.recorder.close()
+
+
 def open_admission(store: TierStore) -> dict[str, TableAdmission]:
     """The admission state of every table of `store` that has an admission config, loaded."""
     out = {}
@@ -391,51 +430,51 @@ def open_admission(store: TierStore) -> dict[str, TableAdmission]:
     return out
 
 
-def init_weights(store: TierStore, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
+def init_weights(device: torch.device, tab: _Table, rows: torch.Tensor) -> torch.Tensor:
     """The embedding [n, dim] a never-written row reads as (after the table's storage rounding)."""
     spec = tab.spec
     init = torch.from_numpy(spec.init(tab.key, rows.numpy(), spec.dim))
     if spec.codec.packed:
         init = spec.codec.decode(spec.codec.encode(init), spec.dim)
-    return init.to(store.device)
+    return init.to(device)
 
 
 def read_masked(store: TierStore, tab: _Table, ids: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
     """`read` with only the `mask`ed ids admitted: the others read as their initial value."""
     keep = torch.from_numpy(mask)
-    out = init_weights(store, tab, ids)
+    out = init_weights(store.device, tab, ids)
     if mask.any():
         idx = torch.nonzero(keep).flatten().to(store.device)
         out.index_copy_(0, idx, store.read_rows(tab, ids[keep]).to(out.dtype))
     return out
 
 
-def gather_masked(store: TierStore, tab: _Table, ids: torch.Tensor, mask: np.ndarray) -> Gathered:
+def gather_masked(paths: BagPaths, tab: _Table, ids: torch.Tensor, mask: np.ndarray) -> Gathered:
     """`gather` with only the `mask`ed ids admitted: the others get initial, uncached rows."""
     uniq, inv = sort_unique(*dedup(ids))
     ukeep = torch.zeros(uniq.numel(), dtype=torch.bool)
     ukeep[inv] = torch.from_numpy(mask)
-    weights = init_weights(store, tab, uniq)
+    weights = init_weights(paths.device, tab, uniq)
     if bool(ukeep.any()):
-        sub = store.gather_rows(tab, uniq[ukeep])
+        sub = paths.gather_rows(tab, uniq[ukeep])
         idx = torch.nonzero(ukeep).flatten().to(weights.device)
         weights.index_copy_(0, idx, sub.weights.to(weights.device))
     return Gathered(uniq, inv, weights)
 
 
-def pool_masked(store: TierStore, tab: _Table, ids: torch.Tensor, mask: np.ndarray,
+def pool_masked(paths: BagPaths, tab: _Table, ids: torch.Tensor, mask: np.ndarray,
                 offsets: torch.Tensor, psw: torch.Tensor | None, mode: str
                 ) -> tuple[torch.Tensor, Gathered]:
     """The module's pooled forward when some ids are not admitted (they pool their init rows)."""
-    g = gather_masked(store, tab, ids, mask)
+    g = gather_masked(paths, tab, ids, mask)
     dim = tab.spec.dim
-    if store.fused and store.device_tier.device.type == "cpu":
+    if paths.fused and paths.device_tier.device.type == "cpu":
         psw = None if psw is None else psw.detach().to("cpu", torch.float32)
         w = g.weights.contiguous()
         out = fused_pool(w, torch.arange(g.unique.numel()), g.inverse, offsets, dim, psw,
                          mode == "mean")
         return out, g
-    w = g.weights.to(store.device)
+    w = g.weights.to(paths.device)
     out = torch.nn.functional.embedding_bag(
         g.inverse.to(w.device), w, offsets.to(w.device), mode=mode,
         per_sample_weights=None if psw is None else psw.to(w.device, w.dtype))

@@ -1,8 +1,9 @@
-"""TierStore's training paths: gather a batch, pool bags, apply a bag gradient with the fused optimizer."""
+"""The store's training paths: gather a batch, a step's forward and backward over the engine, a
+bag gradient applied with the fused optimizer."""
 
 from __future__ import annotations
 
-import threading
+import collections
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -10,6 +11,7 @@ import torch
 
 import tierstore.admission as _adm
 import tierstore.cascade as _cas
+import tierstore.validate as validate
 
 from .errors import InvalidGradientError
 from .fused import BatchUpdate, bag_positions
@@ -17,26 +19,57 @@ from .gathered import Gathered as Gathered  # re-exported
 from .index import dedup, sort_unique
 
 if TYPE_CHECKING:
+    from .backends.set_tier import SetTier
+    from .backends.slab import SlabTier
+    from .pinned import StagingArea
+    from .stats import PrefetchStats
     from .store import _Table
 
 R = TypeVar("R")
 
 
 class BagPaths:
-    """How a batch of ids becomes pooled embeddings and how its gradient updates the rows."""
+    """How a batch of ids becomes pooled embeddings and how its gradient updates the rows.
 
-    def _promoting(self) -> bool:
-        """Whether this thread's gathers move missed rows up (not during a warm-only batch)."""
-        return self.deferring != threading.get_ident()
+    A part the store owns (`store.paths`), built from the device tier, the cascade (rows that
+    are not resident), the staging area (a prefetched batch's pinned rows, the lock-free path
+    and `exclusive()`), the access gate (admission and the trace), the prefetch stats, the
+    store's device and device cache, and four of the store's calls: `table_record` and
+    `check_live` (its tables and state), `stamp_many` and `count_update` (its clock). It owns
+    `fused` (numba kernels for a bag update on the CPU; False: the torch path) and the device
+    flags of staged steps' gradient checks not read yet (`deferred_checks`).
+    """
+
+    def __init__(self, device_tier: SlabTier | SetTier, cascade: _cas.Cascade, staging: StagingArea,
+                 gate: _adm.AccessGate, stats: PrefetchStats, device: torch.device,
+                 device_cache: str, fused: bool, *, table_record: Callable[[str], _Table],
+                 check_live: Callable[[], None],
+                 stamp_many: Callable[[list[_Table], torch.Tensor, list[torch.Tensor]], None],
+                 count_update: Callable[[_Table], int]) -> None:
+        self.device_tier, self.cascade, self.staging, self.gate = device_tier, cascade, staging, gate
+        self.prefetch_stats, self.device, self.device_cache, self.fused = stats, device, device_cache, fused
+        self.table_record, self.check_live = table_record, check_live
+        self.stamp_many, self.count_update = stamp_many, count_update
+        # device flags of staged steps' gradient checks not read yet, each with the CUDA event
+        # recorded after its step (None on the CPU): `raise_deferred`
+        self.deferred_checks: collections.deque = collections.deque()
 
     def gather_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered:
+        """A table's rows of `ids` (validated), made resident and deduplicated (store lock held)."""
         if ids.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64)
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
         uniq, inv = sort_unique(*dedup(ids))
-        payload = self.cascade.access(tab, uniq, None, promote=self._promoting())
+        payload = self.cascade.access(tab, uniq, None, promote=self.staging.promotes())
         return Gathered(uniq, inv, tab.spec.codec.decode(payload, tab.spec.dim), self.cascade.last_dslots,
                         self.device_tier.generation)
+
+    def _pinnable(self, tabs: list[_Table]) -> bool:
+        """Whether a step over these tables may read the pipeline's pinned rows lock-free (not
+        while recording a trace or with admission: both count under the lock). A CUDA device
+        tier reads them so only as the sets cache (its pins and slots need no host reads)."""
+        return ((self.device_tier.device.type == "cpu" or self.device_cache == "sets")
+                and not self.gate.counts(tabs))
 
     def step_forward(self, items: Sequence[tuple[str, torch.Tensor]],
                      pool: Callable[[list[Gathered], list[torch.Tensor | None], torch.Tensor], R]
@@ -50,22 +83,22 @@ class BagPaths:
         pipeline pinned is read without the store lock; any other takes it once for all tables.
         """
         tabs = [self.table_record(t) for t, _ in items]
-        ids = [self.check_ids(tab, i) for tab, (_, i) in zip(tabs, items)]
+        ids = [validate.row_ids(tab.spec, i) for tab, (_, i) in zip(tabs, items)]
         staged: list[Gathered | None] = [None] * len(tabs)
-        if self._pinnable(tabs) and self._begin_unlocked():  # no locked operation moves rows now
+        if self._pinnable(tabs) and self.staging.begin_unlocked():  # no locked operation moves rows now
             try:
-                gs = [self._pinned_rows(tab, i) for tab, i in zip(tabs, ids)]
+                gs = [self.staging.pinned_rows(tab, i) for tab, i in zip(tabs, ids)]
                 if all(g is not None for g in gs):
                     out = pool(gs, [None] * len(gs), self.device_tier.slab)
                     for g in gs:
                         if g.slots.numel():
-                            self._pending_hits.append(g.slots)
+                            self.staging.count_hits(g.slots)
                     self.prefetch_stats.lock_free_bags += len(gs)
                     return out, gs
                 staged = gs  # a table staging could not place whole: the others keep their rows
             finally:
-                self._end_unlocked()
-        with self.exclusive():
+                self.staging.end_unlocked()
+        with self.staging.exclusive():
             self.check_live()
             gs, weights, held, resident = [], [], [], []
             dev = self.device_tier
@@ -80,8 +113,8 @@ class BagPaths:
 
             try:
                 for tab, i, pinned in zip(tabs, ids, staged):
-                    self.record_access(tab.spec.name, i)
-                    mask = self.admit_mask(tab, i)
+                    self.gate.record(tab.spec.name, i)
+                    mask = self.gate.count(tab, i)
                     if mask is not None:  # some ids not admitted yet: they read their initial rows
                         hold()
                         g = _adm.gather_masked(self, tab, i, mask)
@@ -94,9 +127,9 @@ class BagPaths:
                         g = pinned
                         self.prefetch_stats.staged_bags_locked += 1
                         if g.slots.numel():
-                            self._pending_hits.append(g.slots)
+                            self.staging.count_hits(g.slots)
                     else:
-                        g = self._step_rows(tab, i, hold)
+                        g = self.step_rows(tab, i, hold)
                         if g.slots is not None and g.slots.numel():
                             resident.append(g.slots)
                     gs.append(g)
@@ -106,7 +139,7 @@ class BagPaths:
                 for slots in held:
                     dev.pin(slots, -1)
 
-    def _step_rows(self, tab: _Table, ids: torch.Tensor,
+    def step_rows(self, tab: _Table, ids: torch.Tensor,
                    hold: Callable[[], None] | None = None) -> Gathered:
         """A table's rows for a step's forward (store lock held): device slots when every one
         is resident, else the weights of its sorted unique rows (brought up the tiers, after
@@ -122,7 +155,7 @@ class BagPaths:
         if dslots is not None:  # `uniq` may stay unsorted: only these slots are touched
             return Gathered(uniq, inv, torch.empty(0, dim), dslots, dev.generation)
         uniq, inv = sort_unique(uniq, inv)  # the tier cascade and LMDB work in key order
-        promote = self._promoting()
+        promote = self.staging.promotes()
         if hold is not None:
             hold()
         payload = self.cascade.access(tab, uniq, None, promote=promote)
@@ -173,16 +206,16 @@ class BagPaths:
         """
         tabs = [self.table_record(t) for t, _ in items]
         gs = [g for _, g in items]
-        if all(g.pinned for g in gs) and self._begin_unlocked():
+        if all(g.pinned for g in gs) and self.staging.begin_unlocked():
             try:
                 if self._in_place(tabs, gs):
                     self._update_in_place(tabs, gs, update, finite)
                     return
             finally:
-                self._end_unlocked()
+                self.staging.end_unlocked()
         if finite is not None and not bool(finite):
             raise InvalidGradientError("the output gradient holds NaN/Inf values; nothing was updated")
-        with self.exclusive():
+        with self.staging.exclusive():
             self.check_live()
             tabs = [self.table_record(t) for t, _ in items]
             if self._in_place(tabs, gs):
@@ -197,12 +230,12 @@ class BagPaths:
     def _slots_valid(self, tab: _Table, g: Gathered) -> bool:
         """Whether a table's rows are still in the device slots its forward found (and all admitted)."""
         dev = self.device_tier
-        return (g.slots is not None and tab.spec.name not in self._admission
+        return (g.slots is not None and not self.gate.gated(tab)
                 and g.generation == (dev.pin_epoch if g.pinned else dev.generation))
 
     def _salts(self, tabs: list[_Table], gs: list[Gathered]) -> list[tuple[torch.Tensor | None, int]]:
         """Each 16-bit table's rounding salt (its unique ids and update count, counted here)."""
-        return [(g.unique, self._count_update(tab)) if tab.spec.codec.packed else (None, 0)
+        return [(g.unique, self.count_update(tab)) if tab.spec.codec.packed else (None, 0)
                 for tab, g in zip(tabs, gs)]
 
     def _update_in_place(self, tabs: list[_Table], gs: list[Gathered],
@@ -215,7 +248,7 @@ class BagPaths:
         update(dev.slab, None, self._salts(tabs, gs))
         used = [(tab, g.slots) for tab, g in zip(tabs, gs) if g.slots.numel()]
         if used:  # every table's stamps and dirty marks in a few calls, not a few a table
-            self._stamp_many([t for t, _ in used], dev.slab, [s for _, s in used])
+            self.stamp_many([t for t, _ in used], dev.slab, [s for _, s in used])
             dev.dirty.index_fill_(0, slots, True)  # a scalar fill: `[...] = True` syncs on CUDA
         if finite is not None:
             dev.slab.index_copy_(0, slots, torch.where(finite, dev.slab.index_select(0, slots), before))
@@ -236,7 +269,7 @@ class BagPaths:
         table's rows written back through the cascade (store lock held)."""
         parts, keeps = [], []
         for tab, g in zip(tabs, gs):
-            mask = self._admitted(tab, g.unique) if g.unique.numel() else None
+            mask = self.gate.admitted(tab, g.unique) if g.unique.numel() else None
             keep = None if mask is None else torch.from_numpy(mask)
             parts.append(self._payload_now(tab, g, keep))
             keeps.append(keep)
@@ -246,7 +279,7 @@ class BagPaths:
         update(work, torch.arange(work.shape[0], device=dev), self._salts(tabs, gs))
         payload = work.cpu() if work.device.type != "cpu" else work
         at = 0
-        promote = self.deferring != (threading.get_ident() if thread is None else thread)
+        promote = self.staging.promotes(thread)
         for tab, g, keep in zip(tabs, gs, keeps):
             u = g.unique.numel()
             rows, uniq = payload[at : at + u], g.unique
@@ -316,7 +349,7 @@ class BagPaths:
         if per_sample_weights is not None:
             psw = per_sample_weights.detach().to("cpu", torch.float32).reshape(-1)
             scale = psw if scale is None else scale * psw
-        mask = self._admitted(tab, unique)  # counted by the forward / gather
+        mask = self.gate.admitted(tab, unique)  # counted by the forward / gather
         if mask is not None:  # drop the positions of rows not admitted (updates discarded)
             unique, inverse, (bag_of, scale) = _adm.filter_positions(mask, unique, inverse,
                                                                      bag_of, scale)
@@ -327,10 +360,10 @@ class BagPaths:
                 unique, inverse = sort_unique(unique, inverse)
                 in_place, known = False, None
         update = BatchUpdate(tab.spec.optimizer, tab.spec.dim, unique.numel(), inverse, grad_out,
-                             bag_of, scale, self.fused, tab.spec.dtype, self._count_update(tab), unique)
+                             bag_of, scale, self.fused, tab.spec.dtype, self.count_update(tab), unique)
         if in_place:
             update.apply(dev.slab, g.slots)  # rows still where gather found them: update in place
-            self._stamp(tab, dev.slab, g.slots)
+            self.stamp_many([tab], dev.slab, [g.slots])
             dev.dirty.index_fill_(0, g.slots, True)
             return
-        self.cascade.access(tab, unique, update, promote=self._promoting(), known=known)
+        self.cascade.access(tab, unique, update, promote=self.staging.promotes(), known=known)

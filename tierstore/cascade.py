@@ -84,7 +84,7 @@ class Cascade:
         `promote=False` (a warm-only step) a read moves no row (`_read_in_place`), and an update
         brings up from below only the rows the device policy admits (`Policy.admit`), handing
         the others to the write-behind ring. (Prefetch staging, which pins rows instead, is
-        `PinnedSteps.stage_many`.) `known` are the rows' payloads [u, width] as a read that
+        `StagingArea.stage_many`.) `known` are the rows' payloads [u, width] as a read that
         moved nothing found them, with no update since: an update takes the rows cached nowhere
         from there instead of loading them again.
         """

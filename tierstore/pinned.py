@@ -1,9 +1,12 @@
-"""TierStore's prefetch support: staging and pinning, and training on pinned slots without the lock."""
+"""The staging and pin area: a prefetched batch's rows staged up the tiers and pinned, and its
+step's lock-free path over them."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -12,21 +15,61 @@ import torch
 import tierstore.hostread as hostread
 
 from .backends.slab import Rows
-from .bagpaths import Gathered
+from .gathered import Gathered, Staged
 from .index import dedup
 
 if TYPE_CHECKING:
+    from .backends.set_tier import SetTier
+    from .backends.slab import SlabTier
+    from .backends.writeback import WriteBehind
+    from .cascade import Cascade
+    from .resolve import Layout
     from .store import _Table
+    from .stored_rows import RowLoader
 
 
 SCRATCH_SHARE = 16  # a selective device policy's scratch pad: 1/16 of the tier's slots
 
 
-class PinnedSteps:
-    """Staging (tierstore.prefetch, store lock held) and the lock-free path of a staged batch."""
+class StagingArea:
+    """Staging (tierstore.prefetch, store lock held) and the lock-free path of a staged batch.
+
+    The store builds it from its parts: the two cache tiers, the cascade (placement and
+    write-down), the loader (rows cached nowhere), the write-behind ring (room for victims), the
+    store lock, the table registry, the layout (staging slots), the payload width, and
+    `closed()`, the store's state. It owns what staging shares with the steps: the batch handed
+    to the consumer thread (`staged`, `deferring`), the hits and unpins of lock-free steps not
+    told yet, and the barrier that keeps lock-free updates off while a locked section runs.
+    """
+
+    def __init__(self, device_tier: SlabTier | SetTier, host_tier: SlabTier, cascade: Cascade,
+                 loader: RowLoader, writeback: WriteBehind, lock: threading.RLock,
+                 tables: dict[str, _Table], layout: Layout, width: int,
+                 closed: Callable[[], bool]) -> None:
+        self.device_tier, self.host_tier = device_tier, host_tier
+        self.cascade, self.loader, self.writeback = cascade, loader, writeback
+        self.lock, self.tables, self.layout, self.width = lock, tables, layout, width
+        self.closed = closed
+        # lock-free updates of pinned rows (see _pinned_slots): a count of those running, and a
+        # barrier that holds new ones off while a locked operation needs every row at rest
+        self._compute = threading.Condition()
+        self._inflight = 0
+        self._barrier = 0
+        # the batch in use, as the prefetch pipeline staged it: (consumer thread id,
+        # {table: (sorted rows, device slots)}, pin epoch); its rows stay pinned until the
+        # pipeline's release
+        self.staged: tuple[int, dict[str, Staged], int] = (0, {}, -1)
+        # the consumer thread whose batch is warm-only (0: none): its forward reads missed rows
+        # where they are, and its backward moves them up once (`Cascade.access`'s `promote`)
+        self.deferring = 0
+        # batches released by the pipeline without the lock: their pins drop at the next locked
+        # section (staging or any store call), after their hits are told
+        self._pending_unpins: collections.deque = collections.deque()
+        # device hits of lock-free gathers, not yet told (a deque: append and popleft are atomic)
+        self._pending_hits: collections.deque[torch.Tensor] = collections.deque()
 
     @contextlib.contextmanager
-    def exclusive(self):
+    def exclusive(self) -> Iterator[None]:
         """The store lock, with no lock-free update of pinned rows running (they wait outside)."""
         with self.lock:
             with self._compute:
@@ -41,19 +84,46 @@ class PinnedSteps:
                 with self._compute:
                     self._barrier -= 1
 
-    def _begin_unlocked(self) -> bool:
+    def begin_unlocked(self) -> bool:
         """Start a lock-free update of pinned rows; False while a locked operation holds them."""
         with self._compute:
-            if self._barrier or self.closed:
+            if self._barrier or self.closed():
                 return False
             self._inflight += 1
             return True
 
-    def _end_unlocked(self) -> None:
+    def end_unlocked(self) -> None:
+        """End a lock-free update `begin_unlocked` started (a waiting locked section may go on)."""
         with self._compute:
             self._inflight -= 1
             if not self._inflight:
                 self._compute.notify_all()
+
+    # the batch handed to the consumer thread -----------------------------------------------
+    def use_batch(self, staged: tuple[dict[str, Staged], int] | None, warm: bool) -> None:
+        """Hand this (consumer) thread its batch: the slots the pipeline staged and their pin
+        epoch (None: none), and whether it is warm-only (its misses stay where they are)."""
+        ident = threading.get_ident()
+        self.staged = (ident, staged[0], staged[1]) if staged else (0, {}, -1)
+        self.deferring = ident if warm else 0
+
+    def drop_batch(self) -> None:
+        """Forget the consumer's batch (its rows are about to lose their pins)."""
+        self.staged = (0, {}, -1)
+        self.deferring = 0
+
+    def promotes(self, thread: int | None = None) -> bool:
+        """Whether gathers of `thread` (None: this one) move missed rows up (not in a warm-only batch)."""
+        return self.deferring != (threading.get_ident() if thread is None else thread)
+
+    def count_hits(self, slots: torch.Tensor) -> None:
+        """Queue the device hits of a step that read pinned rows; told at the next locked section."""
+        self._pending_hits.append(slots)
+
+    def unpin_later(self, entries: Iterable[tuple]) -> None:
+        """Queue pins to drop at the next locked section: (table, rows) or (table, rows, device
+        slots, pin epoch) entries, as `drain_unpins` takes them (lock-free)."""
+        self._pending_unpins.extend(entries)
 
     def drain_unpins(self) -> None:
         """Drop the pins of batches the pipeline released lock-free (store lock held).
@@ -63,7 +133,7 @@ class PinnedSteps:
         unchanged (a pinned row never leaves otherwise, and the caches are exclusive, so no
         other tier holds one of them); then the pins are dropped by slot, without lookups.
         """
-        pending, dev = self.pending_unpins, self.device_tier
+        pending, dev = self._pending_unpins, self.device_tier
         by_slot = []  # dropped together: one call for every table (repeats count)
         while pending:
             item = pending.popleft()
@@ -125,7 +195,7 @@ class PinnedSteps:
         s = slots[pos]
         return None if len(s) == 0 or s.min() < 0 else torch.from_numpy(s)
 
-    def _staged_indexes(self, tab: _Table, ids: torch.Tensor) -> Gathered | None:
+    def staged_indexes(self, tab: _Table, ids: torch.Tensor) -> Gathered | None:
         """The step's indexes staging made on the device for exactly these ids, or None."""
         owner, staged, epoch = self.staged
         got = staged.get(tab.spec.name)
@@ -136,23 +206,15 @@ class PinnedSteps:
         return Gathered(got.unique, got.inverse, torch.empty(0, tab.spec.dim), got.dslots,
                         epoch, pinned=True)
 
-    def _pinnable(self, tabs: list[_Table]) -> bool:
-        """Whether a step over these tables may read the pipeline's pinned rows lock-free (not
-        while recording a trace or with admission: both count under the lock). A CUDA device
-        tier reads them so only as the sets cache (its pins and slots need no host reads)."""
-        return ((self.device_tier.device.type == "cpu" or self.device_cache == "sets")
-                and self._recorder is None
-                and not any(tab.spec.name in self._admission for tab in tabs))
-
-    def _pinned_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered | None:
+    def pinned_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered | None:
         """A table's rows of the batch the pipeline pinned for this thread, or None (lock-free,
-        inside `_begin_unlocked`)."""
+        inside `begin_unlocked`)."""
         dev = self.device_tier
         if ids.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64)
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim), hostread.to_device(empty, dev.device),
                             dev.pin_epoch, pinned=True)
-        got = self._staged_indexes(tab, ids)
+        got = self.staged_indexes(tab, ids)
         if got is not None:
             return got
         uniq, inv = dedup(ids)  # the ids are host-side (validated there): no device sync

@@ -1,7 +1,7 @@
 """The modules' training step over the engine: one forward and one backward+update call a step.
 
 `EngineStep` is the autograd Function every tiered module runs: its forward asks the store for
-the step's rows (`TierStore.step_forward`: device slots, or gathered weights for rows that are
+the step's rows (`store.paths.step_forward`, `BagPaths`: device slots, or gathered weights for rows that are
 not resident) and pools every feature of the collection in one engine call; its backward checks
 the gradient and hands the store one engine update for the whole step (`step_backward`). The
 store's cascade, staging and write-behind stay below it. A read-only handle serves rows through
@@ -56,7 +56,7 @@ class EngineStep(torch.autograd.Function):
                         for tp, g, w in zip(plan.tables, gs, weights)]
             return out, fwd, batch, slots, rows
 
-        (out, fwd, batch, slots, rows), gs = store.step_forward(items, pool)
+        (out, fwd, batch, slots, rows), gs = store.paths.step_forward(items, pool)
         ctx.save_for_backward(psw)
         # the consumer's thread: autograd runs a CUDA step's backward on a device thread
         ctx.state = (store, engine, [n for n, _ in items], gs, fwd, batch, slots, rows,
@@ -70,15 +70,15 @@ class EngineStep(torch.autograd.Function):
         ctx.state = None
         grad = grad_out.detach().to(device=slots.device, dtype=torch.float32).contiguous()
         # a staged step on the sets cache checks on the device (no sync): `raise_deferred`
-        deferred = bool(grad.numel()) and store.defers_checks(gs)
+        deferred = bool(grad.numel()) and store.paths.defers_checks(gs)
         if grad.numel() and not deferred and not validate.all_finite(grad):
             raise InvalidGradientError("the output gradient holds NaN/Inf values; nothing was updated")
         if psw is not None and psw.numel() and not validate.all_finite(psw.detach().float()):
             raise InvalidGradientError("per_sample_weights hold NaN/Inf; nothing was updated")
-        store.step_backward(list(zip(names, gs)),
-                            lambda table, at, salts: engine.backward(
-                                batch, fwd, grad, table, slots if at is None else at, salts=salts),
-                            finite=torch.isfinite(grad).all() if deferred else None, thread=thread)
+        store.paths.step_backward(list(zip(names, gs)),
+                                  lambda table, at, salts: engine.backward(
+                                      batch, fwd, grad, table, slots if at is None else at, salts=salts),
+                                  finite=torch.isfinite(grad).all() if deferred else None, thread=thread)
         g_psw = None
         if rows is not None:
             g_psw = _weights_grad(engine.plan, batch, fwd, grad, rows).to(psw.device)

@@ -94,7 +94,7 @@ class ShardedPrefetcher:
         with local.lock:
             if not local.closed:
                 for table, uniq in staged.items():
-                    local.pin(local.table_record(table), uniq, -1)
+                    local.staging.pin(local.table_record(table), uniq, -1)
         self._permits.release()
 
     def close(self) -> None:
@@ -171,7 +171,7 @@ class ShardedPrefetcher:
                 stats.warm_only += 1  # the window cannot stay cached: do not evict the step's rows
             else:
                 todo = [(t, uniq) for t, uniq in mine.items() if uniq.numel()]
-                done = local.stage_many([(local.table_record(t), uniq) for t, uniq in todo])
+                done = local.staging.stage_many([(local.table_record(t), uniq) for t, uniq in todo])
                 for (t, uniq), ((d, h, s), _) in zip(todo, done):  # one placement for all tables
                     stats.rows_used += uniq.numel()
                     stats.rows_resident_at_use += d + h

@@ -180,13 +180,13 @@ class Prefetcher:
         if self._closed:
             raise StopIteration
         self._release(self._consumed)
-        self.store.raise_deferred()  # a staged step's gradient check left to the device
+        self.store.paths.raise_deferred()  # a staged step's gradient check left to the device
         if self.depth == 0:
             try:
                 batch = next(self._source)
             except StopIteration:
                 self.close()
-                self.store.raise_deferred(wait=True)  # the last steps' checks too
+                self.store.paths.raise_deferred(wait=True)  # the last steps' checks too
                 raise
             self._consumed += 1
             self.store.prefetch_stats.batches += 1
@@ -205,16 +205,15 @@ class Prefetcher:
         if item is _END:
             self._raise_worker_error()
             self.close()
-            self.store.raise_deferred(wait=True)  # the last steps' checks too
+            self.store.paths.raise_deferred(wait=True)  # the last steps' checks too
             raise StopIteration
         step, batch = item
         self._consumed = step
         stats.batches += 1
         # this thread's forward and backward may use the batch's pinned slots without the lock
         st = self._slots.pop(step, None)
-        self.store.staged = (threading.get_ident(), st[0], st[1]) if st else (0, {}, -1)
         # a warm-only batch's forward reads its misses where they are; its backward places them
-        self.store.deferring = threading.get_ident() if step in self._warm_steps else 0
+        self.store.staging.use_batch(st, step in self._warm_steps)
         self._warm_steps.discard(step)
         return batch
 
@@ -235,21 +234,20 @@ class Prefetcher:
         if ids is None:
             return
         store = self.store
-        store.staged = (0, {}, -1)  # the batch's rows are about to lose their pins
-        store.deferring = 0
+        store.staging.drop_batch()  # the batch's rows are about to lose their pins
         if store.device_tier.policy.wants_future or store.host_tier.policy.wants_future:
             with store.lock:  # hints need the rows' slots now
                 if store.closed:
                     return
-                store.drain_hits()
-                store.drain_unpins()
+                store.staging.drain_hits()
+                store.staging.drain_unpins()
                 for table, uniq in ids.items():
                     tab = store.table_record(table)
-                    store.pin(tab, uniq, -1)
+                    store.staging.pin(tab, uniq, -1)
                     self._hint_next_uses(tab, uniq, step)
         else:  # without the lock: the next locked section (staging, any call) drops the pins
-            store.pending_unpins.extend((t, u, by_slot[t], epoch) if t in by_slot else (t, u)
-                                         for t, u in ids.items())
+            store.staging.unpin_later((t, u, by_slot[t], epoch) if t in by_slot else (t, u)
+                                      for t, u in ids.items())
         self._permits.release()
 
     def _hint_next_uses(self, tab: Any, uniq: torch.Tensor, step: int) -> None:
@@ -263,7 +261,7 @@ class Prefetcher:
                 continue
             hit = torch.isin(remaining, other)
             if bool(hit.any()):
-                self.store.hint(tab, remaining[hit], torch.full((int(hit.sum()),), later))
+                self.store.staging.hint(tab, remaining[hit], torch.full((int(hit.sum()),), later))
                 remaining = remaining[~hit]
 
     def close(self) -> None:
@@ -327,7 +325,7 @@ class Prefetcher:
             batch_rows = sum(u.numel() for u in per_table.values())
             # the window cannot stay cached: staging would only evict rows the running step needs,
             # so this batch gets no pins, and every row the caches may lose by then is read ahead
-            warm_only = not store.window_fits(window_rows + batch_rows)
+            warm_only = not store.staging.window_fits(window_rows + batch_rows)
             stats = store.prefetch_stats
             stats.window_rows = max(stats.window_rows, window_rows + batch_rows)
             self.warm_only = warm_only
@@ -418,16 +416,16 @@ class Prefetcher:
                 stats.stage_seconds += time.perf_counter() - t1
                 return
             future = store.device_tier.policy.wants_future or store.host_tier.policy.wants_future
-            store.drain_hits()
-            store.drain_unpins()
+            store.staging.drain_hits()
+            store.staging.drain_unpins()
             dev = store.device_tier
             epoch = dev.pin_epoch
             slots, by_slot = {}, {}
             # all tables' misses placed at once; device slots, -1 where a row overflowed to host
             # and the slots on the host, read through an event (`tierstore.hostread`)
             on_host: list[torch.Tensor] = []
-            staged_all = store.stage_many([(tabs[t], uniq) for t, uniq in per_table.items()],
-                                          host_copies=on_host)
+            staged_all = store.staging.stage_many([(tabs[t], uniq) for t, uniq in per_table.items()],
+                                                  host_copies=on_host)
             for (t, uniq), ((d, h, s), staged), sh in zip(per_table.items(), staged_all, on_host):
                 on_device = d + h + s == 0 or int(sh.min()) >= 0
                 # with the step's ids kept (the sets cache), its indexes made here on the device
@@ -449,7 +447,7 @@ class Prefetcher:
                 earlier = [w[t] for w in list(self._window.values()) if t in w]  # a snapshot
                 fresh = uniq if not earlier else uniq[~torch.isin(uniq, torch.cat(earlier))]
                 if fresh.numel():
-                    store.hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
+                    store.staging.hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
             self._window[step] = per_table
             self._slots[step] = (slots, epoch)
             self._unpin_slots[step] = (by_slot, epoch)
@@ -533,17 +531,16 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
 
 def _unpin_all(store: TierStore, window: dict) -> None:
     """Unpin every staged batch still in `window` (under the store lock)."""
-    store.staged = (0, {}, -1)
-    store.deferring = 0
+    store.staging.drop_batch()
     with store.lock:
         steps = sorted(window)
         if not store.closed:
-            store.drain_hits()
-            store.drain_unpins()
+            store.staging.drain_hits()
+            store.staging.drain_unpins()
             store.device_tier.pin_epoch += 1  # pins dropped wholesale: staged slots are void
             for step in steps:
                 for table, uniq in window[step].items():
-                    store.pin(store.table_record(table), uniq, -1)
+                    store.staging.pin(store.table_record(table), uniq, -1)
         window.clear()
 
 

@@ -2,7 +2,8 @@
 
 # TierStore (handle.py) is assembled from mixins by concept: rows.py (the row API), opening.py
 # (config checks, open), lifecycle.py (flush, checkpoint, close), clock.py (clock, expiry),
-# metrics.py (stats, memory, check); core.py holds the constants and helpers they share.
+# metrics.py (stats, memory, check); core.py holds the constants and helpers they share. The store
+# owns its parts (loader, cascade, staging area, access gate, bag paths) and reaches them by public names.
 # handle.py reads HAVE_NUMBA from this module, so that patching tierstore.store.HAVE_NUMBA works.
 
 from .._kernels import HAVE_NUMBA

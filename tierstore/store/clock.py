@@ -46,27 +46,27 @@ class StoreClock:
         for tab in self.tables.values():
             tab.writes += 1
 
-    def _clock_value(self) -> torch.Tensor:
+    def clock_value(self) -> torch.Tensor:
         """The clock as a 0-d float32 tensor holding its int32 bits (the stamp column's value)."""
         return torch.tensor(self.clock, dtype=torch.int32).view(torch.float32)
 
-    def _stamp(self, tab: _Table, target: torch.Tensor, slots: torch.Tensor) -> None:
+    def stamp(self, tab: _Table, target: torch.Tensor, slots: torch.Tensor) -> None:
         """Record the clock as the last-update stamp of updated rows `target[slots]` (and count
         the update in the table's `writes`)."""
-        self._stamp_many([tab], target, [slots])
+        self.stamp_many([tab], target, [slots])
 
-    def _stamp_many(self, tabs: list[_Table], target: torch.Tensor, slots: list[torch.Tensor]) -> None:
-        """`_stamp` of several tables' rows: one write per stamp column, not one per table."""
+    def stamp_many(self, tabs: list[_Table], target: torch.Tensor, slots: list[torch.Tensor]) -> None:
+        """`stamp` of several tables' rows: one write per stamp column, not one per table."""
         by_col: dict[int, list[torch.Tensor]] = {}
         for tab, s in zip(tabs, slots):
             tab.writes += 1
             by_col.setdefault(tab.spec.stamp_col, []).append(s)
-        value = self._clock_value().to(target.device, non_blocking=True)
+        value = self.clock_value().to(target.device, non_blocking=True)
         for col, parts in by_col.items():  # index_copy_ of the value broadcast: index_fill_ with
             at = parts[0] if len(parts) == 1 else torch.cat(parts)  # a tensor value reads it back
             target[:, col].index_copy_(0, at, value.expand(at.numel()))
 
-    def _count_update(self, tab: _Table) -> int:
+    def count_update(self, tab: _Table) -> int:
         """Count an update call on `tab`; a 16-bit table's count salts its stochastic rounding."""
         if not tab.spec.codec.packed:
             return 0

@@ -1,8 +1,9 @@
-"""The TierStore class: its constructor, and the mixins by concept that hold its methods."""
+"""The TierStore class: its constructor, which builds the parts it owns, and the mixins by concept
+that hold its methods."""
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import dataclasses
 import os
 import threading
@@ -29,9 +30,8 @@ from ..cascade import Cascade
 from ..config import StoreConfig, TableSpec, parse_capacity, parse_map_limit, resolve_device
 from ..engine import check_kernels
 from ..errors import ConfigError, LogCorruptError
-from ..gathered import Staged
 from ..initializers import name_key
-from ..pinned import PinnedSteps
+from ..pinned import StagingArea
 from ..resolve import resolve_layout
 from ..stats import PrefetchStats, SsdStats
 from ..stored_rows import RowLoader
@@ -43,8 +43,7 @@ from .opening import StoreOpening
 from .rows import RowApi
 
 
-class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
-                PinnedSteps, BagPaths):
+class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics):
     """Embedding rows over three tiers (device cache, host cache, LMDB) with fused optimizers.
 
     Upper tiers are exclusive write-back caches: a row lives in at most one cache tier, with a
@@ -100,31 +99,11 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         switch = _switch.configured()  # a bad TIERSTORE_SWITCH_INTERVAL fails before any file opens
         self.closed = True
         self.lock = threading.RLock()
-        # lock-free updates of pinned rows (see _pinned_slots): a count of those running, and a
-        # barrier that holds new ones off while a locked operation needs every row at rest
-        self._compute = threading.Condition()
-        self._inflight = 0
-        self._barrier = 0
-        # the batch in use, as the prefetch pipeline staged it: (consumer thread id,
-        # {table: (sorted rows, device slots)}); its rows stay pinned until the pipeline's release
-        self.staged: tuple[int, dict[str, Staged], int] = (0, {}, -1)
-        # the consumer thread whose batch is warm-only (0: none): its forward reads missed rows
-        # where they are, and its backward moves them up once (`Cascade.access`'s `promote`)
-        self.deferring = 0
-        # batches released by the pipeline without the lock: their pins drop at the next locked
-        # section (staging or any store call), after their hits are told
-        self.pending_unpins: collections.deque = collections.deque()
-        # device hits of lock-free gathers, not yet told (a deque: append and popleft are atomic)
-        self._pending_hits: collections.deque[torch.Tensor] = collections.deque()
-        # device flags of staged steps' gradient checks not read yet, each with the CUDA event
-        # recorded after its step (None on the CPU): `raise_deferred`
-        self.deferred_checks: collections.deque = collections.deque()
         self.prefetch_stats = PrefetchStats()
         # feature name -> table, registered by TieredEmbeddingBagCollection (None: ambiguous);
         # lets a Prefetcher over the store read jagged batches keyed by feature
         self.feature_tables: dict[str, str | None] = {}
         self.prefetchers: weakref.WeakSet = weakref.WeakSet()  # stopped when the store closes
-        self.fused = _st.HAVE_NUMBA  # numba kernels for the update on CPU; False: the torch path
         from ..policies import make_policy
 
         probe = make_policy(policy, 0)  # an unknown policy is refused before the store is touched
@@ -165,7 +144,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self.tables = {t.name: _Table(t, i, name_key(seed, t.name)) for i, t in enumerate(tables)}
         self.by_index = [self.tables[n] for n in names]
         try:  # table name -> admission state, for tables with an admission config
-            self._admission = _adm.open_admission(self)
+            admission = _adm.open_admission(self)
             self.expiry = _exp.Expiry(self)  # cutoffs per table, ttl expiry points, its deleter
         except BaseException:
             self.backend.close()
@@ -196,19 +175,30 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
                                     self.ssd_stats, self.prefetch_stats)
             self.io_seconds = self.loader.io_seconds  # LMDB read seconds: training thread, others
             self.cascade = Cascade(self.device_tier, self.host_tier, self.loader, self.writeback,
-                                   self.ssd_stats, width, self.device, self._stamp, self._clock_value)
+                                   self.ssd_stats, width, self.device, self.stamp, self.clock_value)
+            # the staging and pin area: the prefetch pipeline's batches, staged and pinned, and
+            # their steps' lock-free path
+            self.staging = StagingArea(self.device_tier, self.host_tier, self.cascade, self.loader,
+                                       self.writeback, self.lock, self.tables, self.layout, width,
+                                       lambda: self.closed)
             self.backend.quiesce = _weak_context(self.quiesce_writer)  # the merger holds the backend
             self.log.start_merger(self._add_written)
             # the logical clock (store.advance, stamped on updates) and the tables' update counts
             self._load_clock(self.backend.get_meta("clock") or {})
-            self._recorder = None
+            recorder = None
             if record is not None:
                 from ..traces import TraceRecorder
 
                 try:
-                    self._recorder = TraceRecorder(record)
+                    recorder = TraceRecorder(record)
                 except OSError as exc:
                     raise ConfigError(f"cannot record the access trace to {record!r}: {exc}") from exc
+            self.gate = _adm.AccessGate(admission, recorder)  # admission and the access trace
+            # the training paths: a step's rows for the engine, its update, `gather`'s rows
+            self.paths = BagPaths(self.device_tier, self.cascade, self.staging, self.gate,
+                                  self.prefetch_stats, self.device, self.device_cache, _st.HAVE_NUMBA,
+                                  table_record=self.table_record, check_live=self.check_live,
+                                  stamp_many=self.stamp_many, count_update=self.count_update)
         except BaseException:
             if self.log is not None:
                 self.log.stop_merger()
@@ -218,6 +208,19 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics,
         self.closed = False
         _OPEN_STORES.add(self)
         _switch.STORES.acquire(self, switch)  # a shorter GIL switch interval while its threads run
+
+    def exclusive(self) -> contextlib.AbstractContextManager[None]:
+        """The store lock, with no lock-free step over pinned rows running (`StagingArea.exclusive`)."""
+        return self.staging.exclusive()
+
+    @property
+    def fused(self) -> bool:
+        """Whether updates run the numba kernels on the CPU (False: the torch path); settable."""
+        return self.paths.fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self.paths.fused = value
 
     @property
     def map_limit(self) -> int | None:

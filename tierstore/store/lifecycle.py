@@ -51,7 +51,7 @@ class StoreLifecycle:
                 tier.dirty[slots] = False
         with self.quiesce_writer():  # drain the ring, fold the whole log into the tables
             self.backend.publish()  # readers (tierstore.serving) now see this flush
-        for adm in self._admission.values():  # the sketches go down with the rows they gate
+        for adm in self.gate.states.values():  # the sketches go down with the rows they gate
             adm.save(self.backend)
         self.expiry.save(self.backend)  # and the expiry cutoffs
         self._save_clock()
@@ -90,8 +90,7 @@ class StoreLifecycle:
             self.loader.clear_read_ahead()
         finally:
             self.backend.close()
-            if self._recorder is not None:
-                self._recorder.close()
+            self.gate.close()
 
     def __enter__(self) -> TierStore:
         return self

@@ -26,8 +26,8 @@ class StoreMetrics:
                             "log_appended": log.rows_appended, "log_merged": log.rows_merged,
                             "log_chunks": log.chunks_appended,
                             "log_background_merges": log.background_merges}
-        if self._admission:
-            out["admission"] = {n: a.stats() for n, a in self._admission.items()}
+        if self.gate.states:
+            out["admission"] = {n: a.stats() for n, a in self.gate.states.items()}
         out["expiry"] = self.expiry.stats()
         data, log = self.backend.data_bytes(), self.backend.log_bytes()
         out["ssd"].update(rows_stored=sum(self.backend.count(n) for n in self.tables),

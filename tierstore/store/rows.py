@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 import tierstore.admission as _adm
@@ -49,8 +48,8 @@ class RowApi:
         """Current embedding rows [n, dim] (float32, store device); never-written rows are lazy."""
         tab = self.table_record(table)
         ids = self.check_ids(tab, ids)
-        self.record_access(table, ids)
-        mask = self.admit_mask(tab, ids)
+        self.gate.record(table, ids)
+        mask = self.gate.count(tab, ids)
         if mask is not None:
             return _adm.read_masked(self, tab, ids, mask)
         return self.read_rows(tab, ids)
@@ -63,7 +62,7 @@ class RowApi:
             slots = self.cascade.resident_slots(tab, ids)
             if slots is not None:  # fast path: one lookup and one gather
                 return tab.spec.codec.gather(dev.slab, slots, tab.spec.dim)
-        g = self.gather_rows(tab, ids)
+        g = self.paths.gather_rows(tab, ids)
         return g.weights.index_select(0, g.inverse.to(g.weights.device))
 
     @_locked
@@ -71,11 +70,11 @@ class RowApi:
         """Make a batch's rows resident (device tier first) and return them deduplicated."""
         tab = self.table_record(table)
         ids = self.check_ids(tab, ids)
-        self.record_access(table, ids)
-        mask = self.admit_mask(tab, ids)
+        self.gate.record(table, ids)
+        mask = self.gate.count(tab, ids)
         if mask is not None:
-            return _adm.gather_masked(self, tab, ids, mask)
-        return self.gather_rows(tab, ids)
+            return _adm.gather_masked(self.paths, tab, ids, mask)
+        return self.paths.gather_rows(tab, ids)
 
     @_locked
     def apply(self, table: str, ids: Any, grads: torch.Tensor) -> None:
@@ -85,8 +84,8 @@ class RowApi:
         grads = self._grads(tab, grads, ids.numel())
         if ids.numel() == 0:
             return
-        self.record_access(table, ids)
-        mask = self.admit_mask(tab, ids)
+        self.gate.record(table, ids)
+        mask = self.gate.count(tab, ids)
         if mask is not None:  # updates of ids not admitted yet are discarded
             keep = torch.from_numpy(mask)
             ids, grads = ids[keep], grads[keep]
@@ -103,9 +102,9 @@ class RowApi:
             self.cascade.last_sources = (n, 0, 0)
             dev.touch(slots)
             BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, iota, grads, use_kernel=self.fused,
-                        dtype=tab.spec.dtype, update_count=self._count_update(tab),
+                        dtype=tab.spec.dtype, update_count=self.count_update(tab),
                         keys=ids).apply(dev.slab, slots)
-            self._stamp(tab, dev.slab, slots)
+            self.stamp(tab, dev.slab, slots)
             dev.mark_dirty(slots)
             return
         uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
@@ -113,7 +112,7 @@ class RowApi:
         uslots = torch.empty_like(slots[: uniq.numel()]).index_copy_(0, inv.to(slots.device), slots)
         self.cascade.access(tab, uniq, BatchUpdate(tab.spec.optimizer, tab.spec.dim, uniq.numel(), inv,
                                             grads, use_kernel=self.fused, dtype=tab.spec.dtype,
-                                            update_count=self._count_update(tab), keys=uniq),
+                                            update_count=self.count_update(tab), keys=uniq),
                      dslots=uslots)
 
     @_locked
@@ -124,7 +123,7 @@ class RowApi:
         grads = self._grads(tab, grads, unique.numel())
         if unique.numel() > 1 and not bool((unique[1:] > unique[:-1]).all()):
             raise InvalidIdsError("apply_unique needs sorted unique ids; use apply() otherwise")
-        mask = self._admitted(tab, unique)  # gather's second half: counted by the gather
+        mask = self.gate.admitted(tab, unique)  # gather's second half: counted by the gather
         if mask is not None:
             keep = torch.from_numpy(mask)
             unique, grads = unique[keep], grads[keep]
@@ -132,7 +131,7 @@ class RowApi:
             n = unique.numel()
             self.cascade.access(tab, unique, BatchUpdate(tab.spec.optimizer, tab.spec.dim, n, torch.arange(n),
                                                   grads.cpu(), use_kernel=self.fused,
-                                                  dtype=tab.spec.dtype, update_count=self._count_update(tab),
+                                                  dtype=tab.spec.dtype, update_count=self.count_update(tab),
                                                   keys=unique))
 
     @_locked
@@ -149,20 +148,4 @@ class RowApi:
         unique = self.check_ids(tab, unique)
         inverse, offsets, grad_out, psw = validate.bags(tab.spec, unique, inverse, offsets,
                                                         grad_out, per_sample_weights, mode)
-        self.apply_bag_grads(tab, Gathered(unique, inverse, grad_out[:0]), offsets, grad_out, psw, mode)
-
-    # admission and tracing ----------------------------------------------------------------
-    def admit_mask(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
-        """Count `ids` for admission; the admitted mask over them, or None when all are."""
-        adm = self._admission.get(tab.spec.name)
-        return None if adm is None else adm.count(ids)
-
-    def _admitted(self, tab: _Table, ids: torch.Tensor) -> np.ndarray | None:
-        """The admitted mask over `ids` without counting them, or None when all are."""
-        adm = self._admission.get(tab.spec.name)
-        return None if adm is None else adm.admitted_mask(ids)
-
-    def record_access(self, table: str, ids: torch.Tensor) -> None:
-        """Append the requested ids to the access trace, when recording."""
-        if self._recorder is not None:
-            self._recorder.record(table, ids)
+        self.paths.apply_bag_grads(tab, Gathered(unique, inverse, grad_out[:0]), offsets, grad_out, psw, mode)
