@@ -130,12 +130,16 @@ def test_assign_matches_a_dict_of_newest_slots(ops, capacity, kernels):
         new = list(dict.fromkeys(keys))[:capacity]
         slots = [(tail + i) % capacity for i in range(len(new))]
         tail += len(new)
+        want_moved = []
         for k, s in zip(new, slots):
-            ref = {key: v for key, v in ref.items() if v != s and key != k}
+            ref = {key: v for key, v in ref.items() if v != s}  # the reused slot's key first
+            want_moved.append(ref.pop(k, -1))  # then the key leaves its older slot, if any
             ref[k] = s
+        moved = np.full(len(new), -7, dtype=np.int64)
         idx.assign(torch.tensor([k[0] for k in new], dtype=torch.int64),
                    torch.tensor([k[1] for k in new], dtype=torch.int64),
-                   torch.tensor(slots, dtype=torch.int64))
+                   torch.tensor(slots, dtype=torch.int64), moved=moved)
+        assert moved.tolist() == want_moved
         if drop < len(ref) and step % 3 == 2:  # a removal now and then leaves torch tombstones
             key = list(ref)[drop]
             idx.remove(torch.tensor([ref.pop(key)]))

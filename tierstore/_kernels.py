@@ -205,10 +205,11 @@ if HAVE_NUMBA:
         return tombs
 
     @numba.njit(cache=True, nogil=True)
-    def hash_assign(table, pos_of, tabs, rows, slots, mask):  # pragma: no cover - compiled
+    def hash_assign(table, pos_of, tabs, rows, slots, mask, moved):  # pragma: no cover - compiled
         """Map each key (distinct) to its slot in one probe: a slot that held another key drops
         it first, and a key already present moves to its new slot in place (else it is
-        inserted). Return (live keys added, tombstones left minus reused, max probe distance)."""
+        inserted); with a `moved` array, moved[i] = the slot key i left, or -1. Return (live
+        keys added, tombstones left minus reused, max probe distance)."""
         added = 0
         tombs = 0
         maxd = 0
@@ -244,6 +245,8 @@ if HAVE_NUMBA:
                     break
                 p = (p + 1) & mask
             e = table[p, 0]
+            if moved.shape[0]:
+                moved[i] = (e & SLOT_MASK) if e >= 0 else -1
             if e >= 0:  # present: the key moves to slot s in place
                 pos_of[e & SLOT_MASK] = -1
                 added -= 1

@@ -24,6 +24,7 @@ def _next_pow2(n: int) -> int:
 
 
 SLOT_BITS = _kernels.SLOT_BITS
+_NO_SLOTS = np.empty(0, dtype=np.int64)  # `assign` without its `moved` output
 SLOT_MASK = (1 << SLOT_BITS) - 1
 
 
@@ -163,11 +164,14 @@ class HashIndex:
         self.live += n
         self.tombs -= landed_on_tomb
 
-    def assign(self, tabs: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    def assign(self, tabs: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+               moved: np.ndarray | None = None) -> None:
         """Map distinct keys to distinct `slots`: a slot's previous key is dropped, and a key
-        already present moves to its new slot (one probe a key on CPU)."""
+        already present moves to its new slot (one probe a key on CPU). With `moved` (int64,
+        one entry a key) each key's previous slot is written there, or -1."""
         n = rows.numel()
-        if slots.numel() != n:  # the kernel trusts its input: a mismatch would write out of bounds
+        if slots.numel() != n or (moved is not None and moved.shape != (n,)):
+            # the kernel trusts its input: a mismatch would write out of bounds
             raise ShapeError(f"{n} keys but {slots.numel()} slots")
         if n == 0:
             return
@@ -178,12 +182,20 @@ class HashIndex:
                 self._rebuild()
             added, tombs, maxd = _kernels.hash_assign(
                 self.table.numpy(), self.pos_of.numpy(), tabs.reshape(-1).contiguous().numpy(),
-                rows.contiguous().numpy(), slots.contiguous().numpy(), self.mask)
+                rows.contiguous().numpy(), slots.contiguous().numpy(), self.mask,
+                _NO_SLOTS if moved is None else moved)
             self.live += int(added)
             self.tombs += int(tombs)
             self.max_probe = max(self.max_probe, int(maxd))
             return
         old = self.find(tabs, rows)
+        if moved is not None:  # as the kernel reports it: a key whose slot an earlier (or its
+            # own) assignment reuses was dropped with that slot, so it moved from nowhere
+            o, sl = old.cpu().numpy(), slots.cpu().numpy()
+            order = np.argsort(sl)
+            at = np.minimum(np.searchsorted(sl, o, sorter=order), n - 1)
+            j = order[at]
+            moved[:] = np.where((sl[j] == o) & (j <= np.arange(n)), -1, o)
         self.remove(old[old >= 0])
         self.remove(slots[self.pos_of[slots] >= 0])
         self.add(tabs, rows, slots)

@@ -136,7 +136,7 @@ class Policy:
         """Which rows arriving by a miss (their key hashes) may displace a cached row; None: all.
 
         Asked by a warm-only step's backward (`TierCascade._access`: a rejected row goes on to
-        the write-behind ring) and by staging with one cache tier (`PinnedSteps._refused`: a
+        the write-behind ring) and by staging with one cache tier (`StagingArea._refused`: a
         rejected row waits in the scratch pad); either way the policy records a rejected row's
         access itself. Default: every row is admitted.
         """

@@ -183,16 +183,15 @@ class WriteLog:
         with self.lock:
             tt = torch.from_numpy(np.ascontiguousarray(tabs, dtype=np.int64))
             tr = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-            old = self.index.find(tt, tr)
-            hit = old >= 0
-            if bool(hit.any()):
-                self.index.remove(old[hit])
-                # forget their sequence numbers too: a merge folding those older versions then
-                # sees them superseded and does not remove the (absent) keys a second time
-                self.seq_of[old[hit].numpy()] = -1
-            slots = torch.from_numpy(seqs % self.capacity)
-            self.index.add(tt, tr, slots)
-            self.seq_of[slots.numpy()] = seqs
+            slots = seqs % self.capacity
+            old = np.empty(n, dtype=np.int64)
+            # one probe a key: each moves to its new slot (a key already in the log leaves its
+            # older one)
+            self.index.assign(tt, tr, torch.from_numpy(slots), moved=old)
+            # forget the older versions' sequence numbers too: a merge folding them then sees
+            # them superseded and does not remove the (moved) keys
+            self.seq_of[old[old >= 0]] = -1
+            self.seq_of[slots] = seqs
             self._chunks = np.concatenate([self._chunks, np.array(chunks, dtype=np.int64)])
             self.next += n
         self.rows_appended += n
