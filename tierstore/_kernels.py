@@ -409,11 +409,17 @@ if HAVE_NUMBA:
         n = rows.shape[0]
         w = data.shape[1]
         k = 0
-        for i in range(n):
+        at = np.empty(n, dtype=np.int64)  # the slots first (hash lines prefetched), then the
+        for i in range(n):  # rows (their lines prefetched): two passes of independent misses
             j = i + PREFETCH_AHEAD
             if j < n:
                 prefetch(table, _home(tab, rows[j], mask), 0)
-            s = _slot_of(table, mask, tab, rows[i])
+            at[i] = _slot_of(table, mask, tab, rows[i])
+        for i in range(n):
+            j = i + PREFETCH_AHEAD
+            if j < n and at[j] >= 0:
+                prefetch_row(src, at[j])
+            s = at[i]
             if s >= 0:
                 for c in range(w):
                     data[i, c] = src[s, c]
