@@ -309,18 +309,29 @@ if HAVE_NUMBA:
     def hash_absent(t1, m1, t2, m2, t3, m3, tabs, rows, out):  # pragma: no cover - compiled
         """out[i] = key (tabs[i], rows[i]) is in none of three hash tables (masks m1..m3; one
         table index for all keys when `tabs` has one entry); a key found in one is not probed
-        in the next ones."""
+        in the next ones. Two passes: every key in the first index, then only those it lacks
+        in the others (each pass prefetches the lines it will probe, none wasted)."""
         n = rows.shape[0]
         one = tabs.shape[0] == 1
+        rest = np.empty(n, dtype=np.int64)
+        nr = 0
         for i in range(n):
             j = i + PREFETCH_AHEAD
-            if j < n:  # the first index's line, and the last's (where a missing key ends)
-                tj = tabs[0] if one else tabs[j]
-                prefetch(t1, _home(tj, rows[j], m1), 0)
-                prefetch(t3, _home(tj, rows[j], m3), 0)
-            r = rows[i]
+            if j < n:
+                prefetch(t1, _home(tabs[0] if one else tabs[j], rows[j], m1), 0)
             t = tabs[0] if one else tabs[i]
-            out[i] = not (_holds(t1, m1, t, r) or _holds(t2, m2, t, r) or _holds(t3, m3, t, r))
+            if _holds(t1, m1, t, rows[i]):
+                out[i] = False
+            else:
+                rest[nr] = i
+                nr += 1
+        for k in range(nr):
+            if k + PREFETCH_AHEAD < nr:  # the last index's line (where a missing key ends)
+                j = rest[k + PREFETCH_AHEAD]
+                prefetch(t3, _home(tabs[0] if one else tabs[j], rows[j], m3), 0)
+            i = rest[k]
+            t = tabs[0] if one else tabs[i]
+            out[i] = not (_holds(t2, m2, t, rows[i]) or _holds(t3, m3, t, rows[i]))
 
     @numba.njit(cache=True, nogil=True)
     def scatter_rows(dst, idx, src):  # pragma: no cover - compiled
