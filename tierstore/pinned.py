@@ -356,11 +356,7 @@ class StagingArea:
             loaded = self.loader.load_many([(items[i][0], mrows[bounds[i] : bounds[i + 1]]) for i in which])
             payload = loaded[0] if len(loaded) == 1 else torch.cat(loaded)
             if dev.fused_placement:  # `_place_misses` in one compiled pass, same outcome
-                pad = self._refused(torch.arange(m), mtabs, mrows)
-                refused = None
-                if pad is not None:
-                    refused = np.zeros(m, dtype=np.bool_)
-                    refused[pad.numpy()] = True
+                refused = self._refused_mask(None, mtabs, mrows)
                 got, evicted = dev.place_misses(tabs[miss], rows[miss], payload.contiguous(), refused)
                 slots[miss] = got
                 if evicted is not None:
@@ -435,15 +431,24 @@ class StagingArea:
         host tier the pad lost (more rows read: BENCHMARKS.md, session 12), so rows go up as
         before.
         """
+        refused = self._refused_mask(cold, tabs, rows)
+        return None if refused is None else cold[torch.from_numpy(refused)]
+
+    def _refused_mask(self, cold: torch.Tensor | None, tabs: torch.Tensor, rows: torch.Tensor
+                      ) -> np.ndarray | None:
+        """`_refused` as a mask over `cold` (over every row when `cold` is None), or None."""
         dev = self.device_tier
-        if not cold.numel() or not dev.selective or self.host_tier.capacity:
+        n = rows.numel() if cold is None else cold.numel()
+        if not n or not dev.selective or self.host_tier.capacity:
             return None
         if not dev.reserve_scratch(dev.capacity // SCRATCH_SHARE):  # none on a CUDA tier
             return None
-        admit = dev.admit(tabs.index_select(0, cold), rows.index_select(0, cold))
-        if admit is None or bool(admit.all()):
+        admit = dev.admit(tabs, rows) if cold is None else \
+            dev.admit(tabs.index_select(0, cold), rows.index_select(0, cold))
+        if admit is None:
             return None
-        return cold[~admit]
+        refused = ~admit.numpy()
+        return refused if refused.any() else None
 
     def pin(self, tab: _Table, uniq: torch.Tensor, delta: int) -> None:
         """Add `delta` to the prefetch pins of those rows wherever they are cached."""
