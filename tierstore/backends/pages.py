@@ -123,7 +123,7 @@ if HAVE_NUMBA:
         return int(np.float64(k - lb) * np.float64(n) / np.float64(ub - lb))
 
     @numba.njit(nogil=True, cache=True)
-    def find_spans(mem, psize, root, keys, offs, lens, info, full, verified):  # pragma: no cover
+    def find_spans(mem, psize, root, keys, offs, lens, info, full, verified, out):  # pragma: no cover
         """Where each key's value lies in `mem` (offs[i], lens[i]; offs[i] = -1 when absent).
 
         Returns OK, SHORT_MAP (a page lies past the mapping: remap and retry), UNEXPECTED (a
@@ -133,7 +133,9 @@ if HAVE_NUMBA:
         of another size (7). Every page on a key's path is checked; on a miss, the keys beside
         where it would be are too, so a damaged pointer array cannot hide a stored key. `full`:
         every node of each page on the paths is checked, as py-lmdb needs, once per page while
-        `verified[page]` (pages of one snapshot: immutable) remembers it.
+        `verified[page]` (pages of one snapshot: immutable) remembers it. `out` (n rows, or
+        empty): each value of exactly `out.shape[1]` bytes is copied into its row as it is
+        found, while its page is at hand.
         """
         limit = mem.shape[0]
         for i in range(keys.shape[0]):
@@ -245,6 +247,8 @@ if HAVE_NUMBA:
                                 return 3
                             offs[i] = node + 16
                             lens[i] = dsize
+                            if out.shape[0] and dsize == out.shape[1]:
+                                out[i, :] = mem[node + 16 : node + 16 + dsize]
                             break
                         if key < k:
                             lo = mid + 1
@@ -271,15 +275,8 @@ if HAVE_NUMBA:
                 return 2
         return 0
 
-    @numba.njit(nogil=True, cache=True)
-    def gather_spans(mem, offs, pick, out):  # pragma: no cover - compiled
-        """out[j] = the value at offs[pick[j]] (each exactly out.shape[1] bytes)."""
-        size = out.shape[1]
-        for j in range(pick.shape[0]):
-            o = offs[pick[j]]
-            out[j, :] = mem[o : o + size]
-
     _NONE = np.zeros(0, dtype=np.bool_)
+    _NO_OUT = np.zeros((0, 0), dtype=np.uint8)  # find_spans copying nothing
 
     def find_values(mem, psize, root, keys, out, found, info):
         """Copy each key's value (all of out.shape[1] bytes) into out[i]; found[i] when present.
@@ -289,17 +286,13 @@ if HAVE_NUMBA:
         """
         offs = np.empty(len(keys), dtype=np.int64)
         lens = np.empty(len(keys), dtype=np.int64)
-        status = find_spans(mem, psize, root, keys, offs, lens, info, False, _NONE)
+        status = find_spans(mem, psize, root, keys, offs, lens, info, False, _NONE, out)
         if status != OK:
             return status
         hit = offs >= 0
         if (lens[hit] != out.shape[1]).any():
             return UNEXPECTED
-        found[:] = hit
-        pick = np.flatnonzero(hit)
-        tmp = np.empty((len(pick), out.shape[1]), dtype=np.uint8)
-        gather_spans(mem, offs, pick, tmp)
-        out[pick] = tmp
+        found[:] = hit  # every value found was copied into `out` by the walk
         return OK
 
 
@@ -422,7 +415,8 @@ class PageReader:
             if self._verified_for != snapshot or len(self._verified) != pages:
                 self._verified = np.zeros(pages, dtype=np.bool_)
                 self._verified_for = snapshot
-            status = find_spans(mem, self.psize, root, keys, offs, lens, info, True, self._verified)
+            status = find_spans(mem, self.psize, root, keys, offs, lens, info, True, self._verified,
+                                _NO_OUT)
             if status == CORRUPT:
                 self._corrupt(info)
             if status != SHORT_MAP:
