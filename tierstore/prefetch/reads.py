@@ -109,9 +109,6 @@ class ReaderPool:
             self._cold.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
-_TablePart = tuple[Any, np.ndarray, Future]  # (table key, positions, rows read)
-_LogPart = tuple[np.ndarray, np.ndarray, Future]  # (table numbers, positions, entries read)
-
 
 class StoredReads:
     """Rows of a batch's tables that no cache holds, read below the caches on reader threads.
@@ -121,7 +118,8 @@ class StoredReads:
     in parts of about `part_rows` entries in sequence order (each part walks its own chunks once),
     and each table's other rows are read from LMDB in parts of `part_rows` rows. An entry merged
     into its table meanwhile is read from the table by the same task. `result()` waits for the
-    tasks and gives each table's rows in the order they were asked for; `ahead`: the reads wait
+    tasks (each copies what it read into its table's arrays: `_table_part`, `_log_part`) and
+    gives each table's rows in the order they were asked for; `ahead`: the reads wait
     on the disk, so each task asks for all its pages first (`LmdbBackend.get`). Start it after the
     read-ahead mark (`store.loader.read_ahead_mark`), like any read the pipeline keeps.
     """
@@ -132,16 +130,19 @@ class StoredReads:
         self.cpu_seconds = 0.0  # the readers' CPU seconds, set by `result`
         self.faults: int | None = 0  # their major page faults (None: not counted), by `result`
         self._keys = list(cold)  # a log part's entries name their table by position in this list
+        # each table's rows in the order asked: every position is written by one read task (the
+        # table parts hold the rows the log does not, the log parts the rest)
+        self._out = {key: (np.empty((len(rows), tab.spec.row_dim), dtype=np.float32),
+                           np.empty(len(rows), dtype=bool)) for key, (tab, rows) in cold.items()}
         # the log lookups that split the rows into parts run on a reader thread too: the
         # staging thread only submits this task (`_plan`), which submits the parts
         self._plan = submit(self._plan_parts, store, submit, part_rows, ahead) \
             if any(len(rows) for _, rows in cold.values()) else None
 
     def _plan_parts(self, store: Any, submit: Callable[..., Future], part_rows: int, ahead: bool
-                    ) -> tuple[list[_TablePart], list[_LogPart]]:
-        """Look the rows up in the log and submit the read parts: (table parts, log parts)."""
-        table_parts: list[_TablePart] = []
-        log_parts: list[_LogPart] = []
+                    ) -> list[Future]:
+        """Look the rows up in the log and submit the read parts (table parts, then log parts)."""
+        parts: list[Future] = []
         lkeys, lpos, ltabs, lrows, lseqs = [], [], [], [], []
         for k, key in enumerate(self._keys):
             tab, rows = self.cold[key]
@@ -152,8 +153,7 @@ class StoredReads:
             rest = np.flatnonzero(~inlog)
             for pos in np.array_split(rest, max(1, len(rest) // part_rows)):
                 if len(pos):
-                    table_parts.append(
-                        (key, pos, submit(_timed, store.loader.read_table, tab, rows[pos], ahead)))
+                    parts.append(submit(_timed, self._table_part, store, key, pos, ahead))
             if inlog.any():
                 at = np.flatnonzero(inlog)
                 lkeys.append(np.full(len(at), k, dtype=np.int64))
@@ -168,37 +168,38 @@ class StoredReads:
             tabs, rows, seqs = np.concatenate(ltabs)[order], np.concatenate(lrows)[order], seqs[order]
             width = store.width
             for sel in np.array_split(np.arange(len(seqs)), max(1, len(seqs) // part_rows)):
-                log_parts.append(
-                    (which[sel], pos[sel],
-                     submit(_timed, store.loader.read_log_entries, tabs[sel], rows[sel], seqs[sel], width)))
-        return table_parts, log_parts
+                parts.append(submit(_timed, self._log_part, store, which[sel], pos[sel], tabs[sel],
+                                    rows[sel], seqs[sel], width))
+        return parts
+
+    def _table_part(self, store: Any, key: Any, pos: np.ndarray, ahead: bool) -> None:
+        """A reader task: the rows at `pos` of table `key` from LMDB, into its arrays."""
+        tab, rows = self.cold[key]
+        data, found = store.loader.read_table(tab, rows[pos], ahead)
+        dst_data, dst_found = self._out[key]
+        dst_data[pos] = data
+        dst_found[pos] = found
+
+    def _log_part(self, store: Any, which: np.ndarray, pos: np.ndarray, tabs: np.ndarray,
+                  rows: np.ndarray, seqs: np.ndarray, width: int) -> None:
+        """A reader task: log entries of any tables (`which`: each one's table, by position in
+        `_keys`), into those tables' arrays at `pos`."""
+        data, found = store.loader.read_log_entries(tabs, rows, seqs, width)
+        for k in np.unique(which).tolist():
+            sel = np.flatnonzero(which == k)
+            dst_data, dst_found = self._out[self._keys[k]]
+            dst_data[pos[sel]] = data[sel, : dst_data.shape[1]]
+            dst_found[pos[sel]] = found[sel]
 
     def result(self) -> tuple[dict[Any, tuple[np.ndarray, np.ndarray]], float]:
         """({key: (rows [n, row_dim], found [n])} in the order asked, reader seconds in all);
         the readers' CPU seconds go to `cpu_seconds`."""
-        out = {}
-        for key, (tab, rows) in self.cold.items():  # every position is written below: the table
-            w = tab.spec.row_dim  # parts hold the rows the log does not, the log parts the rest
-            out[key] = (np.empty((len(rows), w), dtype=np.float32), np.empty(len(rows), dtype=bool))
         seconds = 0.0
         self.cpu_seconds = 0.0
         self.faults = 0
-        table_parts, log_parts = self._plan.result() if self._plan is not None else ([], [])
-        for key, pos, fut in table_parts:
-            (data, found), sec, cpu, faults = fut.result()
-            out[key][0][pos] = data
-            out[key][1][pos] = found
+        for fut in self._plan.result() if self._plan is not None else []:
+            _, sec, cpu, faults = fut.result()
             seconds += sec
             self.cpu_seconds += cpu
             self.faults = _add_faults(self.faults, faults)
-        for which, pos, fut in log_parts:
-            (data, found), sec, cpu, faults = fut.result()
-            seconds += sec
-            self.cpu_seconds += cpu
-            self.faults = _add_faults(self.faults, faults)
-            for k in np.unique(which).tolist():
-                sel = np.flatnonzero(which == k)
-                dst_data, dst_found = out[self._keys[k]]
-                dst_data[pos[sel]] = data[sel, : dst_data.shape[1]]
-                dst_found[pos[sel]] = found[sel]
-        return out, seconds
+        return self._out, seconds
