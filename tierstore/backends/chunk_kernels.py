@@ -64,6 +64,13 @@ if HAVE_NUMBA:
         return types.CPointer(types.uint32)(types.int64), codegen
 
     @intrinsic
+    def _bytes_at(typingctx, addr):
+        """The uint8 pointer at an address (of a buffer the caller keeps alive and in place)."""
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+        return types.CPointer(types.uint8)(types.int64), codegen
+
+    @intrinsic
     def _prefetch(typingctx, addr):
         """Hint the CPU to load the cache line at an address, for reading (never faults)."""
         def codegen(context, builder, sig, args):
@@ -98,6 +105,20 @@ if HAVE_NUMBA:
             got_size[i] = size
             found[i] = True
         return True
+
+    @numba.njit(nogil=True, cache=True)
+    def pick_chunks(addrs, lens, counts, sizes, firsts, bounds, want, seqs, magic, entries,
+                    got_size, found):  # pragma: no cover - compiled
+        """`pick_entries` of many log chunks in one call: chunk j's value lies at address
+        `addrs[j]` (`lens[j]` bytes, in the caller's read transaction) and holds the entries
+        `want[bounds[j] : bounds[j + 1]]`. Returns -1, or the first chunk whose header does not
+        match (the entries of the chunks before it are copied)."""
+        for j in range(addrs.shape[0]):
+            val = numba.carray(_bytes_at(addrs[j]), lens[j])
+            if not pick_entries(val, counts[j], sizes[j], firsts[j], seqs,
+                                want[bounds[j] : bounds[j + 1]], magic, entries, got_size, found):
+                return j
+        return -1
 
     @numba.njit(nogil=True, cache=True)
     def merge_step(id_addr, rec_addr, counts, pos, live, w, out_ids, out_recs, fill, last

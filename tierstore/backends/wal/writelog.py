@@ -28,7 +28,7 @@ from .marks import merged_through, own_log, record_merged
 from .merge import fold
 
 if HAVE_NUMBA:
-    from ..chunk_kernels import pick_entries
+    from ..chunk_kernels import pick_chunks, pick_entries
 
 CHUNK_ROWS = 4096  # rows per log value: ~1.1 MB of 66-word rows, a few hundred overflow pages
 FIND_ROWS = 16384  # log index lookups per hold of the ring's lock during a merge (a few ms)
@@ -324,6 +324,18 @@ class WriteLog:
         got_size = np.zeros(n, dtype=np.int64)
 
         def pick(vals):  # inside the read transaction: copy just the wanted entries out
+            if HAVE_NUMBA and all(v is not None for v in vals):  # one compiled call for all
+                bufs = [np.frombuffer(v, dtype=np.uint8) for v in vals]  # (views: no copy)
+                addrs = np.fromiter((b.__array_interface__["data"][0] for b in bufs),
+                                    dtype=np.int64, count=len(bufs))
+                lens = np.fromiter(map(len, bufs), dtype=np.int64, count=len(bufs))
+                head = chunks[used]
+                bad = pick_chunks(addrs, lens, head[:, 1], head[:, 2], head[:, 0],
+                                  np.asarray(bounds, dtype=np.int64), want, seqs, _MAGIC, entries,
+                                  got_size, found)
+                if bad < 0:
+                    return
+                vals = [None] * bad + list(vals[bad:])  # the rest one by one: raises below
             heads = chunks[used].tolist()
             for j, v in enumerate(vals):
                 if v is None:  # merged meanwhile: the table has it
