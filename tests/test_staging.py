@@ -31,7 +31,8 @@ def test_add_pins_matches_index_add_then_clamp(slots, delta, start):
                                    torch.full((len(slots),), delta, dtype=torch.int32))
     if delta < 0:
         want.clamp_(min=0)
-    _kernels.add_pins(pins.numpy(), np.array(slots, dtype=np.int64), delta)
+    _kernels.add_pins(pins.numpy(), np.array(slots, dtype=np.int64), delta, np.empty(0, dtype=bool),
+                      np.empty(0, dtype=np.int64))
     assert torch.equal(pins, want)
 
 

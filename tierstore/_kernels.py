@@ -289,16 +289,26 @@ if HAVE_NUMBA:
         return uniq[:u]
 
     @numba.njit(cache=True, nogil=True)
-    def add_pins(pins, slots, delta):  # pragma: no cover - compiled
-        """pins[s] += delta for each slot (repeats add up); with delta < 0 never below zero."""
+    def add_pins(pins, slots, delta, transient, out):  # pragma: no cover - compiled
+        """pins[s] += delta for each slot (repeats add up); with delta < 0 never below zero.
+        With `transient` (else empty), an unpin writes the transient slots whose pins reach
+        zero to `out` (a slot may appear twice); returns how many."""
         n = slots.shape[0]
+        k = 0
         pins2 = pins.reshape(-1, 1)  # a 2-D view for the prefetch hint
         for i in range(n):
             if i + PREFETCH_AHEAD < n:
                 prefetch(pins2, slots[i + PREFETCH_AHEAD], 0)
             s = slots[i]
             v = pins[s] + delta
-            pins[s] = 0 if (delta < 0 and v < 0) else v
+            if delta < 0 and v <= 0:
+                pins[s] = 0
+                if transient.shape[0] and transient[s]:
+                    out[k] = s
+                    k += 1
+            else:
+                pins[s] = v
+        return k
 
     @numba.njit(cache=True, nogil=True, inline="always")
     def _holds(table, mask, t, r):  # pragma: no cover - compiled
@@ -391,27 +401,6 @@ if HAVE_NUMBA:
                 hits[nh] = res
                 nh += 1
         return nm
-
-    @numba.njit(cache=True, nogil=True)
-    def unpin_expired(pins, slots, transient, out):  # pragma: no cover - compiled
-        """pins[s] -= 1 for each slot (never below zero); the transient slots whose pins reach
-        zero are written to `out` (a slot may appear twice); returns how many."""
-        k = 0
-        n = slots.shape[0]
-        pins2 = pins.reshape(-1, 1)  # a 2-D view for the prefetch hint
-        for i in range(n):
-            if i + PREFETCH_AHEAD < n:
-                prefetch(pins2, slots[i + PREFETCH_AHEAD], 0)
-            s = slots[i]
-            v = pins[s] - 1
-            if v <= 0:
-                pins[s] = 0
-                if transient[s]:
-                    out[k] = s
-                    k += 1
-            else:
-                pins[s] = v
-        return k
 
     @numba.njit(cache=True, nogil=True)
     def hash_gather(table, mask, tab, rows, src, data, found, known):  # pragma: no cover

@@ -102,6 +102,16 @@ class HashIndex:
         nm = _kernels.hash_probe(self.table.numpy(), self.mask, tabs, rows, slots, miss, hits)
         return slots, miss[:nm], hits[: n - nm]
 
+    def gather(self, tab: int, rows: np.ndarray, src: np.ndarray, data: np.ndarray,
+               found: np.ndarray, known: np.ndarray) -> int:
+        """For each key (tab, rows[i]) the index holds, copy row `src[slot, :w]` into `data[i]`
+        (w = data's width) and set found[i] and known[i], in one compiled pass (`fast` only);
+        returns how many were held."""
+        if self.live == 0:
+            return 0
+        return int(_kernels.hash_gather(self.table.numpy(), self.mask, int(tab), rows, src, data,
+                                        found, known))
+
     def make_room(self, n: int) -> None:
         """Rebuild now if `n` more keys would fill the table past 85% (before a kernel adds
         keys itself, then reports them with `account`)."""

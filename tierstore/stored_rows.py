@@ -9,7 +9,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-import tierstore._kernels as _kernels
+from ._kernels import HAVE_NUMBA
+
+if HAVE_NUMBA:
+    from ._kernels import sorted_gather  # the read-ahead buffers' search-and-copy
 
 if TYPE_CHECKING:
     from .backends.lmdb_backend import LmdbBackend
@@ -160,8 +163,8 @@ class RowLoader:
             wrapped = not wb.still_current(tail)
             if (wrapped and lseq is None) or not len(brows):
                 continue
-            if not wrapped and _kernels.HAVE_NUMBA:  # the common case: one compiled pass
-                left, f = _kernels.sorted_gather(brows, bdata, bfound, rows_np, todo, data, found, known)
+            if not wrapped and HAVE_NUMBA:  # the common case: one compiled pass
+                left, f = sorted_gather(brows, bdata, bfound, rows_np, todo, data, found, known)
                 self._count_read_ahead(len(todo) - len(left), int(f))
                 todo = left
                 if not len(todo):

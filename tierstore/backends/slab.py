@@ -17,6 +17,8 @@ from ..policies.base import key_hash, key_hash_np
 from ..stats import TierStats
 from . import stage_kernels
 
+_NO_MARKS, _NO_SLOTS = np.empty(0, dtype=np.bool_), np.empty(0, dtype=np.int64)  # add_pins: no pad
+
 
 @dataclass
 class Rows:
@@ -159,21 +161,23 @@ class SlabTier:
 
     def touch(self, slots: torch.Tensor) -> None:
         """Tell the policy these resident slots were used (scratch-pad rows by key: `on_pass`)."""
-        if slots.numel() and self.scratch_slots and self.device.type == "cpu" and _kernels.HAVE_NUMBA:
+        if not slots.numel():
+            return
+        pad = None
+        if self.scratch_slots and self.device.type == "cpu" and _kernels.HAVE_NUMBA:
             s = np.ascontiguousarray(slots.numpy(), dtype=np.int64)  # one pass splits them
             ranked, pad = np.empty_like(s), np.empty_like(s)
             nr, npad = stage_kernels.split_touched(s, bool(self.staging), self.capacity, self.transient,
                                                    ranked, pad)
             self.policy.on_hit(torch.from_numpy(ranked[:nr]))
-            if npad:
-                self.policy.on_pass(key_hash(*self.index.keys(torch.from_numpy(pad[:npad]))))
-        elif slots.numel():
+            pad = pad[:npad]
+        else:
             self.policy.on_hit(self.ranked(slots))
             if self.scratch_slots:
                 s = slots.cpu().numpy()
-                s = s[self.transient[s]]
-                if s.size:
-                    self.policy.on_pass(key_hash(*self.index.keys(torch.from_numpy(s))))
+                pad = s[self.transient[s]]
+        if pad is not None and pad.size:
+            self.policy.on_pass(key_hash(*self.index.keys(torch.from_numpy(pad))))
 
     def ranked(self, slots: torch.Tensor) -> torch.Tensor:
         """The slots among `slots` that the policy ranks: all but the staging slots."""
@@ -491,12 +495,12 @@ class SlabTier:
                 and _kernels.HAVE_NUMBA):  # an unpin: the pad rows at their last unpin, in the pass
             s = slots.contiguous().numpy()
             out = np.empty(s.shape[0], dtype=np.int64)
-            k = _kernels.unpin_expired(self.pins.numpy(), s, self.transient, out)
+            k = _kernels.add_pins(self.pins.numpy(), s, -1, self.transient, out)
             if k:
                 self._expired.append(out[:k])
             return
         if slots.numel() and self.device.type == "cpu" and _kernels.HAVE_NUMBA:
-            _kernels.add_pins(self.pins.numpy(), slots.contiguous().numpy(), int(delta))
+            _kernels.add_pins(self.pins.numpy(), slots.contiguous().numpy(), int(delta), _NO_MARKS, _NO_SLOTS)
         elif slots.numel():  # only the named slots: the cost never grows with the capacity
             pins = self.pins
             pins.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))

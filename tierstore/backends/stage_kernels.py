@@ -14,17 +14,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-import tierstore._kernels as _kernels
 import tierstore.policies.queues as q
 
-SLOT_BITS = _kernels.SLOT_BITS
-prefetch = _kernels.prefetch
+from .._kernels import PREFETCH_AHEAD, SLOT_BITS, delete_at, home, prefetch, prefetch_row
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _add(table, pos_of, mask, t, r, s):  # pragma: no cover - compiled
     """Index the absent key (t, r) at slot s; returns (tombstone reused, probe distance)."""
-    h = _kernels.home(t, r, mask)
+    h = home(t, r, mask)
     p = h
     while table[p, 0] >= 0:
         p = (p + 1) & mask
@@ -77,12 +75,12 @@ def place_misses(table, pos_of, mask, slab, dirty, occupied, pins, transient,
     npadded = 0
     rest = np.empty(m, dtype=np.int64)  # the rows for the cache, in order
     nrest = 0
-    A = _kernels.PREFETCH_AHEAD
+    A = PREFETCH_AHEAD
     pos2 = pos_of.reshape(-1, 1)  # 2-D views for the prefetch hints
     for i in range(m):  # refused rows to the pad while it has room
         staged[i] = -1
         if i + A < m and refused.shape[0] and refused[i + A]:
-            prefetch(table, _kernels.home(tabs[i + A], rows[i + A], mask), 0)
+            prefetch(table, home(tabs[i + A], rows[i + A], mask), 0)
         if refused.shape[0] and refused[i] and npad > 0:
             npad -= 1
             reused, d = _to_pad(table, pos_of, mask, slab, dirty, occupied, pins, transient,
@@ -109,7 +107,7 @@ def place_misses(table, pos_of, mask, slab, dirty, occupied, pins, transient,
     for k in range(nv):  # out of the index and the queues; dirty ones copied out first
         if k + 2 * A < nv:  # two stages: the victim's position and row, then its entry
             prefetch(pos2, victims[k + 2 * A], 0)
-            _kernels.prefetch_row(slab, victims[k + 2 * A])
+            prefetch_row(slab, victims[k + 2 * A])
         if k + A < nv:
             prefetch(table, pos_of[victims[k + A]], 0)
         s = victims[k]
@@ -121,7 +119,7 @@ def place_misses(table, pos_of, mask, slab, dirty, occupied, pins, transient,
                 ev_payload[nev, c] = slab[s, c]
             nev += 1
         pos_of[s] = -1
-        tombs += _kernels.delete_at(table, pos_of, p, mask)
+        tombs += delete_at(table, pos_of, p, mask)
         if S[s, q.LIST] >= 0:
             q.unlink(S, s, log, nlog)
         for c in range(q.FIRST_FREE, S.shape[1]):
@@ -130,8 +128,8 @@ def place_misses(table, pos_of, mask, slab, dirty, occupied, pins, transient,
     top = nfree  # the free stack's top before this loop takes from it
     for k in range(fit):  # the victims' slots first, then free ones
         if k + A < fit:  # the next rows' hash lines and target rows
-            prefetch(table, _kernels.home(tabs[rest[k + A]], rows[rest[k + A]], mask), 0)
-            _kernels.prefetch_row(slab, victims[k + A] if k + A < nv else free[top - 1 - (k + A - nv)])
+            prefetch(table, home(tabs[rest[k + A]], rows[rest[k + A]], mask), 0)
+            prefetch_row(slab, victims[k + A] if k + A < nv else free[top - 1 - (k + A - nv)])
         i = rest[k]
         if k < nv:
             s = victims[k]
@@ -150,7 +148,7 @@ def place_misses(table, pos_of, mask, slab, dirty, occupied, pins, transient,
         if npad == 0:
             break
         if k + A < nrest:
-            prefetch(table, _kernels.home(tabs[rest[k + A]], rows[rest[k + A]], mask), 0)
+            prefetch(table, home(tabs[rest[k + A]], rows[rest[k + A]], mask), 0)
         npad -= 1
         reused, d = _to_pad(table, pos_of, mask, slab, dirty, occupied, pins, transient,
                             tabs, rows, payload, rest[k], pad[npad], staged)
@@ -172,12 +170,12 @@ def take_pad(expired, pins, transient, marks, cap, table, pos_of, mask, slab, di
         marks[expired[i] - cap] = i
     k = 0
     tombs = 0
-    A = _kernels.PREFETCH_AHEAD
+    A = PREFETCH_AHEAD
     pos2 = pos_of.reshape(-1, 1)  # a 2-D view for the prefetch hint
     for i in range(n):
         if i + 2 * A < n:  # two stages: the slot's position and row, then its entry
             prefetch(pos2, expired[i + 2 * A], 0)
-            _kernels.prefetch_row(slab, expired[i + 2 * A])
+            prefetch_row(slab, expired[i + 2 * A])
         if i + A < n and pos_of[expired[i + A]] >= 0:
             prefetch(table, pos_of[expired[i + A]], 0)
         s = expired[i]
@@ -192,7 +190,7 @@ def take_pad(expired, pins, transient, marks, cap, table, pos_of, mask, slab, di
         out_slots[k] = s
         k += 1
         pos_of[s] = -1
-        tombs += _kernels.delete_at(table, pos_of, p, mask)
+        tombs += delete_at(table, pos_of, p, mask)
         dirty[s] = False
         occupied[s] = False
         transient[s] = False

@@ -28,8 +28,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-import tierstore._kernels as _kernels
-
 from ..errors import StoreClosedError, TierstoreError
 from ..index import HashIndex
 from .slab import Rows
@@ -185,8 +183,7 @@ class WriteBehind:
                 known |= h
             return int(got.shape[0])
         with self.cv:
-            k = _kernels.hash_gather(self.index.table.numpy(), self.index.mask, int(tab), rows,
-                                     self.payload.numpy(), data, found, known) if self.index.live else 0
+            k = self.index.gather(int(tab), rows, self.payload.numpy(), data, found, known)
         self.hits += int(k)
         return int(k)
 
