@@ -230,15 +230,19 @@ class TierstoreRunner(Runner):
         return settle
 
     def quiesce(self, timeout: float = 5.0) -> None:
-        """Wait until this runner's background work is idle (its window staged, its write-behind
-        ring drained, no log merge running), so another runner's timed block runs alone."""
+        """Wait until this runner's background work is idle (its window staged and read, its
+        write-behind ring drained, no log merge due or running), so another runner's timed block
+        runs alone."""
         end = time.perf_counter() + timeout
-        pf = self.pf
-        while pf._ready.qsize() < pf.depth and time.perf_counter() < end and \
-                pf._thread is not None and pf._thread.is_alive():
-            time.sleep(0.005)
+        # the window staged and its reads done: reads left in flight (the next batches' rows,
+        # read ahead) would run inside the next runner's block, not this one's
+        self.pf.settle(timeout)
         self.store.writeback.drain(timeout=timeout)
-        with self.store.log.merging:  # a merge in progress finishes first
+        log = self.store.log
+        background = getattr(log, "_merger", None) is not None
+        while background and log.wants_merge() and time.perf_counter() < end:  # one the drain set off
+            time.sleep(0.005)
+        with log.merging:  # a merge in progress finishes first
             pass
 
     def close(self) -> None:

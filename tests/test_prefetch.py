@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -590,3 +591,56 @@ def _two_table_batches(n_steps, seed=5, batch=4):
         b = torch.randint(0, 40, (int(lengths[batch:].sum()),), generator=gen)
         yield {"sparse": (["f1", "f3"], torch.cat([a, b]), lengths),
                "target": torch.randn(batch, 1, generator=gen)}
+
+
+def test_settle_waits_for_staging_and_the_reads_it_started(tmp_path):
+    spec = ts.TableSpec("a", 1000, 2)
+    with ts.TierStore(tmp_path / "s", [spec], device_capacity=4, host_capacity=4,
+                      device="cpu") as store:
+        store.apply("a", torch.arange(1000), torch.ones(1000, 2))  # every row stored
+        store.flush()
+        taken = []
+
+        def source():
+            for i in range(40):
+                taken.append(i)
+                yield {"a": torch.arange(20 * i, 20 * i + 20) % 1000}
+
+        with Prefetcher(store, source(), depth=2) as pf:
+            for step, _ in enumerate(pf):
+                if step % 5:
+                    continue
+                assert pf.settle(5.0)
+                stats = store.prefetch_stats
+                before = (len(taken), stats.rows_read_ahead_from_ssd, stats.stage_seconds)
+                time.sleep(0.05)  # settled: nothing moves until the consumer takes a batch
+                assert (len(taken), stats.rows_read_ahead_from_ssd, stats.stage_seconds) == before
+
+        gate = threading.Event()
+
+        def blocked():  # staging batch i takes batch i + 1 from the source first
+            yield {"a": torch.tensor([1])}
+            yield {"a": torch.tensor([2])}
+            gate.wait(10)
+
+        with Prefetcher(store, blocked(), depth=2) as pf:
+            next(pf)
+            assert not pf.settle(0.2)  # the staging thread waits in the source, not for a slot
+            gate.set()
+            assert pf.settle(5.0)
+
+
+def test_reader_pool_wait_idle_counts_queued_and_running_tasks():
+    from tierstore.prefetch.reads import ReaderPool
+
+    pool = ReaderPool(1)
+    try:
+        assert pool.wait_idle(0)
+        gate = threading.Event()
+        first = pool.submit(gate.wait, 5)
+        second = pool.submit(lambda: 7)  # queued behind the first
+        assert not pool.wait_idle(0.05)
+        gate.set()
+        assert pool.wait_idle(5) and first.result() and second.result() == 7
+    finally:
+        pool.shutdown()

@@ -144,6 +144,7 @@ class Prefetcher:
         self._closed = False
         self._errbox: list[BaseException] = []  # the staging thread's error, if any
         self._in_source = threading.Event()  # set while the staging thread waits in next(source)
+        self._parked = threading.Event()  # set while it waits for a window slot (`settle`)
         self._stop = threading.Event()
         self._ready: queue.Queue = queue.Queue()
         self._permits = threading.Semaphore(depth + 1)
@@ -160,7 +161,7 @@ class Prefetcher:
             self._thread = threading.Thread(
                 target=_run, name="tierstore-prefetch", daemon=True,
                 args=(weakref.ref(self), self._source, self._permits, self._stop, self._ready,
-                      self._errbox, self._in_source))
+                      self._errbox, self._in_source, self._parked))
         self._finalizer = weakref.finalize(self, _shutdown, store, self._window, self._stop,
                                            self._permits, depth, self._pool, self._thread,
                                            self._in_source)
@@ -263,6 +264,22 @@ class Prefetcher:
             if bool(hit.any()):
                 self.store.staging.hint(tab, remaining[hit], torch.full((int(hit.sum()),), later))
                 remaining = remaining[~hit]
+
+    def settle(self, timeout: float = 5.0) -> bool:
+        """Wait until the pipeline's own work is done for now: the staging thread waits for a
+        window slot (or has stopped) and no read it started is running or queued. For a caller
+        that times something else in between (a benchmark's interleaved blocks): work left in
+        flight would run inside that. Returns False when `timeout` seconds passed first."""
+        end = time.perf_counter() + timeout
+        while True:
+            staging_done = self._thread is None or not self._thread.is_alive() or self._parked.is_set()
+            left = end - time.perf_counter()
+            if staging_done and (self._pool is None or self._pool.wait_idle(max(left, 0.0))) \
+                    and (self._thread is None or not self._thread.is_alive() or self._parked.is_set()):
+                return True
+            if left <= 0:
+                return False
+            time.sleep(0.002)
 
     def close(self) -> None:
         """Stop the pipeline, join its threads and unpin whatever is still staged.
@@ -461,7 +478,7 @@ class Prefetcher:
 # lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------
 def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
          stop: threading.Event, ready: queue.Queue, errbox: list,
-         in_source: threading.Event) -> None:
+         in_source: threading.Event, parked: threading.Event) -> None:
     """The staging loop. While the window stays cached, read ahead: take batch i+1 from the
     source and start reading its rows, then wait for a window slot, stage batch i and hand it
     over (reads overlap staging); while reads wait on the disk, keep several batches read ahead
@@ -476,6 +493,13 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
             return pf.prepare_batch(batch)
         except TierstoreError as exc:  # bad ids: raised in turn, after earlier batches
             return exc
+
+    def park() -> None:  # wait for a window slot; `Prefetcher.settle` sees it parked
+        parked.set()
+        try:
+            permits.acquire()
+        finally:
+            parked.clear()
 
     def finish(pf, item):
         if isinstance(item[2], BaseException):
@@ -506,7 +530,7 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
                 # stage the oldest batches read ahead: all of them at the end or before a
                 # warm-only batch, else while the look-ahead holds enough
                 while pending and (not ahead or not pf.keep_ahead(pending)):
-                    permits.acquire()
+                    park()
                     if stop.is_set():
                         return
                     finish(pf, pending.popleft())
@@ -517,7 +541,7 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
                 if ahead:
                     continue
                 step += 1
-                permits.acquire()
+                park()
                 if stop.is_set():
                     return
                 finish(pf, (step, batch, prepare(pf, batch)))
@@ -526,6 +550,7 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
     except BaseException as exc:  # surfaced to the consumer
         errbox.append(exc)
     finally:
+        parked.set()  # nothing more to stage
         ready.put(_END)
 
 

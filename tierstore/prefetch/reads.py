@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -75,11 +76,27 @@ class ReaderPool:
             if self.cold_readers > readers else None
         self.cold = False  # the last batch's reads waited on the disk
         self.cold_batches = 0  # batches read on the cold threads
+        self._inflight = 0  # tasks submitted and not yet done (`wait_idle`)
+        self._done = threading.Condition()
 
     def submit(self, fn: Callable, *args: Any) -> Future:
         """Run `fn(*args)` on a reader thread (the cold ones while reads are cold)."""
         pool = self._cold if self.cold and self._cold is not None else self._warm
-        return pool.submit(fn, *args)
+        with self._done:
+            self._inflight += 1
+        future = pool.submit(fn, *args)
+        future.add_done_callback(self._finished)
+        return future
+
+    def _finished(self, _: Future) -> None:
+        with self._done:
+            self._inflight -= 1
+            self._done.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no task submitted so far is running or queued; False on timeout."""
+        with self._done:
+            return self._done.wait_for(lambda: self._inflight <= 0, timeout)
 
     def part_rows(self, rows: int, warm_part: int) -> int:
         """Rows per task for a batch of `rows` cold rows: `warm_part` while reads hit the page
