@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 
 from tests.profiles import examples
-from tierstore.index import HashIndex
+from tierstore.index import HashIndex, sorted_dedup
 
 KEYS = st.tuples(st.integers(0, 3), st.one_of(st.integers(0, 50), st.integers(0, 2**63 - 1)))
 OPS = st.lists(st.tuples(st.booleans(), st.lists(KEYS, max_size=12)), max_size=30)
@@ -149,3 +149,12 @@ def test_assign_matches_a_dict_of_newest_slots(ops, capacity, kernels):
         if probe:
             got = idx.find(torch.tensor([k[0] for k in probe]), torch.tensor([k[1] for k in probe]))
             assert got.tolist() == [ref.get(k, -1) for k in probe]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(ids=st.lists(st.one_of(st.integers(0, 40), st.integers(-2**62, 2**62)), max_size=300))
+def test_sorted_dedup_is_torch_unique_with_inverse(ids):
+    t = torch.tensor(ids, dtype=torch.int64)
+    uniq, inverse = sorted_dedup(t)
+    want_u, want_i = torch.unique(t, sorted=True, return_inverse=True)
+    assert torch.equal(uniq, want_u) and torch.equal(inverse, want_i)

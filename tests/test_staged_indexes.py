@@ -1,4 +1,4 @@
-"""The step's indexes made at staging (the sets cache): the same integers as the host's, and
+"""The step's indexes made at staging (the sets cache and the slab): the same integers as the host's, and
 the same bits as a step that makes them itself."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -52,8 +53,8 @@ def _batches(n, batch=8, seed=4):
         yield (list(FEATS), torch.cat(parts), lengths), torch.randn(batch, 20, generator=g)
 
 
-def _train(path, steps=8):
-    with ts.TierStore(path, SPECS, device="cpu", device_cache="sets", device_capacity=1024,
+def _train(path, steps=8, cache="sets"):
+    with ts.TierStore(path, SPECS, device="cpu", device_cache=cache, device_capacity=1024,
                       host_capacity=64, policy="lru") as store:
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
         with Prefetcher(store, _batches(steps), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
@@ -62,7 +63,8 @@ def _train(path, steps=8):
         return {t.name: store.read(t.name, torch.arange(t.num_rows)).clone() for t in SPECS}
 
 
-def test_staged_indexes_are_used_and_change_no_bit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cache", ["sets", "slab"])
+def test_staged_indexes_are_used_and_change_no_bit(tmp_path, monkeypatch, cache):
     used = []
     orig = pinned_mod.StagingArea.staged_indexes
 
@@ -72,13 +74,13 @@ def test_staged_indexes_are_used_and_change_no_bit(tmp_path, monkeypatch):
         return got
 
     monkeypatch.setattr(pinned_mod.StagingArea, "staged_indexes", counting)
-    fast = _train(tmp_path / "fast")
+    fast = _train(tmp_path / "fast", cache=cache)
     assert used and all(used)  # every table of every step took staging's indexes
     used.clear()
     # the same run with staging keeping only the host arrays: the step makes its indexes itself
     monkeypatch.setattr(Staged, "on_device", classmethod(
-        lambda cls, uniq, slots, ids, dslots: cls(uniq.numpy(), slots.numpy())))
-    slow = _train(tmp_path / "slow")
+        lambda cls, uniq, slots, ids, dslots, inverse=None: cls(uniq.numpy(), slots.numpy())))
+    slow = _train(tmp_path / "slow", cache=cache)
     assert used and not any(used)
     for name in fast:
         assert torch.equal(fast[name], slow[name]), name
@@ -160,7 +162,12 @@ def test_tables_deduplicated_in_parallel_equal_one_by_one(monkeypatch):
     ids = {f"t{k}": torch.randint(0, 5000 * (k + 1), (20000 + 997 * k,), generator=g)
            for k in range(6)}
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # parallel_for's bound
-    got = pipeline._sorted_unique_each(ids)
-    assert list(got) == list(ids)
-    for t, i in ids.items():
-        assert torch.equal(got[t], sorted_unique(i)) and torch.equal(got[t], torch.unique(i))
+    for inverse in (False, True):
+        got = pipeline._sorted_unique_each(ids, inverse=inverse)
+        assert list(got) == list(ids)
+        for t, i in ids.items():
+            uniq, inv = got[t]
+            assert torch.equal(uniq, sorted_unique(i)) and torch.equal(uniq, torch.unique(i))
+            assert (inv is None) != inverse
+            if inverse:
+                assert torch.equal(uniq[inv], i)

@@ -103,6 +103,39 @@ if HAVE_NUMBA:
         return uniq[:u], inverse
 
     @numba.njit(cache=True, nogil=True)
+    def ranked(ids, sorted_uniq, first, bits):  # pragma: no cover - compiled
+        """The inverse map of `ids` into `sorted_uniq` (their distinct values ascending), given
+        `dedup(ids, bits)`'s first-occurrence inverse `first`: each distinct id's rank is
+        found through a hash set of (id, first-occurrence position), then mapped per id."""
+        u = sorted_uniq.shape[0]
+        mask = (1 << bits) - 1
+        keys = np.empty(mask + 1, dtype=np.int64)
+        vals = np.full(mask + 1, -1, dtype=np.int64)
+        for j in range(u):  # sorted id -> its rank
+            k = sorted_uniq[j]
+            h = k * _C1
+            h = (h ^ (h >> 29)) & mask
+            while vals[h] >= 0:
+                h = (h + 1) & mask
+            keys[h] = k
+            vals[h] = j
+        rank = np.empty(u, dtype=np.int64)  # first-occurrence position -> rank
+        inverse = np.empty(ids.shape[0], dtype=np.int64)
+        seen = np.zeros(u, dtype=np.bool_)
+        for i in range(ids.shape[0]):
+            f = first[i]
+            if not seen[f]:
+                k = ids[i]
+                h = k * _C1
+                h = (h ^ (h >> 29)) & mask
+                while vals[h] < 0 or keys[h] != k:
+                    h = (h + 1) & mask
+                rank[f] = vals[h]
+                seen[f] = True
+            inverse[i] = rank[f]
+        return inverse
+
+    @numba.njit(cache=True, nogil=True)
     def _home(tab, row, mask):  # pragma: no cover - compiled
         h = row * _C1 + tab * _C2
         h = h ^ (h >> 31)

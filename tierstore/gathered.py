@@ -29,10 +29,10 @@ class Gathered:
 @dataclass(frozen=True, eq=False)
 class Staged:
     """A table's rows of a batch the prefetch pipeline staged: its sorted unique ids and their
-    device slots on the host (-1: not on the device), and, when every row is on the device and
-    the step's ids were kept (the sets cache), the step's indexes made at staging: the ids as
-    staged, their inverse map into `rows` and the slots, both on the device. A step whose ids
-    equal `ids` then reads nothing on the host (`TierStore` `_pinned_rows`)."""
+    device slots on the host (-1: not on the device), and, when every row is on the device, the
+    step's indexes made at staging: the ids as staged, their inverse map into `rows` and the
+    slots, both on the device. A step whose ids equal `ids` then neither deduplicates nor
+    searches them (`StagingArea.staged_indexes`), and on CUDA reads nothing on the host."""
 
     rows: np.ndarray  # int64 [u], sorted
     slots: np.ndarray  # int64 [u]
@@ -43,8 +43,12 @@ class Staged:
 
     @classmethod
     def on_device(cls, uniq: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor,
-                  dslots: torch.Tensor) -> Staged:
-        """A staged table whose rows are all at `dslots`, with the step's indexes for `ids`."""
+                  dslots: torch.Tensor, inverse: torch.Tensor | None = None) -> Staged:
+        """A staged table whose rows are all at `dslots`, with the step's indexes for `ids`:
+        `inverse` (host, ids == uniq[inverse]) moved to the device, or, None, searched there."""
         dev = dslots.device
-        inverse = torch.searchsorted(hostread.to_device(uniq, dev), hostread.to_device(ids, dev))
+        if inverse is None:
+            inverse = torch.searchsorted(hostread.to_device(uniq, dev), hostread.to_device(ids, dev))
+        else:
+            inverse = hostread.to_device(inverse, dev)
         return cls(uniq.numpy(), slots.numpy(), ids, uniq, inverse, dslots)

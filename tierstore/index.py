@@ -275,6 +275,18 @@ def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(uniq), torch.from_numpy(inverse)
 
 
+def sorted_dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique ids ascending and the inverse map (ids == uniq[inverse]): `torch.unique(ids,
+    return_inverse=True)`, on CPU by a hash set's pass, then a sort of the distinct ids only."""
+    if ids.device.type != "cpu" or not _kernels.HAVE_NUMBA or ids.numel() == 0:
+        return torch.unique(ids, sorted=True, return_inverse=True)
+    bits = max(3, (2 * ids.numel() - 1).bit_length())
+    ids_np = ids.contiguous().numpy()
+    uniq, first = _kernels.dedup(ids_np, bits)
+    uniq.sort()  # numpy's sort: several times numba's (or an argsort) on a few thousand keys
+    return torch.from_numpy(uniq), torch.from_numpy(_kernels.ranked(ids_np, uniq, first, bits))
+
+
 def sort_unique(uniq: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same (unique, inverse) pair with `unique` in ascending order."""
     order = torch.argsort(uniq)

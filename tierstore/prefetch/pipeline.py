@@ -20,7 +20,7 @@ from .._parallel import CPUS, parallel_for
 from ..backends.lmdb_backend import lmdb_error
 from ..errors import ConfigError, ShapeError, TierstoreError
 from ..gathered import Staged
-from ..index import sorted_unique
+from ..index import sorted_dedup, sorted_unique
 from ..jagged import JaggedBatch, is_keyed_jagged
 from ..store import TierStore
 from .reads import ReaderPool, StoredReads
@@ -62,23 +62,57 @@ def _jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, li
 PARALLEL_IDS = 1 << 16  # ids in a batch from which its tables are deduplicated in parallel
 
 
-def _sorted_unique_each(ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each table's sorted unique ids; a large batch's tables on several threads (the dedup
-    and the sort release the GIL; torch's thread count bounds them, as for the kernels).
+def _sorted_unique_each(ids: dict[str, torch.Tensor], inverse: bool = False
+                        ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each table's sorted unique ids, and with `inverse` their inverse map (ids ==
+    uniq[inverse], else None); a large batch's tables on several threads (the dedup and the
+    sort release the GIL; torch's thread count bounds them, as for the kernels).
     (Handing half the tables to an idle reader thread measured slower: the staging thread
     waited 1.7 ms a batch for the reader to get a core, against 0.5 ms of work.)"""
     items = list(ids.items())
-    out: list[torch.Tensor | None] = [None] * len(items)
+    out: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(items)
 
     def work(lo: int, hi: int) -> None:
         for k in range(lo, hi):
-            out[k] = sorted_unique(items[k][1])
+            out[k] = sorted_dedup(items[k][1]) if inverse else (sorted_unique(items[k][1]), None)
 
     if sum(i.numel() for _, i in items) >= PARALLEL_IDS:
         parallel_for(work, len(items), min_chunk=1)
     else:
         work(0, len(items))
     return {t: u for (t, _), u in zip(items, out)}
+
+
+class _Permits:
+    """The window's free slots: a counting semaphore that also tells whether its taker (the
+    staging thread) waits on it with none free, so `Prefetcher.settle` knows it is idle."""
+
+    def __init__(self, value: int) -> None:
+        self._cv = threading.Condition()
+        self._value = value
+        self._waiting = 0
+
+    def acquire(self) -> None:
+        """Take a slot, waiting until one is free."""
+        with self._cv:
+            self._waiting += 1
+            try:
+                while self._value == 0:
+                    self._cv.wait()
+                self._value -= 1
+            finally:
+                self._waiting -= 1
+
+    def release(self) -> None:
+        """Free a slot (wakes a waiting taker)."""
+        with self._cv:
+            self._value += 1
+            self._cv.notify()
+
+    def blocked(self) -> bool:
+        """Whether a taker waits and no slot is free (it stays so until the next release)."""
+        with self._cv:
+            return self._waiting > 0 and self._value == 0
 
 
 class Prefetcher:
@@ -144,10 +178,9 @@ class Prefetcher:
         self._closed = False
         self._errbox: list[BaseException] = []  # the staging thread's error, if any
         self._in_source = threading.Event()  # set while the staging thread waits in next(source)
-        self._parked = threading.Event()  # set while it waits for a window slot (`settle`)
         self._stop = threading.Event()
         self._ready: queue.Queue = queue.Queue()
-        self._permits = threading.Semaphore(depth + 1)
+        self._permits = _Permits(depth + 1)
         # while reads wait on the disk, at least COLD_READERS_MIN threads read (one reader per
         # CPU but one suits page-cached reads, not a disk's queue)
         self._pool = ReaderPool(readers, cold_readers=max(readers, COLD_READERS_MIN)) \
@@ -161,7 +194,7 @@ class Prefetcher:
             self._thread = threading.Thread(
                 target=_run, name="tierstore-prefetch", daemon=True,
                 args=(weakref.ref(self), self._source, self._permits, self._stop, self._ready,
-                      self._errbox, self._in_source, self._parked))
+                      self._errbox, self._in_source))
         self._finalizer = weakref.finalize(self, _shutdown, store, self._window, self._stop,
                                            self._permits, depth, self._pool, self._thread,
                                            self._in_source)
@@ -272,14 +305,17 @@ class Prefetcher:
         flight would run inside that. Returns False when `timeout` seconds passed first."""
         end = time.perf_counter() + timeout
         while True:
-            staging_done = self._thread is None or not self._thread.is_alive() or self._parked.is_set()
             left = end - time.perf_counter()
-            if staging_done and (self._pool is None or self._pool.wait_idle(max(left, 0.0))) \
-                    and (self._thread is None or not self._thread.is_alive() or self._parked.is_set()):
+            if self._waits() and (self._pool is None or self._pool.wait_idle(max(left, 0.0))) \
+                    and self._waits():
                 return True
             if left <= 0:
                 return False
             time.sleep(0.002)
+
+    def _waits(self) -> bool:
+        """Whether the staging thread has stopped or waits for a window slot (none is free)."""
+        return self._thread is None or not self._thread.is_alive() or self._permits.blocked()
 
     def close(self) -> None:
         """Stop the pipeline, join its threads and unpin whatever is still staged.
@@ -324,9 +360,11 @@ class Prefetcher:
         store = self.store
         ids = {t: torch.cat(parts).to("cpu", torch.int64)
                for t, parts in _jagged_ids(self.extract(batch), self.features).items()}
-        per_table = _sorted_unique_each(ids)
-        # on the sets cache the step takes its indexes from staging (`Staged`): keep the ids
-        seen = ids if store.device_cache == "sets" else None
+        # the step takes its indexes from staging (`Staged`): keep the ids, and on the slab
+        # their inverse map too (the sets cache makes it on the device)
+        unique_inverse = _sorted_unique_each(ids, inverse=store.device_cache != "sets")
+        per_table = {t: u for t, (u, _) in unique_inverse.items()}
+        seen = {t: (ids[t], inv) for t, (_, inv) in unique_inverse.items()}
         with store.lock:
             tabs = {t: store.table_record(t) for t in per_table}
             for t, uniq in per_table.items():
@@ -375,7 +413,7 @@ class Prefetcher:
             return 0
         per_table, tabs, _, _, _, cold, _, seen = prep
         return sum(8 * u.numel() + cold[t].numel() * (4 * tabs[t].spec.row_dim + 9)
-                   + (8 * seen[t].numel() if seen else 0) for t, u in per_table.items())
+                   + sum(8 * x.numel() for x in seen[t] if x is not None) for t, u in per_table.items())
 
     def keep_ahead(self, pending: deque) -> bool:
         """Whether to read another batch before staging the oldest of `pending` (read ahead,
@@ -445,9 +483,9 @@ class Prefetcher:
                                                   host_copies=on_host)
             for (t, uniq), ((d, h, s), staged), sh in zip(per_table.items(), staged_all, on_host):
                 on_device = d + h + s == 0 or int(sh.min()) >= 0
-                # with the step's ids kept (the sets cache), its indexes made here on the device
-                slots[t] = Staged.on_device(uniq, sh, seen[t], staged) \
-                    if on_device and seen is not None else Staged(uniq.numpy(), sh.numpy())
+                # every row on the device: the step's indexes, made here (`Staged.on_device`)
+                slots[t] = Staged.on_device(uniq, sh, seen[t][0], staged, seen[t][1]) \
+                    if on_device else Staged(uniq.numpy(), sh.numpy())
                 if on_device:  # all on the device: unpin by slot
                     by_slot[t] = staged
                 elif not store.host_tier.capacity:  # one cache tier: a row staged nowhere went
@@ -476,9 +514,9 @@ class Prefetcher:
 
 
 # lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------
-def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
+def _run(ref: weakref.ref, source: Iterator[Any], permits: _Permits,
          stop: threading.Event, ready: queue.Queue, errbox: list,
-         in_source: threading.Event, parked: threading.Event) -> None:
+         in_source: threading.Event) -> None:
     """The staging loop. While the window stays cached, read ahead: take batch i+1 from the
     source and start reading its rows, then wait for a window slot, stage batch i and hand it
     over (reads overlap staging); while reads wait on the disk, keep several batches read ahead
@@ -493,13 +531,6 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
             return pf.prepare_batch(batch)
         except TierstoreError as exc:  # bad ids: raised in turn, after earlier batches
             return exc
-
-    def park() -> None:  # wait for a window slot; `Prefetcher.settle` sees it parked
-        parked.set()
-        try:
-            permits.acquire()
-        finally:
-            parked.clear()
 
     def finish(pf, item):
         if isinstance(item[2], BaseException):
@@ -530,7 +561,7 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
                 # stage the oldest batches read ahead: all of them at the end or before a
                 # warm-only batch, else while the look-ahead holds enough
                 while pending and (not ahead or not pf.keep_ahead(pending)):
-                    park()
+                    permits.acquire()
                     if stop.is_set():
                         return
                     finish(pf, pending.popleft())
@@ -541,7 +572,7 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
                 if ahead:
                     continue
                 step += 1
-                park()
+                permits.acquire()
                 if stop.is_set():
                     return
                 finish(pf, (step, batch, prepare(pf, batch)))
@@ -550,7 +581,6 @@ def _run(ref: weakref.ref, source: Iterator[Any], permits: threading.Semaphore,
     except BaseException as exc:  # surfaced to the consumer
         errbox.append(exc)
     finally:
-        parked.set()  # nothing more to stage
         ready.put(_END)
 
 
@@ -570,7 +600,7 @@ def _unpin_all(store: TierStore, window: dict) -> None:
 
 
 def _shutdown(store: TierStore, window: dict, stop: threading.Event,
-              permits: threading.Semaphore, depth: int, pool: ReaderPool | None,
+              permits: _Permits, depth: int, pool: ReaderPool | None,
               thread: threading.Thread | None, in_source: threading.Event) -> None:
     """Stop a pipeline: wake and join its threads (bounded), then unpin its window."""
     stop.set()
