@@ -74,8 +74,9 @@ if HAVE_NUMBA:
             prefetch(arr, i, j)
 
     @numba.njit(cache=True, nogil=True)
-    def dedup(ids, bits):  # pragma: no cover - compiled
-        """Unique ids in first-occurrence order and the inverse map, by a 2**bits-slot hash set."""
+    def dedup_table(ids, bits):  # pragma: no cover - compiled
+        """`dedup`, also giving its hash set: (uniq, inverse, keys, vals), vals[h] the position
+        in `uniq` of the id at keys[h] (-1: an empty slot)."""
         n = ids.shape[0]
         mask = (1 << bits) - 1
         keys = np.empty(mask + 1, dtype=np.int64)
@@ -100,39 +101,32 @@ if HAVE_NUMBA:
                     inverse[i] = v
                     break
                 h = (h + 1) & mask
-        return uniq[:u], inverse
+        return uniq[:u], inverse, keys, vals
 
     @numba.njit(cache=True, nogil=True)
-    def ranked(ids, sorted_uniq, first, bits):  # pragma: no cover - compiled
-        """The inverse map of `ids` into `sorted_uniq` (their distinct values ascending), given
-        `dedup(ids, bits)`'s first-occurrence inverse `first`: each distinct id's rank is
-        found through a hash set of (id, first-occurrence position), then mapped per id."""
+    def dedup(ids, bits):  # pragma: no cover - compiled
+        """Unique ids in first-occurrence order and the inverse map, by a 2**bits-slot hash set."""
+        uniq, inverse, _, _ = dedup_table(ids, bits)
+        return uniq, inverse
+
+    @numba.njit(cache=True, nogil=True)
+    def ranked(sorted_uniq, first, keys, vals):  # pragma: no cover - compiled
+        """The inverse map into `sorted_uniq` (the distinct ids ascending), from `dedup_table`'s
+        first-occurrence inverse `first` and hash set (keys, vals): each id's rank is found
+        once through the set, then mapped per id."""
+        mask = keys.shape[0] - 1
         u = sorted_uniq.shape[0]
-        mask = (1 << bits) - 1
-        keys = np.empty(mask + 1, dtype=np.int64)
-        vals = np.full(mask + 1, -1, dtype=np.int64)
-        for j in range(u):  # sorted id -> its rank
+        rank = np.empty(u, dtype=np.int64)  # first-occurrence position -> rank
+        for j in range(u):
             k = sorted_uniq[j]
             h = k * _C1
             h = (h ^ (h >> 29)) & mask
-            while vals[h] >= 0:
+            while vals[h] < 0 or keys[h] != k:
                 h = (h + 1) & mask
-            keys[h] = k
-            vals[h] = j
-        rank = np.empty(u, dtype=np.int64)  # first-occurrence position -> rank
-        inverse = np.empty(ids.shape[0], dtype=np.int64)
-        seen = np.zeros(u, dtype=np.bool_)
-        for i in range(ids.shape[0]):
-            f = first[i]
-            if not seen[f]:
-                k = ids[i]
-                h = k * _C1
-                h = (h ^ (h >> 29)) & mask
-                while vals[h] < 0 or keys[h] != k:
-                    h = (h + 1) & mask
-                rank[f] = vals[h]
-                seen[f] = True
-            inverse[i] = rank[f]
+            rank[vals[h]] = j
+        inverse = np.empty(first.shape[0], dtype=np.int64)
+        for i in range(first.shape[0]):
+            inverse[i] = rank[first[i]]
         return inverse
 
     @numba.njit(cache=True, nogil=True)

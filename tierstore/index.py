@@ -281,10 +281,9 @@ def sorted_dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if ids.device.type != "cpu" or not _kernels.HAVE_NUMBA or ids.numel() == 0:
         return torch.unique(ids, sorted=True, return_inverse=True)
     bits = max(3, (2 * ids.numel() - 1).bit_length())
-    ids_np = ids.contiguous().numpy()
-    uniq, first = _kernels.dedup(ids_np, bits)
-    uniq.sort()  # numpy's sort: several times numba's (or an argsort) on a few thousand keys
-    return torch.from_numpy(uniq), torch.from_numpy(_kernels.ranked(ids_np, uniq, first, bits))
+    uniq, first, keys, vals = _kernels.dedup_table(ids.contiguous().numpy(), bits)
+    uniq = np.sort(uniq)  # numpy's sort: several times numba's (or an argsort) on a few thousand
+    return torch.from_numpy(uniq), torch.from_numpy(_kernels.ranked(uniq, first, keys, vals))
 
 
 def sort_unique(uniq: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
