@@ -44,6 +44,8 @@ REASONS = {1: "it carries another page number", 3: "mp_lower/mp_upper out of bou
 if HAVE_NUMBA:
     import numba
 
+    from .._kernels import prefetch
+
     @numba.njit(nogil=True, cache=True)
     def _u16(mem, pos):  # pragma: no cover - compiled
         return np.int64(mem[pos]) | (np.int64(mem[pos + 1]) << 8)
@@ -123,6 +125,141 @@ if HAVE_NUMBA:
         return int(np.float64(k - lb) * np.float64(n) / np.float64(ub - lb))
 
     @numba.njit(nogil=True, cache=True)
+    def _page_step(mem, psize, i, k, pg, bounds, has, offs, lens, info, full, verified,
+                   out):  # pragma: no cover - compiled
+        """One page of key `k`'s walk (key index `i`): the page `pg` checked, then, a branch,
+        the child to go on to (returned; `bounds`/`has` become the child's key range), or, a
+        leaf, the key's value found (offs[i], lens[i], copied into out[i]) and -1 returned.
+        A status below -1 ends the walk: -(2 + status) for SHORT_MAP, UNEXPECTED or CORRUPT."""
+        limit = mem.shape[0]
+        lb, has_lb, ub, has_ub = bounds[i, 0], has[i, 0], bounds[i, 1], has[i, 1]
+        base = pg * psize
+        if base + psize > limit:
+            return -3
+        own = np.uint64(0)  # the page's own number (mp_pgno): a misdirected pointer fails
+        for j in range(8):
+            own |= np.uint64(mem[base + j]) << np.uint64(8 * j)
+        if own != np.uint64(pg):
+            info[0], info[1] = pg, 1
+            return -5
+        flags = _u16(mem, base + 10) & 0x3FEF  # without P_DIRTY, P_LOOSE, P_KEEP
+        lower = _u16(mem, base + 12)
+        upper = _u16(mem, base + 14)
+        if lower < 18 or lower > upper or upper > psize or (lower & 1):
+            info[0], info[1] = pg, 3
+            return -5
+        n = (lower - 16) >> 1
+        if flags == 1:  # a branch page: node 0 (key-less, 8 bytes), then 16-byte nodes
+            if psize - upper != 8 + 16 * (n - 1):
+                info[0], info[1] = pg, 4
+                return -5
+            if full and not verified[pg]:
+                st = _whole_page(mem, base, psize, upper, n, False, 0, lb, has_lb, ub, has_ub, info, pg)
+                if st != 0:
+                    return -2 - st
+                verified[pg] = True
+            lo, hi = 0, n - 1  # the last node whose key <= k; node 0's key is -infinity
+            clb, has_clb = lb, has_lb
+            # probe first where the keys spread evenly would put k, then its neighbour on the
+            # side the probe leaves open (child ranges are near even: 2 probes)
+            guess = _spread(k, lb, has_lb, ub, has_ub, n)
+            while lo < hi:
+                if lo < guess <= hi:
+                    mid = guess
+                else:
+                    mid = (lo + hi + 1) >> 1
+                guess = -1
+                node = _node_key(mem, base, psize, upper, 0, mid, info, pg)
+                if node < 0:
+                    return -5
+                key = _key(mem, node + 8)
+                if (has_lb and key < lb) or (has_ub and key >= ub):
+                    info[0], info[1] = pg, 6
+                    return -5
+                if key <= k:
+                    lo = mid
+                    clb, has_clb = key, True
+                    lb, has_lb = key + np.uint64(1), True
+                    guess = mid + 1 if mid < hi else -1
+                else:
+                    hi = mid - 1
+                    ub, has_ub = key, True
+                    guess = mid - 1 if mid - 1 > lo else -1
+            node = base + _u16(mem, base + 16 + 2 * lo)
+            if node < base + upper or node + 8 > base + psize:
+                info[0], info[1] = pg, 5
+                return -5
+            # the child's range: [its key, the next key)
+            bounds[i, 0], has[i, 0], bounds[i, 1], has[i, 1] = clb, has_clb, ub, has_ub
+            return _u16(mem, node) | (_u16(mem, node + 2) << 16) | (_u16(mem, node + 4) << 32)
+        if flags != 2:  # not a leaf either (LEAF2, a sub-page): a layout we do not write
+            return -4
+        first = base + _u16(mem, base + 16)  # a leaf page: equal-sized nodes
+        if first < base + upper or first + 16 > base + psize:
+            info[0], info[1] = pg, 5
+            return -5
+        big = (_u16(mem, first + 4) & 1) != 0
+        body = 8 if big else (_u16(mem, first) | (_u16(mem, first + 2) << 16))
+        align = (8 + _u16(mem, first + 6) + body + 1) & ~1
+        if psize - upper != n * align:
+            info[0], info[1] = pg, 4
+            return -5
+        if full and not verified[pg]:
+            st = _whole_page(mem, base, psize, upper, n, True, align, lb, has_lb, ub, has_ub, info, pg)
+            if st != 0:
+                return -2 - st
+            verified[pg] = True
+        lo, hi = 0, n - 1
+        # first probe where the key would sit were the leaf's keys spread evenly over the range
+        # its parent gives (row ids are dense: often the key itself)
+        guess = _spread(k, lb, has_lb, ub, has_ub, n)
+        while lo <= hi:
+            if lo <= guess <= hi:
+                mid = guess
+                guess = -1
+            else:
+                mid = (lo + hi) >> 1
+            node = _node_key(mem, base, psize, upper, align, mid, info, pg)
+            if node < 0:
+                return -5
+            key = _key(mem, node + 8)
+            if (has_lb and key < lb) or (has_ub and key >= ub):
+                info[0], info[1] = pg, 6
+                return -5
+            if key == k:
+                if _u16(mem, node + 4) != 0:  # overflow or sub-database data
+                    return -4
+                dsize = _u16(mem, node) | (_u16(mem, node + 2) << 16)
+                if node + 16 + dsize > base + psize:
+                    info[0], info[1] = pg, 4
+                    return -5
+                offs[i] = node + 16
+                lens[i] = dsize
+                if out.shape[0] and dsize == out.shape[1]:
+                    out[i, :] = mem[node + 16 : node + 16 + dsize]
+                return -1
+            if key < k:
+                lo = mid + 1
+                lb, has_lb = key + np.uint64(1), True
+            else:
+                hi = mid - 1
+                ub, has_ub = key, True
+        # a miss: the keys beside its place are in order too
+        for a, b in ((hi - 1, hi), (lo, lo + 1)):
+            if a < 0 or b >= n:
+                continue
+            na = _node_key(mem, base, psize, upper, align, a, info, pg)
+            nb = _node_key(mem, base, psize, upper, align, b, info, pg)
+            if na < 0 or nb < 0:
+                return -5
+            if _key(mem, na + 8) >= _key(mem, nb + 8):
+                info[0], info[1] = pg, 6
+                return -5
+        return -1
+
+    WALK_AHEAD = 8  # keys between the prefetch stages of the leaves (measured: 4-16 alike)
+
+    @numba.njit(nogil=True, cache=True)
     def find_spans(mem, psize, root, keys, offs, lens, info, full, verified, out):  # pragma: no cover
         """Where each key's value lies in `mem` (offs[i], lens[i]; offs[i] = -1 when absent).
 
@@ -136,143 +273,84 @@ if HAVE_NUMBA:
         `verified[page]` (pages of one snapshot: immutable) remembers it. `out` (n rows, or
         empty): each value of exactly `out.shape[1]` bytes is copied into its row as it is
         found, while its page is at hand.
+
+        Two passes. The branch pages first, key by key: keys come sorted, so a key starts at
+        the deepest page of the last key's path whose key range holds it (the pages above were
+        checked on the way there, and the range, from checked keys, names this page for it).
+        Then the leaves, with the pages of later keys asked from memory while earlier keys are
+        searched: the leaf's header, then (`WALK_AHEAD` keys later) the node its search probes
+        first, then the search; the misses of several keys overlap instead of following one
+        another.
         """
+        n = keys.shape[0]
         limit = mem.shape[0]
-        for i in range(keys.shape[0]):
-            k = keys[i]
-            pg = root
+        leaf = np.empty(n, dtype=np.int64)
+        bounds = np.zeros((n, 2), dtype=np.uint64)  # each key's leaf's key range [lb, ub) ...
+        has = np.zeros((n, 2), dtype=np.bool_)  # ... and which ends it has
+        path = np.zeros(64, dtype=np.int64)  # the last key's pages from the root down ...
+        pbounds = np.zeros((64, 2), dtype=np.uint64)  # ... their ranges ...
+        phas = np.zeros((64, 2), dtype=np.bool_)
+        depth = 0  # ... and how many
+        for i in range(n):
             offs[i] = -1
-            done = False
-            lb, has_lb, ub, has_ub = np.uint64(0), False, np.uint64(0), False  # the page's range
-            for _ in range(64):  # deeper than any B-tree of 2^64 keys: a cycle means damage
+            k = keys[i]
+            lev = depth - 1
+            while lev > 0 and not ((not phas[lev, 0] or k >= pbounds[lev, 0])
+                                   and (not phas[lev, 1] or k < pbounds[lev, 1])):
+                lev -= 1
+            if lev <= 0:
+                lev, pg = 0, root
+                has[i, 0] = has[i, 1] = False
+            else:
+                pg = path[lev]
+                bounds[i, 0], bounds[i, 1] = pbounds[lev, 0], pbounds[lev, 1]
+                has[i, 0], has[i, 1] = phas[lev, 0], phas[lev, 1]
+            while True:
+                if lev >= 64:  # deeper than any B-tree of 2^64 keys: a cycle means damage
+                    return 2
+                path[lev] = pg
+                pbounds[lev, 0], pbounds[lev, 1] = bounds[i, 0], bounds[i, 1]
+                phas[lev, 0], phas[lev, 1] = has[i, 0], has[i, 1]
                 base = pg * psize
                 if base + psize > limit:
                     return 1
-                own = np.uint64(0)  # the page's own number (mp_pgno): a misdirected pointer fails
-                for j in range(8):
-                    own |= np.uint64(mem[base + j]) << np.uint64(8 * j)
-                if own != np.uint64(pg):
-                    info[0], info[1] = pg, 1
-                    return 3
-                flags = _u16(mem, base + 10) & 0x3FEF  # without P_DIRTY, P_LOOSE, P_KEEP
-                lower = _u16(mem, base + 12)
-                upper = _u16(mem, base + 14)
-                if lower < 18 or lower > upper or upper > psize or (lower & 1):
-                    info[0], info[1] = pg, 3
-                    return 3
-                n = (lower - 16) >> 1
-                if flags == 1:  # a branch page: node 0 (key-less, 8 bytes), then 16-byte nodes
-                    if psize - upper != 8 + 16 * (n - 1):
-                        info[0], info[1] = pg, 4
-                        return 3
-                    if full and not verified[pg]:
-                        st = _whole_page(mem, base, psize, upper, n, False, 0, lb, has_lb, ub,
-                                         has_ub, info, pg)
-                        if st != 0:
-                            return st
-                        verified[pg] = True
-                    lo, hi = 0, n - 1  # the last node whose key <= k; node 0's key is -infinity
-                    clb, has_clb = lb, has_lb
-                    # probe first where the keys spread evenly would put k, then its neighbour
-                    # on the side the probe leaves open (child ranges are near even: 2 probes)
-                    guess = _spread(k, lb, has_lb, ub, has_ub, n)
-                    while lo < hi:
-                        if lo < guess <= hi:
-                            mid = guess
-                        else:
-                            mid = (lo + hi + 1) >> 1
-                        guess = -1
-                        node = _node_key(mem, base, psize, upper, 0, mid, info, pg)
-                        if node < 0:
-                            return 3
-                        key = _key(mem, node + 8)
-                        if (has_lb and key < lb) or (has_ub and key >= ub):
-                            info[0], info[1] = pg, 6
-                            return 3
-                        if key <= k:
-                            lo = mid
-                            clb, has_clb = key, True
-                            lb, has_lb = key + np.uint64(1), True
-                            guess = mid + 1 if mid < hi else -1
-                        else:
-                            hi = mid - 1
-                            ub, has_ub = key, True
-                            guess = mid - 1 if mid - 1 > lo else -1
-                    node = base + _u16(mem, base + 16 + 2 * lo)
-                    if node < base + upper or node + 8 > base + psize:
-                        info[0], info[1] = pg, 5
-                        return 3
-                    lb, has_lb = clb, has_clb  # the child's range: [its key, the next key)
-                    pg = _u16(mem, node) | (_u16(mem, node + 2) << 16) | (_u16(mem, node + 4) << 32)
-                elif flags == 2:  # a leaf page (not LEAF2, not a sub-page): equal-sized nodes
-                    first = base + _u16(mem, base + 16)
-                    if first < base + upper or first + 16 > base + psize:
-                        info[0], info[1] = pg, 5
-                        return 3
-                    big = (_u16(mem, first + 4) & 1) != 0
-                    body = 8 if big else (_u16(mem, first) | (_u16(mem, first + 2) << 16))
-                    align = (8 + _u16(mem, first + 6) + body + 1) & ~1
-                    if psize - upper != n * align:
-                        info[0], info[1] = pg, 4
-                        return 3
-                    if full and not verified[pg]:
-                        st = _whole_page(mem, base, psize, upper, n, True, align, lb, has_lb, ub,
-                                         has_ub, info, pg)
-                        if st != 0:
-                            return st
-                        verified[pg] = True
-                    lo, hi = 0, n - 1
-                    # first probe where the key would sit were the leaf's keys spread evenly
-                    # over the range its parent gives (row ids are dense: often the key itself)
-                    guess = _spread(k, lb, has_lb, ub, has_ub, n)
-                    while lo <= hi:
-                        if lo <= guess <= hi:
-                            mid = guess
-                            guess = -1
-                        else:
-                            mid = (lo + hi) >> 1
-                        node = _node_key(mem, base, psize, upper, align, mid, info, pg)
-                        if node < 0:
-                            return 3
-                        key = _key(mem, node + 8)
-                        if (has_lb and key < lb) or (has_ub and key >= ub):
-                            info[0], info[1] = pg, 6
-                            return 3
-                        if key == k:
-                            if _u16(mem, node + 4) != 0:  # overflow or sub-database data
-                                return 2
-                            dsize = _u16(mem, node) | (_u16(mem, node + 2) << 16)
-                            if node + 16 + dsize > base + psize:
-                                info[0], info[1] = pg, 4
-                                return 3
-                            offs[i] = node + 16
-                            lens[i] = dsize
-                            if out.shape[0] and dsize == out.shape[1]:
-                                out[i, :] = mem[node + 16 : node + 16 + dsize]
-                            break
-                        if key < k:
-                            lo = mid + 1
-                            lb, has_lb = key + np.uint64(1), True
-                        else:
-                            hi = mid - 1
-                            ub, has_ub = key, True
-                    if offs[i] < 0:  # a miss: the keys beside its place are in order too
-                        for a, b in ((hi - 1, hi), (lo, lo + 1)):
-                            if a < 0 or b >= n:
-                                continue
-                            na = _node_key(mem, base, psize, upper, align, a, info, pg)
-                            nb = _node_key(mem, base, psize, upper, align, b, info, pg)
-                            if na < 0 or nb < 0:
-                                return 3
-                            if _key(mem, na + 8) >= _key(mem, nb + 8):
-                                info[0], info[1] = pg, 6
-                                return 3
-                    done = True
+                if _u16(mem, base + 10) & 0x3FEF != 1:  # not a branch: the leaf's pass checks it
                     break
-                else:
+                nxt = _page_step(mem, psize, i, k, pg, bounds, has, offs, lens, info, full,
+                                 verified, out)
+                if nxt < -1:
+                    return -2 - nxt
+                pg = nxt
+                lev += 1
+            depth = lev + 1
+            leaf[i] = pg
+        m2 = mem.reshape((1, limit))
+        d = WALK_AHEAD
+        for t in range(n + 2 * d):
+            j = t  # the leaf's header and the start of its node pointers
+            if j < n:
+                base = leaf[j] * psize
+                prefetch(m2, 0, base)
+                prefetch(m2, 0, base + 64)
+            j = t - d  # the node the search probes first (its first lines)
+            if 0 <= j < n:
+                base = leaf[j] * psize
+                lower = _u16(mem, base + 12)
+                g = _spread(keys[j], bounds[j, 0], has[j, 0], bounds[j, 1], has[j, 1], (lower - 16) >> 1)
+                if 0 <= g and 16 + 2 * g + 2 <= psize:
+                    node = base + _u16(mem, base + 16 + 2 * g)
+                    if node + 192 <= limit:
+                        prefetch(m2, 0, node)
+                        prefetch(m2, 0, node + 64)
+                        prefetch(m2, 0, node + 128)
+            j = t - 2 * d
+            if 0 <= j < n:
+                nxt = _page_step(mem, psize, j, keys[j], leaf[j], bounds, has, offs, lens, info,
+                                 full, verified, out)
+                if nxt < -1:
+                    return -2 - nxt
+                if nxt >= 0:  # a branch below a leaf's level: not a tree we wrote
                     return 2
-            if not done:
-                return 2
         return 0
 
     _NONE = np.zeros(0, dtype=np.bool_)
