@@ -124,6 +124,19 @@ if HAVE_NUMBA:
             return -1
         return int(np.float64(k - lb) * np.float64(n) / np.float64(ub - lb))
 
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _probe(mem, base, psize, upper, align, slot, info, pg, lb, has_lb, ub, has_ub):  # pragma: no cover
+        """Node `slot` of a page and its key, checked to lie in the page's range [lb, ub):
+        (node, key), node -1 when it is out of place or out of range (info set)."""
+        node = _node_key(mem, base, psize, upper, align, slot, info, pg)
+        if node < 0:
+            return -1, np.uint64(0)
+        key = _key(mem, node + 8)
+        if (has_lb and key < lb) or (has_ub and key >= ub):
+            info[0], info[1] = pg, 6
+            return -1, np.uint64(0)
+        return node, key
+
     @numba.njit(nogil=True, cache=True)
     def _page_step(mem, psize, i, k, pg, bounds, has, offs, lens, info, full, verified,
                    out):  # pragma: no cover - compiled
@@ -169,12 +182,8 @@ if HAVE_NUMBA:
                 else:
                     mid = (lo + hi + 1) >> 1
                 guess = -1
-                node = _node_key(mem, base, psize, upper, 0, mid, info, pg)
+                node, key = _probe(mem, base, psize, upper, 0, mid, info, pg, lb, has_lb, ub, has_ub)
                 if node < 0:
-                    return -5
-                key = _key(mem, node + 8)
-                if (has_lb and key < lb) or (has_ub and key >= ub):
-                    info[0], info[1] = pg, 6
                     return -5
                 if key <= k:
                     lo = mid
@@ -219,12 +228,8 @@ if HAVE_NUMBA:
                 guess = -1
             else:
                 mid = (lo + hi) >> 1
-            node = _node_key(mem, base, psize, upper, align, mid, info, pg)
+            node, key = _probe(mem, base, psize, upper, align, mid, info, pg, lb, has_lb, ub, has_ub)
             if node < 0:
-                return -5
-            key = _key(mem, node + 8)
-            if (has_lb and key < lb) or (has_ub and key >= ub):
-                info[0], info[1] = pg, 6
                 return -5
             if key == k:
                 if _u16(mem, node + 4) != 0:  # overflow or sub-database data
