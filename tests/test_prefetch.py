@@ -644,3 +644,6 @@ def test_reader_pool_wait_idle_counts_queued_and_running_tasks():
         assert pool.wait_idle(5) and first.result() and second.result() == 7
     finally:
         pool.shutdown()
+    with pytest.raises(RuntimeError):  # a shut-down pool queues nothing, and counts nothing
+        pool.submit(lambda: 1)
+    assert pool.wait_idle(0)

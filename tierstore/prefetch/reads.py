@@ -84,11 +84,15 @@ class ReaderPool:
         pool = self._cold if self.cold and self._cold is not None else self._warm
         with self._done:
             self._inflight += 1
-        future = pool.submit(fn, *args)
+        try:
+            future = pool.submit(fn, *args)
+        except BaseException:  # shut down: nothing was queued
+            self._finished(None)
+            raise
         future.add_done_callback(self._finished)
         return future
 
-    def _finished(self, _: Future) -> None:
+    def _finished(self, _: Future | None) -> None:
         with self._done:
             self._inflight -= 1
             self._done.notify_all()
