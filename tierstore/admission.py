@@ -22,7 +22,7 @@ from ._kernels import HAVE_NUMBA
 from .errors import ConfigError, StoreCorruptError
 from .fused import pool as fused_pool
 from .gathered import Gathered
-from .index import dedup, sort_unique
+from .index import sorted_dedup
 from .sizes import parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -451,7 +451,7 @@ def read_masked(store: TierStore, tab: _Table, ids: torch.Tensor, mask: np.ndarr
 
 def gather_masked(paths: BagPaths, tab: _Table, ids: torch.Tensor, mask: np.ndarray) -> Gathered:
     """`gather` with only the `mask`ed ids admitted: the others get initial, uncached rows."""
-    uniq, inv = sort_unique(*dedup(ids))
+    uniq, inv = sorted_dedup(ids)
     ukeep = torch.zeros(uniq.numel(), dtype=torch.bool)
     ukeep[inv] = torch.from_numpy(mask)
     weights = init_weights(paths.device, tab, uniq)

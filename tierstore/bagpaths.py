@@ -16,7 +16,7 @@ import tierstore.validate as validate
 from .errors import InvalidGradientError
 from .fused import BatchUpdate, bag_positions
 from .gathered import Gathered as Gathered  # re-exported
-from .index import dedup, sort_unique
+from .index import dedup, sort_unique, sorted_dedup
 
 if TYPE_CHECKING:
     from .backends.set_tier import SetTier
@@ -59,7 +59,7 @@ class BagPaths:
         if ids.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64)
             return Gathered(empty, empty, torch.empty(0, tab.spec.dim, device=self.device))
-        uniq, inv = sort_unique(*dedup(ids))
+        uniq, inv = sorted_dedup(ids)
         payload = self.cascade.access(tab, uniq, None, promote=self.staging.promotes())
         return Gathered(uniq, inv, tab.spec.codec.decode(payload, tab.spec.dim), self.cascade.last_dslots,
                         self.device_tier.generation)
