@@ -181,7 +181,7 @@ class TierstoreRunner(Runner):
             if t.name.startswith("tierstore-read"):  # runners' readers idle during this block
                 roles[t.native_id] = "readers"
         roles[self.store.writeback._thread.native_id] = "writer"
-        merger = getattr(self.store.log, "_merger", None)
+        merger = self.store.log.merger
         if merger is not None:
             roles[merger.native_id] = "merger"
         for t in getattr(_parallel._pool, "_threads", ()):  # the kernels' pool (process-wide)
@@ -239,8 +239,8 @@ class TierstoreRunner(Runner):
         self.pf.settle(timeout)
         self.store.writeback.drain(timeout=timeout)
         log = self.store.log
-        background = getattr(log, "_merger", None) is not None
-        while background and log.wants_merge() and time.perf_counter() < end:  # one the drain set off
+        # a merge the drain set off, too
+        while log.merger is not None and log.wants_merge() and time.perf_counter() < end:
             time.sleep(0.005)
         with log.merging:  # a merge in progress finishes first
             pass

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tierstore.backends import lmdb_backend
 from tierstore.backends.lmdb_backend import DATA_NAME, LmdbBackend
-from tierstore.backends.pages import find_values
+from tierstore.backends.pages import PageReader, find_values
 from tierstore.errors import StoreCorruptError
 
 W = 9  # row width in float32 words (payload + stamp)
@@ -234,11 +234,12 @@ def test_keys_in_any_order_read_as_sorted(tmp_path_factory, seed, repeats):
         keys = np.concatenate([np.arange(0, 61_000, 7), rng.integers(0, 61_000, repeats)])
         q = rng.permutation(keys).astype(np.uint64)
         size = W * 4 + CHECK_BYTES
+        reader = PageReader(be.path / DATA_NAME, be.env.stat()["psize"])
         with be.env.begin() as txn:
             record = txn.get(b"t:t")
-            got = be._pages.lookup(record, q, size)
+            got = reader.lookup(record, q, size)
             srt = np.argsort(q, kind="stable")
-            want = be._pages.lookup(record, q[srt], size)
+            want = reader.lookup(record, q[srt], size)
         assert got is not None and want is not None
         back = np.empty_like(srt)
         back[srt] = np.arange(len(srt))

@@ -156,14 +156,14 @@ def test_a_resident_sets_store_stages_from_its_host_mirror(tmp_path, monkeypatch
 
 def test_tables_deduplicated_in_parallel_equal_one_by_one(monkeypatch):
     from tierstore.index import sorted_unique
-    from tierstore.prefetch import pipeline
+    from tierstore.prefetch import batch_ids
 
     g = torch.Generator().manual_seed(1)
     ids = {f"t{k}": torch.randint(0, 5000 * (k + 1), (20000 + 997 * k,), generator=g)
            for k in range(6)}
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # parallel_for's bound
     for inverse in (False, True):
-        got = pipeline._sorted_unique_each(ids, inverse=inverse)
+        got = batch_ids.sorted_unique_each(ids, inverse=inverse)
         assert list(got) == list(ids)
         for t, i in ids.items():
             uniq, inv = got[t]

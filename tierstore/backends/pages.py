@@ -352,10 +352,8 @@ if HAVE_NUMBA:
             if 0 <= j < n:
                 nxt = _page_step(mem, psize, j, keys[j], leaf[j], bounds, has, offs, lens, info,
                                  full, verified, out)
-                if nxt < -1:
+                if nxt < -1:  # (a page pass 1 stopped at is no branch: never a child here)
                     return -2 - nxt
-                if nxt >= 0:  # a branch below a leaf's level: not a tree we wrote
-                    return 2
         return 0
 
     _NONE = np.zeros(0, dtype=np.bool_)

@@ -16,16 +16,15 @@ import torch
 
 import tierstore.hostread as hostread
 
-from .._parallel import CPUS, parallel_for
+from .._parallel import CPUS
 from ..backends.lmdb_backend import lmdb_error
-from ..errors import ConfigError, ShapeError, TierstoreError
+from ..errors import ConfigError, TierstoreError
 from ..gathered import Staged
-from ..index import sorted_dedup, sorted_unique
-from ..jagged import JaggedBatch, is_keyed_jagged
 from ..store import TierStore
+from .batch_ids import jagged_ids, sorted_unique_each
+from .loop import END, Permits, run, shutdown, unpin_all
 from .reads import ReaderPool, StoredReads
 
-_END = object()
 # reader threads of a pipeline: one per CPU but one, at least one, at most 4. More only queue
 # for cores: the training and staging threads need one each. On the 2-core VM one reader ran
 # issue 36's held-out cache10 and cache1 steps 10-15% faster than two, and the standard shape
@@ -35,84 +34,11 @@ DEFAULT_READERS = max(1, min(4, CPUS - 1))
 # one reader read a half-cached table 1.75x slower than two (BENCHMARKS.md, 2026-11-27)
 COLD_READERS_MIN = min(4, CPUS)
 READ_CHUNK = 16384  # rows per reader task: page-cached reads gain nothing from more GIL hand-offs
-CLOSE_TIMEOUT_S = 2.0  # how long close() waits for the staging thread before leaving it (daemon)
 # while reads wait on the disk, batches are read further ahead than the one being staged: up to
 # this many, and within `read_ahead_bytes` (their ids plus the rows read), so the disk's queue
 # never empties between batches. Page-cached reads take less time than staging: one is enough
 READS_AHEAD = 8
 READ_AHEAD_BYTES = 64 << 20
-
-
-def _jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, list[torch.Tensor]]:
-    """Table -> id tensors of a jagged batch (KeyedJaggedTensor-like, (keys, values, lengths), dict)."""
-    if isinstance(sparse, Mapping):
-        items = [(k, torch.as_tensor(v)) for k, v in sparse.items()]
-    elif is_keyed_jagged(sparse) or (isinstance(sparse, (tuple, list)) and len(sparse) == 3):
-        items = list(JaggedBatch.of(sparse).per_key().items())
-    else:
-        raise ShapeError("a batch must be jagged (keys, values, lengths), a KeyedJaggedTensor, "
-                         "or a {feature: ids} dict; pass extract= to pick it out of the batch")
-    out: dict[str, list[torch.Tensor]] = {}
-    for key, ids in items:
-        table = features.get(key, key) if features else key
-        out.setdefault(table, []).append(ids.reshape(-1))
-    return out
-
-
-PARALLEL_IDS = 1 << 16  # ids in a batch from which its tables are deduplicated in parallel
-
-
-def _sorted_unique_each(ids: dict[str, torch.Tensor], inverse: bool = False
-                        ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """Each table's sorted unique ids, and with `inverse` their inverse map (ids ==
-    uniq[inverse], else None); a large batch's tables on several threads (the dedup and the
-    sort release the GIL; torch's thread count bounds them, as for the kernels).
-    (Handing half the tables to an idle reader thread measured slower: the staging thread
-    waited 1.7 ms a batch for the reader to get a core, against 0.5 ms of work.)"""
-    items = list(ids.items())
-    out: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(items)
-
-    def work(lo: int, hi: int) -> None:
-        for k in range(lo, hi):
-            out[k] = sorted_dedup(items[k][1]) if inverse else (sorted_unique(items[k][1]), None)
-
-    if sum(i.numel() for _, i in items) >= PARALLEL_IDS:
-        parallel_for(work, len(items), min_chunk=1)
-    else:
-        work(0, len(items))
-    return {t: u for (t, _), u in zip(items, out)}
-
-
-class _Permits:
-    """The window's free slots: a counting semaphore that also tells whether its taker (the
-    staging thread) waits on it with none free, so `Prefetcher.settle` knows it is idle."""
-
-    def __init__(self, value: int) -> None:
-        self._cv = threading.Condition()
-        self._value = value
-        self._waiting = 0
-
-    def acquire(self) -> None:
-        """Take a slot, waiting until one is free."""
-        with self._cv:
-            self._waiting += 1
-            try:
-                while self._value == 0:
-                    self._cv.wait()
-                self._value -= 1
-            finally:
-                self._waiting -= 1
-
-    def release(self) -> None:
-        """Free a slot (wakes a waiting taker)."""
-        with self._cv:
-            self._value += 1
-            self._cv.notify()
-
-    def blocked(self) -> bool:
-        """Whether a taker waits and no slot is free (it stays so until the next release)."""
-        with self._cv:
-            return self._waiting > 0 and self._value == 0
 
 
 class Prefetcher:
@@ -180,7 +106,7 @@ class Prefetcher:
         self._in_source = threading.Event()  # set while the staging thread waits in next(source)
         self._stop = threading.Event()
         self._ready: queue.Queue = queue.Queue()
-        self._permits = _Permits(depth + 1)
+        self._permits = Permits(depth + 1)
         # while reads wait on the disk, at least COLD_READERS_MIN threads read (one reader per
         # CPU but one suits page-cached reads, not a disk's queue)
         self._pool = ReaderPool(readers, cold_readers=max(readers, COLD_READERS_MIN)) \
@@ -192,10 +118,10 @@ class Prefetcher:
         # stops its prefetchers when it closes.
         if depth > 0:
             self._thread = threading.Thread(
-                target=_run, name="tierstore-prefetch", daemon=True,
+                target=run, name="tierstore-prefetch", daemon=True,
                 args=(weakref.ref(self), self._source, self._permits, self._stop, self._ready,
                       self._errbox, self._in_source))
-        self._finalizer = weakref.finalize(self, _shutdown, store, self._window, self._stop,
+        self._finalizer = weakref.finalize(self, shutdown, store, self._window, self._stop,
                                            self._permits, depth, self._pool, self._thread,
                                            self._in_source)
         store.prefetchers.add(self)
@@ -236,7 +162,7 @@ class Prefetcher:
                     self._raise_worker_error()
         stats = self.store.prefetch_stats
         stats.stall_seconds += time.perf_counter() - t0
-        if item is _END:
+        if item is END:
             self._raise_worker_error()
             self.close()
             self.store.paths.raise_deferred(wait=True)  # the last steps' checks too
@@ -338,7 +264,7 @@ class Prefetcher:
             self._permits.release()
         if self._pool is not None:  # readers take no store lock: waiting for them is safe
             self._pool.shutdown(wait=True, cancel_futures=True)
-        _unpin_all(self.store, self._window)
+        unpin_all(self.store, self._window)
 
     def __enter__(self) -> Prefetcher:
         return self
@@ -353,16 +279,16 @@ class Prefetcher:
     def prepare_batch(self, batch: Any) -> tuple:
         """Phase 1: find the batch's rows no cache holds and start reading them (reader threads).
 
-        Runs while the previous batch is staged (`_run`): rows that staging brings into a cache
+        Runs while the previous batch is staged (`loop.run`): rows that staging brings into a cache
         were read for nothing, and clean rows it evicts are read at staging instead (both rare
         at a steady state, and neither changes a value: see `store.load`).
         """
         store = self.store
         ids = {t: torch.cat(parts).to("cpu", torch.int64)
-               for t, parts in _jagged_ids(self.extract(batch), self.features).items()}
+               for t, parts in jagged_ids(self.extract(batch), self.features).items()}
         # the step takes its indexes from staging (`Staged`): keep the ids, and on the slab
         # their inverse map too (the sets cache makes it on the device)
-        unique_inverse = _sorted_unique_each(ids, inverse=store.device_cache != "sets")
+        unique_inverse = sorted_unique_each(ids, inverse=store.device_cache != "sets")
         per_table = {t: u for t, (u, _) in unique_inverse.items()}
         seen = {t: (ids[t], inv) for t, (_, inv) in unique_inverse.items()}
         with store.lock:
@@ -514,100 +440,3 @@ class Prefetcher:
 
 
 # lifecycle (module functions: the threads and the finalizer never hold the Prefetcher) --------
-def _run(ref: weakref.ref, source: Iterator[Any], permits: _Permits,
-         stop: threading.Event, ready: queue.Queue, errbox: list,
-         in_source: threading.Event) -> None:
-    """The staging loop. While the window stays cached, read ahead: take batch i+1 from the
-    source and start reading its rows, then wait for a window slot, stage batch i and hand it
-    over (reads overlap staging); while reads wait on the disk, keep several batches read ahead
-    (`Prefetcher.keep_ahead`). In warm-only mode a batch is read ahead right before it is
-    handed over, after its window slot: its buffers must outlive the ring's turnover until use.
-    An error of the source is raised after the batches taken before it."""
-    step = -1
-    pending: deque = deque()  # (step, batch, prep) read ahead, not yet staged, oldest first
-
-    def prepare(pf, batch):
-        try:
-            return pf.prepare_batch(batch)
-        except TierstoreError as exc:  # bad ids: raised in turn, after earlier batches
-            return exc
-
-    def finish(pf, item):
-        if isinstance(item[2], BaseException):
-            raise item[2]
-        pf.finish_batch(item[0], item[2])
-        ready.put((item[0], item[1]))
-
-    try:
-        while not stop.is_set():
-            in_source.set()
-            failed = None
-            try:
-                batch = next(source)
-            except StopIteration:
-                batch = _END
-            except Exception as exc:  # raised to the consumer after the batches read ahead
-                batch, failed = _END, exc
-            finally:
-                in_source.clear()
-            pf = ref()
-            if pf is None:  # abandoned: its finalizer stops the rest
-                return
-            try:
-                ahead = batch is not _END and not pf.warm_only
-                if ahead:
-                    step += 1
-                    pending.append((step, batch, prepare(pf, batch)))
-                # stage the oldest batches read ahead: all of them at the end or before a
-                # warm-only batch, else while the look-ahead holds enough
-                while pending and (not ahead or not pf.keep_ahead(pending)):
-                    permits.acquire()
-                    if stop.is_set():
-                        return
-                    finish(pf, pending.popleft())
-                if failed is not None:
-                    raise failed
-                if batch is _END:
-                    return
-                if ahead:
-                    continue
-                step += 1
-                permits.acquire()
-                if stop.is_set():
-                    return
-                finish(pf, (step, batch, prepare(pf, batch)))
-            finally:
-                del pf  # the last reference may go here: the finalizer then runs in this thread
-    except BaseException as exc:  # surfaced to the consumer
-        errbox.append(exc)
-    finally:
-        ready.put(_END)
-
-
-def _unpin_all(store: TierStore, window: dict) -> None:
-    """Unpin every staged batch still in `window` (under the store lock)."""
-    store.staging.drop_batch()
-    with store.lock:
-        steps = sorted(window)
-        if not store.closed:
-            store.staging.drain_hits()
-            store.staging.drain_unpins()
-            store.device_tier.pin_epoch += 1  # pins dropped wholesale: staged slots are void
-            for step in steps:
-                for table, uniq in window[step].items():
-                    store.staging.pin(store.table_record(table), uniq, -1)
-        window.clear()
-
-
-def _shutdown(store: TierStore, window: dict, stop: threading.Event,
-              permits: _Permits, depth: int, pool: ReaderPool | None,
-              thread: threading.Thread | None, in_source: threading.Event) -> None:
-    """Stop a pipeline: wake and join its threads (bounded), then unpin its window."""
-    stop.set()
-    for _ in range(depth + 2):
-        permits.release()
-    if thread is not None and thread is not threading.current_thread():
-        thread.join(0.05 if in_source.is_set() else CLOSE_TIMEOUT_S)  # never wait on the source
-    if pool is not None:
-        pool.shutdown(wait=True, cancel_futures=True)
-    _unpin_all(store, window)

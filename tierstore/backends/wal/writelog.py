@@ -208,6 +208,11 @@ class WriteLog:
                                         name="tierstore-log-merger")
         self._merger.start()
 
+    @property
+    def merger(self) -> threading.Thread | None:
+        """The background merger thread while one runs (`start_merger`), else None."""
+        return self._merger
+
     def wants_merge(self) -> bool:
         """Whether the log is full enough for its older half to be merged."""
         return self.size >= self.capacity * 3 // 4
