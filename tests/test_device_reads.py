@@ -51,25 +51,48 @@ def _pretend(mode, store):
         mode.mark(dev.codec.offsets)
 
 
-def test_staging_on_the_sets_cache_reads_device_values_only_through_hostread(tmp_path, monkeypatch):
+# a sets cache that holds every declared row maps key k to slot k (direct) and mirrors its keys
+# on the host: `bench.training`'s resident configuration on CUDA
+SMALL = [ts.TableSpec("a", 700, 8, optimizer=ts.RowWiseAdagrad(0.1)),
+         ts.TableSpec("b", 500, 4, optimizer=ts.Adam(0.01, weight_decay=0.01))]
+SMALL_HALF = [ts.TableSpec("a", 700, 8, optimizer=ts.Adagrad(0.1), dtype="bfloat16"),
+              ts.TableSpec("b", 500, 4, optimizer=ts.SGD(0.05), dtype="float16", clip=0.5)]
+
+
+def _watch_staging(monkeypatch, modes):
+    """Run both phases of staging (the staging thread's work) under a `DeviceTaint` of its thread."""
+    for name in ("prepare_batch", "finish_batch"):
+        phase = getattr(Prefetcher, name)
+
+        def watched(self, *args, phase=phase):
+            mode = modes.setdefault(threading.get_ident(), DeviceTaint())
+            _pretend(mode, self.store)
+            with mode:
+                return phase(self, *args)
+
+        monkeypatch.setattr(Prefetcher, name, watched)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["evicting", "direct"])
+def test_staging_on_the_sets_cache_reads_device_values_only_through_hostread(tmp_path, monkeypatch,
+                                                                           direct):
     modes: dict[int, DeviceTaint] = {}
-    finish = Prefetcher.finish_batch
-
-    def watched(self, step, prep):
-        mode = modes.setdefault(threading.get_ident(), DeviceTaint())
-        _pretend(mode, self.store)
-        with mode:
-            return finish(self, step, prep)
-
-    monkeypatch.setattr(Prefetcher, "finish_batch", watched)
-    # a cache smaller than a batch's rows: staging evicts, overflows to the host tier, reloads
-    with ts.TierStore(tmp_path / "s", SPECS, device="cpu", device_cache="sets", device_capacity=64,
-                      host_capacity=256, policy="lru") as store, watching_hostread(modes):
+    _watch_staging(monkeypatch, modes)
+    # evicting: a cache smaller than a batch's rows: staging evicts, overflows to the host tier,
+    # reloads; direct: every row has its line
+    kw = dict(device_capacity=2000, host_capacity=0) if direct else \
+        dict(device_capacity=64, host_capacity=256, policy="lru")
+    with ts.TierStore(tmp_path / "s", SMALL if direct else SPECS, device="cpu", device_cache="sets",
+                      **kw) as store, watching_hostread(modes):
+        assert (store.device_tier.held is not None) == direct
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
         with Prefetcher(store, _batches(8), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
             for sparse, weight in pf:
                 (ebc(*sparse) * weight).sum().backward()
-        assert store.prefetch_stats.staged_from_host > 0  # victims went down and came back
+        if direct:
+            assert store.prefetch_stats.lock_free_bags == 8 * 2
+        else:
+            assert store.prefetch_stats.staged_from_host > 0  # victims went down and came back
         store.check()
     assert modes, "staging ran on no thread"
     reads = [r for m in modes.values() for r in m.reads]
@@ -77,8 +100,9 @@ def test_staging_on_the_sets_cache_reads_device_values_only_through_hostread(tmp
 
 
 @pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
-@pytest.mark.parametrize("mode,specs", [("sum", SPECS), ("mean", SPECS), ("sum", HALF)],
-                         ids=["sum", "mean", "16-bit"])
+@pytest.mark.parametrize("mode,specs", [("sum", SPECS), ("mean", SPECS), ("sum", HALF),
+                                         ("sum", SMALL), ("sum", SMALL_HALF)],
+                         ids=["sum", "mean", "16-bit", "direct", "direct-16-bit"])
 def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monkeypatch, mode, specs):
     import tierstore.backends.hbm_kernels as hbm_kernels
     import tierstore.engine.triton_backend as triton_backend
@@ -104,9 +128,12 @@ def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monke
 
     monkeypatch.setattr(EngineStep, "forward", watching(EngineStep.forward))
     monkeypatch.setattr(EngineStep, "backward", watching(EngineStep.backward))
+    direct = specs in (SMALL, SMALL_HALF)  # the cache holds every row: key k at slot k
+    _watch_staging(monkeypatch, modes)  # and staging beside the step, as CUDA's debug mode does
     with ts.TierStore(tmp_path / "s", specs, device="cpu", kernels="triton", device_cache="sets",
-                      device_capacity=2048, host_capacity=64, policy="lru") as store, \
+                      device_capacity=2048, host_capacity=0 if direct else 64, policy="lru") as store, \
             watching_hostread(modes):
+        assert (store.device_tier.held is not None) == direct
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS, mode=mode)
         with Prefetcher(store, _batches(6), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
             for i, (sparse, weight) in enumerate(pf):
@@ -116,9 +143,12 @@ def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monke
                 with taint if i >= 2 else contextlib.nullcontext():  # plan tensors cached by then
                     modes[threading.get_ident()] = taint
                     (ebc(*sparse) * weight).sum().backward()
-                    modes.clear()
+                    modes.pop(threading.get_ident())
                 assert taint.reads == [], "\n".join(taint.reads)
         assert store.prefetch_stats.lock_free_bags == 6 * 2  # every step took the staged path
+    assert modes, "staging ran unwatched"
+    staging = [r for m in modes.values() for r in m.reads]  # the staging thread's
+    assert staging == [], "\n".join(staging)
 
 
 def _warm_only_run(path, backward_elsewhere):

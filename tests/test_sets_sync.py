@@ -5,6 +5,7 @@ and, on a CUDA machine, under `torch.cuda.set_sync_debug_mode("error")`."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import pytest
@@ -86,7 +87,8 @@ def test_a_non_finite_staged_gradient_changes_nothing_and_is_raised_at_the_next_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_staged_step_on_cuda_sets_never_syncs(tmp_path):
+@pytest.mark.parametrize("direct", [False, True], ids=["evicting", "direct"])
+def test_staged_step_on_cuda_sets_never_syncs(tmp_path, direct):
     def watch():
         @contextlib.contextmanager
         def mode():
@@ -97,8 +99,13 @@ def test_staged_step_on_cuda_sets_never_syncs(tmp_path):
                 torch.cuda.set_sync_debug_mode(0)
         return mode()
 
-    with ts.TierStore(tmp_path / "c", SPECS, device="cuda", kernels="triton", device_cache="sets",
-                      device_capacity=2048, host_capacity=64, policy="lru") as store:
+    # direct: a cache that holds every row (key k at slot k, a host mirror of its keys), the
+    # resident store of `bench.training`; the debug mode is process-wide, so staging beside
+    # the step must not sync either
+    specs = [dataclasses.replace(SPECS[0], num_rows=700), SPECS[1]] if direct else SPECS
+    with ts.TierStore(tmp_path / "c", specs, device="cuda", kernels="triton", device_cache="sets",
+                      device_capacity=2048, host_capacity=0 if direct else 64, policy="lru") as store:
+        assert (store.device_tier.held is not None) == direct
         _staged_steps(store, 6, watch)
         assert store.prefetch_stats.lock_free_bags == 6 * 2
         store.check()

@@ -154,6 +154,42 @@ def test_a_resident_sets_store_stages_from_its_host_mirror(tmp_path, monkeypatch
         assert torch.equal(results["sets"][name], results["slab"][name]), name
 
 
+def test_a_one_table_resident_sets_store_stages_without_a_device_lookup(tmp_path, monkeypatch):
+    """One table: the uncached probe of the next batch is `absent_from`, not `absent_many`; it
+    answers from the direct cache's host mirror too (before, it looked the keys up on the
+    device and waited for them: on CUDA, for the steps queued by then)."""
+    import tierstore.backends.set_tier as st_mod
+
+    device_lookups = []
+    orig = st_mod.SetIndex.find
+
+    def counted(self, tabs, rows):
+        device_lookups.append(rows.numel())
+        return orig(self, tabs, rows)
+
+    feats = {"x": "a", "y": "a"}
+    g = torch.Generator().manual_seed(6)
+    batches = []
+    for _ in range(6):
+        lengths = torch.randint(0, 4, (2 * 5,), generator=g)
+        batches.append((list(feats), torch.randint(0, 400, (int(lengths.sum()),), generator=g), lengths))
+    with ts.TierStore(tmp_path / "one", SPECS[:1], device="cpu", device_cache="sets",
+                      device_capacity=6000, host_capacity=0) as store:
+        assert store.device_tier.held is not None  # direct
+        monkeypatch.setattr(st_mod.SetIndex, "find", counted)
+        ebc = ts.TieredEmbeddingBagCollection(store, feats)
+        with Prefetcher(store, iter(batches), depth=2, features=feats) as pf:
+            for sparse in pf:
+                ebc(*sparse).sum().backward()
+        assert store.prefetch_stats.lock_free_bags == 6
+        assert not device_lookups  # the uncached probe and staging read the mirror
+        tab = store.table_record("a")
+        probe = torch.arange(0, 500, 7)
+        assert torch.equal(store.cascade.uncached(tab, probe),
+                           ~torch.isin(probe, torch.cat([b[1] for b in batches])))
+        store.check()
+
+
 def test_tables_deduplicated_in_parallel_equal_one_by_one(monkeypatch):
     from tierstore.index import sorted_unique
     from tierstore.prefetch import batch_ids

@@ -319,14 +319,21 @@ def absent_many(indexes: tuple[HashIndex, HashIndex, HashIndex],
                                    torch.tensor(sizes, dtype=torch.int64))
     out = torch.ones(rows.numel(), dtype=torch.bool)
     if rows.numel():
-        for ix in indexes:  # device lookups read back through an event (`tierstore.hostread`),
-            # unless the index answers on the host (a direct sets cache's mirror)
-            on_host = getattr(ix, "find_host", None)
-            found = on_host(tabs, rows) if on_host is not None else None
-            if found is None:
-                found = ix.find(hostread.to_device(tabs, ix.device), hostread.to_device(rows, ix.device))
-            out &= hostread.to_host(found)[0] < 0
+        for ix in indexes:
+            out &= _found_on_host(ix, tabs, rows) < 0
     return list(out.split(sizes))
+
+
+def _found_on_host(ix: HashIndex, tabs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`ix.find` of host keys, on the host: from the index's host mirror when it has one (a
+    direct sets cache: no device read), else a device lookup read back through an event
+    (`tierstore.hostread`)."""
+    on_host = getattr(ix, "find_host", None)
+    found = on_host(tabs, rows) if on_host is not None else None
+    if found is None:
+        found = hostread.to_host(ix.find(hostread.to_device(tabs, ix.device),
+                                         hostread.to_device(rows, ix.device)))[0]
+    return found
 
 
 def _absent_np(indexes: tuple[HashIndex, HashIndex, HashIndex], tabs: np.ndarray,
@@ -351,8 +358,7 @@ def absent_from(indexes: tuple[HashIndex, HashIndex, HashIndex], tab: int,
     if all(ix.fast(rows) for ix in indexes) and n:
         return _absent_np(indexes, np.array([int(tab)], dtype=np.int64), rows)
     out = torch.ones(n, dtype=torch.bool)
-    t = torch.tensor(tab, dtype=torch.int64)
-    for ix in indexes:  # device lookups read back through an event (`tierstore.hostread`)
-        found = ix.find(hostread.to_device(t, ix.device), hostread.to_device(rows, ix.device))
-        out &= hostread.to_host(found)[0] < 0
+    tabs = torch.full((n,), int(tab), dtype=torch.int64)
+    for ix in indexes:
+        out &= _found_on_host(ix, tabs, rows) < 0
     return out

@@ -44,8 +44,10 @@ class Keys:
 
     def __init__(self, offsets: torch.Tensor | None = None) -> None:
         self.offsets = offsets
-        # a host copy too: keys read back to the host unpack there without a device read
-        self.host_offsets = None if offsets is None else offsets.cpu()
+        # a host copy too: keys read back to the host unpack there without a device read (a
+        # copy of its own on the CPU as well, so that a test marking `offsets` as on a device
+        # sees which one a call reads)
+        self.host_offsets = None if offsets is None else offsets.to("cpu", copy=True)
 
     def _offsets(self, device: torch.device) -> torch.Tensor:
         """The offsets on `device` (the host copy for CPU keys)."""
