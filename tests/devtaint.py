@@ -7,8 +7,11 @@ outputs of any torch call with a marked input, tensors moved with `.to(..., non_
 the device; `hostread.to_host` (patched by `watching_hostread`) is the one sanctioned way back.
 A host read of a marked tensor is recorded in `reads`: `.item()`, `bool()`, `int()`, `.tolist()`,
 `.numpy()`, `.cpu()`, a blocking `.to("cpu")`, `nonzero`, `unique`, `masked_select`, `bincount`,
-`repeat_interleave` without `output_size`, `equal`, indexing by a boolean mask, or a Python
-value put at an index (`x[i] = 0`: a blocking copy to the device). On a CUDA
+`repeat_interleave` without `output_size`, `equal`, indexing by a boolean mask, a Python
+value put at an index (`x[i] = 0`: a blocking copy to the device), and the other blocking
+copies to the device: `.to(device)` of a host tensor without `non_blocking`, `copy_` from the
+host into a device tensor, `torch.tensor(..., device=)` (`Rows.to(device)`, non-blocking on
+CUDA, marks what it moves even where the CPU moves nothing). On a CUDA
 device each of these waits for the device (CUDA's sync debug mode raises on them) or, for
 `.numpy()`, fails.
 """
@@ -26,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 import tierstore.hostread as hostread
+from tierstore.backends.slab import Rows
 
 T = torch.Tensor
 _READS = {T.item, T.tolist, T.numpy, T.__bool__, T.__int__, T.__index__, T.__float__, T.cpu,
@@ -77,7 +81,7 @@ class DeviceTaint(TorchFunctionMode):
 
     def is_device(self, device: object) -> bool:
         """Whether `device` is one of the objects that name the pretend device."""
-        return self.devices.get(id(device)) is device
+        return device is not None and self.devices.get(id(device)) is device
 
     def mark(self, *tensors: torch.Tensor) -> None:
         """Count these tensors as on the device."""
@@ -93,7 +97,7 @@ class DeviceTaint(TorchFunctionMode):
 
     def _read(self, what: str) -> None:
         where = [f"{f.filename.rsplit('/', 2)[-2:]}:{f.lineno} {f.name}"
-                 for f in traceback.extract_stack()[:-3] if "/tierstore/" in f.filename][-DEPTH:]
+                 for f in traceback.extract_stack()[:-2] if "/tierstore/" in f.filename][-DEPTH:]
         self.reads.append(f"{what} at {where}")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -116,6 +120,17 @@ class DeviceTaint(TorchFunctionMode):
                     and not kwargs.get("non_blocking", False) \
                     and not self.is_device(_target(args, kwargs)):
                 self._read("to(cpu)")
+            elif func is T.copy_ and self.on_device(args[0]) and not self.on_device(args[1]) \
+                    and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
+                self._read("blocking copy_ from the host")  # CUDA's debug mode flags it
+        # a host tensor copied to the device blocking: CUDA waits for the copy (the debug mode
+        # flags it), e.g. `.to(device)` without non_blocking, or `torch.tensor(..., device=)`
+        to_dev = func is T.to and self.is_device(_target(args, kwargs)) and not self.on_device(args[0])
+        if to_dev and not kwargs.get("non_blocking", False):
+            self._read("blocking to(device)")
+        elif func in (torch.tensor, torch.as_tensor) and self.is_device(kwargs.get("device")) \
+                and not inputs:
+            self._read(f"{name}(..., device=) from host values")
         out = func(*args, **kwargs)
         if marked and self.on_device(args[0]) and (func is T.cpu or (
                 func is T.to and _to_cpu(args, kwargs) and not self.is_device(_target(args, kwargs)))):
@@ -129,8 +144,9 @@ class DeviceTaint(TorchFunctionMode):
                                            torch.unique, T.unique, torch.masked_select,
                                            T.masked_select, torch.bincount, T.bincount):
             return out  # host values (or the same tensor, as the CPU sees it)
-        # a non-blocking move is a host-to-device copy here (a read back must block)
-        moved = func is T.to and bool(kwargs.get("non_blocking", False))
+        # a move to the device, or a non-blocking move (a host-to-device copy here: a read back
+        # must block)
+        moved = to_dev or (func is T.to and bool(kwargs.get("non_blocking", False)))
         if marked or moved:
             self.mark(*_tensors(out))
         return out
@@ -161,8 +177,24 @@ def watching_hostread(modes: dict[int, DeviceTaint]) -> Iterator[None]:
             mode.mark(out)
         return out
 
+    rows_to = Rows.to
+
+    def rows_device(self, dev):  # `Rows.to(device)` moves every part non-blocking on CUDA
+        out = rows_to(self, dev)
+        mode = modes.get(threading.get_ident())
+        if mode is not None and mode.is_device(dev):
+            parts = [t for t in (out.tabs, out.rows, out.payload, out.dirty, out.pins) if t is not None]
+            if out is self:  # the CPU moved nothing: views of their own to mark
+                with torch._C.DisableTorchFunction():
+                    parts = [t.view(t.shape) for t in parts]
+                out = Rows(*parts[:4], parts[4] if self.pins is not None else None)
+            mode.mark(*parts)
+        return out
+
     hostread.to_host, hostread.to_device = host, device
+    Rows.to = rows_device
     try:
         yield
     finally:
         hostread.to_host, hostread.to_device = to_host, to_device
+        Rows.to = rows_to

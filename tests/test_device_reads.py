@@ -119,15 +119,17 @@ def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monke
     modes: dict[int, DeviceTaint] = {}
     # a mode sees `EngineStep.apply` as one call and runs it (and autograd the backward) with
     # no mode: the step's own calls are watched by entering the mode again inside them
-    def watching(step):
+    def watching(step, grads=False):
         def watched(*args):
             mode = modes.get(threading.get_ident())
+            if mode is not None and grads:  # autograd's output gradient is on the device
+                mode.mark(*[a for a in args if isinstance(a, torch.Tensor)])
             with mode if mode is not None else contextlib.nullcontext():
                 return step(*args)
         return staticmethod(watched)
 
     monkeypatch.setattr(EngineStep, "forward", watching(EngineStep.forward))
-    monkeypatch.setattr(EngineStep, "backward", watching(EngineStep.backward))
+    monkeypatch.setattr(EngineStep, "backward", watching(EngineStep.backward, grads=True))
     direct = specs in (SMALL, SMALL_HALF)  # the cache holds every row: key k at slot k
     _watch_staging(monkeypatch, modes)  # and staging beside the step, as CUDA's debug mode does
     with ts.TierStore(tmp_path / "s", specs, device="cpu", kernels="triton", device_cache="sets",
