@@ -101,8 +101,10 @@ def test_staging_on_the_sets_cache_reads_device_values_only_through_hostread(tmp
 
 @pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
 @pytest.mark.parametrize("mode,specs", [("sum", SPECS), ("mean", SPECS), ("sum", HALF),
-                                         ("sum", SMALL), ("sum", SMALL_HALF)],
-                         ids=["sum", "mean", "16-bit", "direct", "direct-16-bit"])
+                                         ("sum", SMALL), ("sum", SMALL_HALF), ("sequence", SPECS),
+                                         ("sequence", SMALL)],
+                         ids=["sum", "mean", "16-bit", "direct", "direct-16-bit", "sequence",
+                              "direct-sequence"])
 def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monkeypatch, mode, specs):
     import tierstore.backends.hbm_kernels as hbm_kernels
     import tierstore.engine.triton_backend as triton_backend
@@ -136,7 +138,17 @@ def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monke
                       device_capacity=2048, host_capacity=0 if direct else 64, policy="lru") as store, \
             watching_hostread(modes):
         assert (store.device_tier.held is not None) == direct
-        ebc = ts.TieredEmbeddingBagCollection(store, FEATS, mode=mode)
+        if mode == "sequence":  # the unpooled step (one row an id)
+            seq = ts.TieredEmbeddingCollection(store, FEATS)
+
+            def loss(sparse, weight):
+                vals = [e.values() for e in seq(*sparse).values()]
+                return sum((v * weight[0, : v.shape[1]]).sum() for v in vals)
+        else:
+            ebc = ts.TieredEmbeddingBagCollection(store, FEATS, mode=mode)
+
+            def loss(sparse, weight):
+                return (ebc(*sparse) * weight).sum()
         with Prefetcher(store, _batches(6), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
             for i, (sparse, weight) in enumerate(pf):
                 taint = DeviceTaint()
@@ -144,7 +156,7 @@ def test_the_staged_step_on_the_sets_cache_reads_no_device_value(tmp_path, monke
                 weight = weight.to(store.device, non_blocking=True)
                 with taint if i >= 2 else contextlib.nullcontext():  # plan tensors cached by then
                     modes[threading.get_ident()] = taint
-                    (ebc(*sparse) * weight).sum().backward()
+                    loss(sparse, weight).backward()
                     modes.pop(threading.get_ident())
                 assert taint.reads == [], "\n".join(taint.reads)
         assert store.prefetch_stats.lock_free_bags == 6 * 2  # every step took the staged path

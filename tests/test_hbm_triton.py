@@ -76,3 +76,16 @@ def test_store_on_sets_with_triton_kernels_equals_numba_on_the_slab(tmp_path):
                                                   promote=False).clone() for t, r in (("a", 60), ("b", 40))})
     for t in ("a", "b"):
         assert torch.equal(final[0][t].view(torch.int32), final[1][t].view(torch.int32)), t
+
+
+def test_a_step_half_staged_on_the_triton_engine_equals_numba_all_resident(tmp_path):
+    """The CUDA engine over a step whose staging overflowed one table (that table goes the
+    locked way, the other keeps the slots staging pinned): the same bits as the numba engine
+    on a store that holds every row (`staged_bags_locked`, the path cache10 took on the GPU)."""
+    from tests.test_sets_store import _overflow_run
+
+    want, _ = _overflow_run(tmp_path / "resident", (10**4, 0))
+    got, stats = _overflow_run(tmp_path / "sets", (32, 1000), kernels="triton")
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert stats.lock_free_bags == 0 and stats.staged_bags_locked == 5

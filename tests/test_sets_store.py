@@ -145,7 +145,7 @@ def test_expiry_and_admission_run_over_the_sets_tier(tmp_path):
     assert torch.equal(got["slab"][2], got["sets"][2])
 
 
-def _overflow_run(path, caps, steps=5):
+def _overflow_run(path, caps, steps=5, kernels="auto"):
     """Batches whose table "b" rows (4, the same each step) fit the device tier and whose
     table "a" rows (40 fresh ones) cannot: a 32-line sets tier is one set of 32 ways."""
     from tierstore.prefetch import Prefetcher
@@ -162,7 +162,7 @@ def _overflow_run(path, caps, steps=5):
             yield (list(feats), values, lengths), torch.randn(4, 7, generator=g)
 
     with ts.TierStore(path, specs, device="cpu", device_cache="sets", device_capacity=caps[0],
-                      host_capacity=caps[1], policy="lru") as store:
+                      host_capacity=caps[1], policy="lru", kernels=kernels) as store:
         ebc = ts.TieredEmbeddingBagCollection(store, feats)
         with Prefetcher(store, batches(), depth=1, features=feats, extract=lambda b: b[0]) as pf:
             for sparse, weight in pf:
