@@ -139,10 +139,12 @@ if HAVE_NUMBA:
 
     @numba.njit(nogil=True, cache=True)
     def _page_step(mem, psize, i, k, pg, bounds, has, offs, lens, info, full, verified,
-                   out):  # pragma: no cover - compiled
+                   out, floor):  # pragma: no cover - compiled
         """One page of key `k`'s walk (key index `i`): the page `pg` checked, then, a branch,
         the child to go on to (returned; `bounds`/`has` become the child's key range), or, a
-        leaf, the key's value found (offs[i], lens[i], copied into out[i]) and -1 returned.
+        leaf, the key's value found (offs[i], lens[i], copied into out[i]) and -1 returned;
+        with `floor`, the value of the leaf's last key <= k (none when the leaf's first key is
+        above k: a key below the tree's, or one whose floor a delete took).
         A status below -1 ends the walk: -(2 + status) for SHORT_MAP, UNEXPECTED or CORRUPT."""
         limit = mem.shape[0]
         lb, has_lb, ub, has_ub = bounds[i, 0], has[i, 0], bounds[i, 1], has[i, 1]
@@ -232,17 +234,7 @@ if HAVE_NUMBA:
             if node < 0:
                 return -5
             if key == k:
-                if _u16(mem, node + 4) != 0:  # overflow or sub-database data
-                    return -4
-                dsize = _u16(mem, node) | (_u16(mem, node + 2) << 16)
-                if node + 16 + dsize > base + psize:
-                    info[0], info[1] = pg, 4
-                    return -5
-                offs[i] = node + 16
-                lens[i] = dsize
-                if out.shape[0] and dsize == out.shape[1]:
-                    out[i, :] = mem[node + 16 : node + 16 + dsize]
-                return -1
+                return _take_value(mem, base, psize, node, i, offs, lens, info, pg, out)
             if key < k:
                 lo = mid + 1
                 lb, has_lb = key + np.uint64(1), True
@@ -260,13 +252,36 @@ if HAVE_NUMBA:
             if _key(mem, na + 8) >= _key(mem, nb + 8):
                 info[0], info[1] = pg, 6
                 return -5
+        if floor and hi >= 0:  # the last key below k (checked in order just above)
+            node = _node_key(mem, base, psize, upper, align, hi, info, pg)
+            if node < 0:
+                return -5
+            return _take_value(mem, base, psize, node, i, offs, lens, info, pg, out)
+        return -1
+
+    @numba.njit(nogil=True, cache=True)
+    def _take_value(mem, base, psize, node, i, offs, lens, info, pg, out):  # pragma: no cover
+        """A leaf node's inline value as key i's (offs[i], lens[i], copied into out[i] when it
+        has out's row size): -1, or -4 (a value not inline) / -5 (damaged, info set)."""
+        if _u16(mem, node + 4) != 0:  # overflow or sub-database data
+            return -4
+        dsize = _u16(mem, node) | (_u16(mem, node + 2) << 16)
+        if node + 16 + dsize > base + psize:
+            info[0], info[1] = pg, 4
+            return -5
+        offs[i] = node + 16
+        lens[i] = dsize
+        if out.shape[0] and dsize == out.shape[1]:
+            out[i, :] = mem[node + 16 : node + 16 + dsize]
         return -1
 
     WALK_AHEAD = 8  # keys between the prefetch stages of the leaves (measured: 4-16 alike)
 
     @numba.njit(nogil=True, cache=True)
-    def find_spans(mem, psize, root, keys, offs, lens, info, full, verified, out):  # pragma: no cover
-        """Where each key's value lies in `mem` (offs[i], lens[i]; offs[i] = -1 when absent).
+    def find_spans(mem, psize, root, keys, offs, lens, info, full, verified, out,
+                   floor=False):  # pragma: no cover
+        """Where each key's value lies in `mem` (offs[i], lens[i]; offs[i] = -1 when absent);
+        with `floor`, the value of the greatest key <= it in the key's leaf (`_page_step`).
 
         Returns OK, SHORT_MAP (a page lies past the mapping: remap and retry), UNEXPECTED (a
         layout we do not write: py-lmdb reads it) or CORRUPT, with info = (page, reason): the
@@ -322,7 +337,7 @@ if HAVE_NUMBA:
                 if _u16(mem, base + 10) & 0x3FEF != 1:  # not a branch: the leaf's pass checks it
                     break
                 nxt = _page_step(mem, psize, i, k, pg, bounds, has, offs, lens, info, full,
-                                 verified, out)
+                                 verified, out, floor)
                 if nxt < -1:
                     return -2 - nxt
                 pg = nxt
@@ -351,7 +366,7 @@ if HAVE_NUMBA:
             j = t - 2 * d
             if 0 <= j < n:
                 nxt = _page_step(mem, psize, j, keys[j], leaf[j], bounds, has, offs, lens, info,
-                                 full, verified, out)
+                                 full, verified, out, floor)
                 if nxt < -1:  # (a page pass 1 stopped at is no branch: never a child here)
                     return -2 - nxt
         return 0
@@ -455,6 +470,35 @@ class PageReader:
             status = find_values(mem, self.psize, root, keys, out, found, info)
             if status == OK:
                 return out, found
+            if status == CORRUPT:
+                self._corrupt(info)
+            if status != SHORT_MAP:
+                return None
+        return None
+
+    def floor_spans(self, record: bytes | None, keys: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(mapping, offsets, lengths) of the value under the greatest key <= each of the sorted
+        uint64 `keys` (offset -1: none) in the database whose main-DB record (in the caller's
+        open read transaction) is `record`; the values stay valid while it is open. None: the
+        walk met a layout it does not read (the caller reads through py-lmdb)."""
+        n = len(keys)
+        offs = np.full(n, -1, dtype=np.int64)
+        lens = np.zeros(n, dtype=np.int64)
+        if record is None or len(record) != _DB_RECORD.size:
+            return None
+        root = _DB_RECORD.unpack(record)[-1]
+        info = np.zeros(2, dtype=np.int64)
+        for remap in (False, True):
+            mem = self._mapping(remap)
+            if mem is None:
+                return None
+            if root == P_INVALID:
+                return mem, offs, lens
+            status = find_spans(mem, self.psize, root, keys, offs, lens, info, False, _NONE,
+                                _NO_OUT, True)
+            if status == OK:
+                return mem, offs, lens
             if status == CORRUPT:
                 self._corrupt(info)
             if status != SHORT_MAP:
