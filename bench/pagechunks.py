@@ -13,7 +13,6 @@ pages (`/proc/self/io`), and microseconds a row.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -28,7 +27,7 @@ from tierstore.backends.lmdb_common import encode_keys
 from tierstore.backends.pages import PageReader
 from tierstore.backends.record import open_records, seal
 
-OUT = Path("bench/out")
+from .common import bar_plot, save, table
 
 
 def _read_bytes() -> int:
@@ -93,14 +92,15 @@ def _read(path: Path, layout: str, q: np.ndarray, row_dim: int, cold: bool) -> t
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the comparison; prints a table and writes bench/out/pagechunks.json."""
+    """Run the comparison; prints a table and writes bench/out/pagechunks.json and .png."""
     ap = argparse.ArgumentParser(prog="python -m bench.pagechunks", description=__doc__)
     ap.add_argument("--rows", type=float, default=2e6)
     ap.add_argument("--row-dims", default="17,65", help="float32 words a row (payload + stamp)")
     ap.add_argument("--batch", type=int, default=200_000, help="rows a merge inserts (btree)")
     ap.add_argument("--reads", type=int, default=4000, help="ids a read (half stored)")
     ap.add_argument("--work", default=None, help="where the stores go (default: a temp dir)")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None, help="where the JSON and PNG go (default: bench/out)")
+    ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     n = int(args.rows)
@@ -110,14 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     for row_dim in [int(x) for x in args.row_dims.split(",")]:
         recs = seal(ids, rng.standard_normal((n, row_dim)).astype(np.float32))
         raw = 4 * row_dim
+        q = np.unique(np.concatenate([rng.choice(ids, args.reads // 2),  # the same ids each layout
+                                      rng.integers(0, 50 * n, args.reads // 2)]))
         for layout in ("btree", "btree_dense", "chunks"):
             path = work / f"{layout}_{row_dim}"
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir(parents=True)
             cpu = _build(path, layout, ids, recs, args.batch)
             size = (path / "data.mdb").stat().st_size
-            q = np.unique(np.concatenate([rng.choice(ids, args.reads // 2),
-                                          rng.integers(0, 50 * n, args.reads // 2)]))
             _read(path, layout, q, row_dim, cold=False)  # the mapping and code warmed
             warm_us, _, found = _read(path, layout, q, row_dim, cold=False)
             cold_us, cold_pages, _ = _read(path, layout, q, row_dim, cold=True)
@@ -126,15 +126,21 @@ def main(argv: list[str] | None = None) -> int:
                  "cold_pages_row": cold_pages, "reads": len(q), "found": found}
             results.append(r)
             shutil.rmtree(path, ignore_errors=True)
-    print(f"\n{'row words':>9} {'layout':>12} {'disk x raw':>10} {'write us/row':>12} "
-          f"{'warm us/row':>11} {'cold us/row':>11} {'cold pages/row':>14}")
-    for r in results:
-        print(f"{r['row_dim']:>9} {r['layout']:>12} {r['disk_x_raw']:>10.2f} {r['write_us_row']:>12.2f} "
-              f"{r['warm_us_row']:>11.2f} {r['cold_us_row']:>11.1f} {r['cold_pages_row']:>14.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pagechunks.json").write_text(json.dumps({"results": results, "args": vars(args)}, indent=1))
-    print(f"wrote {out / 'pagechunks.json'}")
+    print()
+    print(table(results, [("row_dim", "row words", ""), ("layout", "layout", ""),
+                          ("disk_x_raw", "disk x raw", ".2f"), ("write_us_row", "write us/row", ".2f"),
+                          ("warm_us_row", "warm us/row", ".2f"), ("cold_us_row", "cold us/row", ".1f"),
+                          ("cold_pages_row", "cold pages/row", ".2f")]))
+    path = save("pagechunks", results, {"args": vars(args)}, args.out)
+    print(f"wrote {path}")
+    if not args.no_plot:
+        dims = sorted({r["row_dim"] for r in results})
+        groups = {lay: [next(r["disk_x_raw"] for r in results if r["row_dim"] == d and r["layout"] == lay)
+                        for d in dims] for lay in ("btree", "btree_dense", "chunks")}
+        png = path.with_suffix(".png")
+        bar_plot(png, [f"{d} words a row" for d in dims], groups, "disk / raw row bytes",
+                 "format 4's page-sized chunks vs B-trees: bytes on disk", target=2.0)
+        print(f"wrote {png}")
     return 0
 
 

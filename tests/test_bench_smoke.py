@@ -242,3 +242,16 @@ def test_bench_kernels_smoke(tmp_path):
     recs = _load(tmp_path / "kernels.json")
     assert {r["phase"] for r in recs} == {"plan", "forward", "backward", "torch_bag"}
     assert all(_positive(r["ms"]) and r["ms_min"] <= r["ms"] for r in recs)
+
+
+def test_bench_pagechunks_smoke(tmp_path):
+    from bench import pagechunks as bench_pagechunks
+
+    rc = bench_pagechunks.main(["--rows", "3000", "--row-dims", "5", "--batch", "500", "--reads", "200",
+                                "--work", str(tmp_path / "w"), "--out", str(tmp_path)])
+    assert rc == 0
+    recs = _load(tmp_path / "pagechunks.json")
+    assert [r["layout"] for r in recs] == ["btree", "btree_dense", "chunks"]
+    assert all(r["found"] == recs[0]["found"] > 0 for r in recs)  # every layout finds the same rows
+    assert all(_positive(r["disk_x_raw"]) and _positive(r["warm_us_row"]) for r in recs)
+    assert (tmp_path / "pagechunks.png").is_file()

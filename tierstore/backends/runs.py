@@ -14,7 +14,9 @@ chunk touched; `merge_runs` merges runs (newest first, a base last) into a new r
 sequential pass, keeping each id's newest record and verifying every record it copies.
 
 These are the parts the store's format 4 would be built from (docs/design.md, "The SSD steady
-state with merges"); the store does not use them yet.
+state with merges"); the store does not use them yet. A base level is not written this way: a
+cold read of a 4,096-row chunk costs a search of its id array before its record's page, so the
+base takes page-sized chunks (`pagechunks.py`, docs/design.md, "Format 4, corrected").
 """
 
 from __future__ import annotations
