@@ -65,23 +65,32 @@ def test_staged_step_on_sets_makes_no_syncing_call(tmp_path, mode):
     assert [c.calls for c in counters] == [[]] * 4
 
 
-@pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
-def test_a_non_finite_staged_gradient_changes_nothing_and_is_raised_at_the_next_batch(tmp_path):
-    with ts.TierStore(tmp_path / "n", SPECS, device="cpu", kernels="triton", device_cache="sets",
+# the Triton engine on CPU tensors (the interpreter), and on CUDA, where the deferred flag is
+# copied into pinned memory and read at the next batch once its event says the step is done
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(
+               not interpreting(), reason="triton was imported without its interpreter")),
+           pytest.param("cuda", marks=pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_finite_staged_gradient_changes_nothing_and_is_raised_at_the_next_batch(tmp_path, device):
+    with ts.TierStore(tmp_path / "n", SPECS, device=device, kernels="triton", device_cache="sets",
                       device_capacity=2048, host_capacity=64, policy="lru") as store:
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
         with Prefetcher(store, _batches(3), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
             sparse, weight = next(pf)
-            ebc(*sparse).mul(weight).sum().backward()
+            ebc(*sparse).mul(weight.to(store.device)).sum().backward()
             sparse, weight = next(pf)
             before = {t: store.cascade.access(store.tables[t], torch.arange(500), None,
-                                              promote=False).clone() for t in ("a", "b")}
+                                              promote=False).cpu() for t in ("a", "b")}
             weight[0, 0] = float("nan")
-            ebc(*sparse).mul(weight).sum().backward()  # the update is undone on the device
+            ebc(*sparse).mul(weight.to(store.device)).sum().backward()  # undone on the device
+            assert store.prefetch_stats.lock_free_bags == 2 * 2  # both steps staged
             with pytest.raises(InvalidGradientError, match="discarded"):
                 next(pf)
         after = {t: store.cascade.access(store.tables[t], torch.arange(500), None,
-                                         promote=False) for t in ("a", "b")}
+                                         promote=False).cpu() for t in ("a", "b")}
         for t in before:  # weights and optimizer state as they were
             assert torch.equal(before[t][:, :-1], after[t][:, :-1]), t
 
@@ -111,15 +120,15 @@ def test_staged_step_on_cuda_sets_never_syncs(tmp_path, direct):
         store.check()
 
 
-@pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
-def test_a_non_finite_last_staged_gradient_is_raised_when_the_batches_end(tmp_path):
-    with ts.TierStore(tmp_path / "l", SPECS, device="cpu", kernels="triton", device_cache="sets",
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_finite_last_staged_gradient_is_raised_when_the_batches_end(tmp_path, device):
+    with ts.TierStore(tmp_path / "l", SPECS, device=device, kernels="triton", device_cache="sets",
                       device_capacity=2048, host_capacity=64, policy="lru") as store:
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
         with Prefetcher(store, _batches(1), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
             sparse, weight = next(pf)
             weight[0, 0] = float("inf")
-            ebc(*sparse).mul(weight).sum().backward()
+            ebc(*sparse).mul(weight.to(store.device)).sum().backward()
             with pytest.raises(InvalidGradientError, match="discarded"):
                 next(pf)  # the source is done: its last step's check is read, waiting if need be
         assert not store.paths.deferred_checks
