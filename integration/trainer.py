@@ -21,7 +21,7 @@ from tierstore.prefetch import Prefetcher
 from tierstore.stats import progress_line
 
 from . import streams
-from .checkpoint import latest_checkpoint, load_dense, write_checkpoint
+from .checkpoint import PendingCheckpoint, latest_checkpoint, load_dense, start_checkpoint
 from .config import TrainConfig, parse_capacity, parse_sizes
 from .data import SPARSE_NAMES, Batch, CriteoTSV, SyntheticCriteo, parse_tables
 from .metrics import auc, rss_parts
@@ -72,6 +72,7 @@ class Trainer:
         # "compile": numba compiling kernels at their first use, counted apart from the phase
         # (data, lookup, compute) it happened in, so it never shows as stall
         self.times = dict(data=0.0, lookup=0.0, compute=0.0, eval=0.0, checkpoint=0.0, compile=0.0)
+        self.pending_checkpoint: PendingCheckpoint | None = None  # begun, its store still copying
         self.compile_watch: CompileWatch | None = None
         self.evals: list[dict] = []
         self.checkpoints: list[int] = []
@@ -98,11 +99,26 @@ class Trainer:
             shutil.rmtree(store_path, ignore_errors=True)
         return TierStore(store_path, self.specs, **kw)
 
-    def checkpoint(self) -> Path:
-        """Write store + dense model + optimizer + step under ckpt/step-N, then point LATEST at it."""
+    def checkpoint(self) -> None:
+        """Begin ckpt/step-N (store + dense model + optimizer + step): the store's pause and the
+        dense files now; its copy goes on while training does (`finish_checkpoint` publishes it
+        and points LATEST at it). One at a time: an earlier one is finished first."""
+        self.finish_checkpoint()
         t0 = time.perf_counter()
-        final = write_checkpoint(self.ckpt_dir, self.step, self.store, self.model, self.opt, self.cfg)
-        self.checkpoints.append(self.step)
+        self.pending_checkpoint = start_checkpoint(self.ckpt_dir, self.step, self.store, self.model,
+                                                   self.opt, self.cfg)
+        self.times["checkpoint"] += time.perf_counter() - t0
+
+    def finish_checkpoint(self, wait: bool = True) -> Path | None:
+        """Publish the checkpoint begun last, waiting for its copy (or, `wait=False`, only if
+        the copy is done); returns its path, or None when there is none to publish."""
+        pending = getattr(self, "pending_checkpoint", None)  # (none yet in a failed __init__)
+        if pending is None or (not wait and not pending.done()):
+            return None
+        t0 = time.perf_counter()
+        self.pending_checkpoint = None
+        final = pending.finish()
+        self.checkpoints.append(pending.step)
         self.times["checkpoint"] += time.perf_counter() - t0
         return final
 
@@ -180,6 +196,7 @@ class Trainer:
             with watch_compilation(lambda text: bar.write(text, file=sys.stderr)) as watch:
                 self.compile_watch = watch
                 self._loop(it, bar, t_start, start_step, held_out)
+                self._published(bar, self.finish_checkpoint())  # the last one, if still copying
         finally:
             self.compile_watch = None
             if cfg.prefetch:
@@ -210,9 +227,9 @@ class Trainer:
                 e = self.evaluate(held_out)
                 bar.write(f"step {self.step}: held-out AUC {e['auc']:.4f}, log loss {e['logloss']:.4f}")
             if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
-                path = self.checkpoint()
-                bar.write(f"checkpoint step {self.step}: {path}", file=sys.stdout)
-                sys.stdout.flush()
+                self._published(bar, self.finish_checkpoint())  # the one before, if still copying
+                self.checkpoint()
+            self._published(bar, self.finish_checkpoint(wait=False))
             if self.step % 10 == 0 or self.step == cfg.steps:
                 self.peak_anon = max(self.peak_anon, rss_parts()["anon"])
                 data, log = self.store.backend.data_bytes(), self.store.backend.log_bytes()
@@ -225,6 +242,12 @@ class Trainer:
                 if cfg.progress:
                     bar.set_postfix_str(self._postfix(st, t_start, start_step, loss_ema))
 
+    def _published(self, bar: tqdm, path: Path | None) -> None:
+        """Say that a checkpoint is published (LATEST names it: a run killed now resumes there)."""
+        if path is not None:
+            bar.write(f"checkpoint step {self.checkpoints[-1]}: {path}", file=sys.stdout)
+            sys.stdout.flush()
+
     def _postfix(self, st: dict, t_start: float, start_step: int, loss: float) -> str:
         secs = max(time.perf_counter() - t_start, 1e-9)
         sps = (self.step - start_step) * self.cfg.batch / secs
@@ -232,9 +255,13 @@ class Trainer:
         return f"{sps:,.0f} samples/s, loss {loss:.4f}, {progress_line(st)}, stall {stall:.1f}s"
 
     def close(self) -> None:
-        """Flush and close the store, and release the run directory."""
+        """Publish a checkpoint still copying, flush and close the store, and release the run
+        directory."""
         try:
-            self.store.close()
+            try:
+                self.finish_checkpoint()
+            finally:
+                self.store.close()
         finally:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)

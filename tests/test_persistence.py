@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -21,8 +22,8 @@ from tierstore.export import export_store, import_store
 CAPS = [(64, 256), (0, 0), (10_000, 10_000)]
 
 
-def trained(path, steps, caps=(64, 256)):
-    store = open_store(path, *caps)
+def trained(path, steps, caps=(64, 256), **kw):
+    store = open_store(path, *caps, **kw)
     for step in range(1, steps + 1):
         train_step(store, step)
     return store
@@ -90,6 +91,46 @@ def test_background_checkpoint_snapshot_ignores_later_writes(tmp_path):
     assert pending.done() and manifest["step"] == 3 and pending.pause_s >= 0
     assert same(dump_path(tmp_path / "ck"), want)
     store.close()
+
+
+def test_a_checkpoint_holds_the_logs_merges_at_its_pause(tmp_path):
+    """The pause hands the dirty rows to the write-behind log and returns; the copying thread
+    merges them. Until it has, the training thread goes on, the writer keeps appending, and no
+    merge passes the pause's point, even with a log too small for the writes that follow (the
+    writer waits for the hold to end): the checkpoint is the state at the pause, and the live
+    store ends as one that took no checkpoint."""
+    kw = {"write_log": 200, "write_buffer": 64}  # a tiny log: merges all the time
+    ref = trained(tmp_path / "ref", 4, **kw)
+    ref.flush()
+    want = dump_backend(ref.backend)
+    store = trained(tmp_path / "s", 4, **kw)
+    release = threading.Event()
+    snapshot_at = store.snapshot_at
+    seen = []
+
+    def slow_snapshot_at(mark):  # the copying thread waits here until the test lets it go on
+        seen.append(mark)
+        release.wait(30)
+        seen.append(store.log.merged)  # merges went on meanwhile, none past the point
+        return snapshot_at(mark)
+
+    store.snapshot_at = slow_snapshot_at
+    pending = persistence.start_checkpoint(store, tmp_path / "ck", step=4)
+    # the pause returned before the copying thread merged anything past the point
+    threading.Timer(0.5, release.set).start()  # the writer may wait on the hold until then
+    for step in range(5, 12):
+        train_step(store, step)
+    assert pending.wait()["step"] == 4
+    mark, merged_then = seen
+    assert merged_then <= mark < store.log.next  # rows appended past the point meanwhile
+    assert same(dump_path(tmp_path / "ck"), want)
+    for step in range(5, 12):
+        train_step(ref, step)
+    store.flush()
+    ref.flush()
+    assert same(dump_backend(store.backend), dump_backend(ref.backend))
+    store.close()
+    ref.close()
 
 
 def test_checkpoint_during_map_growth_waits(tmp_path, monkeypatch):

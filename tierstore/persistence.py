@@ -134,10 +134,14 @@ class PendingCheckpoint:
 
 def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | None = None,
                      extra: dict | None = None, overwrite: bool = False) -> PendingCheckpoint:
-    """Flush `store`, snapshot it, and copy the snapshot to `dest` in a background thread.
+    """Hand `store`'s dirty rows to its write-behind log, then snapshot and copy it to `dest`
+    in a background thread.
 
-    The caller may keep training as soon as this returns: later writes do not reach the
-    snapshot (an LMDB read transaction). Call `wait()` on the result to get the manifest.
+    The caller may keep training as soon as this returns (the pause: dirty rows down to the log
+    and the log's merges held at that point). The background thread merges the log up to the
+    point into the tables, publishes it to serving readers, takes the snapshot (an LMDB read
+    transaction: later writes do not reach it) and copies it. Call `wait()` on the result to
+    get the manifest.
     """
     dest = Path(dest)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
@@ -154,35 +158,32 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
         raise os_error(exc, f"cannot create checkpoint {dest}") from exc
     backend = store.backend
     try:
+        backend.wait_for_copies()  # one copy at a time (before the hold: its thread ends it)
         t0 = time.perf_counter()
-        store.flush()
-        txn = backend.snapshot()
+        mark = store.hold_for_snapshot()  # rows down to the log, merges held at its end
         pause = time.perf_counter() - t0
     except BaseException:
         end_staging(staging)
         raise
     pending = PendingCheckpoint(dest, pause)
-    try:
-        meta = backend.snapshot_meta(txn)
-        tables = [TableSpec.from_config(v) for k, v in sorted(meta.items())
-                  if k.startswith("table:")]
-        counts = {t.name: backend.snapshot_count(txn, t.name) for t in tables}
-    except BaseException:
-        txn.abort()
-        end_staging(staging)
-        raise
-
-    head = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
-            "store_format_version": FORMAT_VERSION, "tierstore_version": __version__,
-            "created_unix": time.time(), "step": step, "extra": extra,
-            "seed": (meta.get("store") or {}).get("seed", store.seed),
-            "tables": [{"spec": t.to_config(), "rows_stored": counts[t.name]} for t in tables],
-            "pause_s": pause}
+    created = time.time()
 
     def copy() -> None:
         t1 = time.perf_counter()
         try:
+            txn = store.snapshot_at(mark)  # the log merged up to the pause, then a snapshot
             try:
+                meta = backend.snapshot_meta(txn)
+                tables = [TableSpec.from_config(v) for k, v in sorted(meta.items())
+                          if k.startswith("table:")]
+                counts = {t.name: backend.snapshot_count(txn, t.name) for t in tables}
+                head = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+                        "store_format_version": FORMAT_VERSION, "tierstore_version": __version__,
+                        "created_unix": created, "step": step, "extra": extra,
+                        "seed": (meta.get("store") or {}).get("seed", store.seed),
+                        "tables": [{"spec": t.to_config(), "rows_stored": counts[t.name]}
+                                   for t in tables],
+                        "pause_s": pause}
                 backend.copy_snapshot(staging, txn, compact=True)
             finally:
                 txn.abort()
@@ -204,8 +205,13 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
 
     thread = threading.Thread(target=copy, name=f"tierstore-checkpoint-{dest.name}", daemon=False)
     pending.attach(thread)
-    backend.track_copy(thread)
-    thread.start()
+    try:
+        backend.track_copy(thread)
+        thread.start()
+    except BaseException:  # no thread to end the hold: end it here
+        store.log.thaw()
+        end_staging(staging)
+        raise
     return pending
 
 

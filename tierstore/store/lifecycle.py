@@ -9,6 +9,7 @@ import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import lmdb
 import numpy as np
 import torch
 
@@ -57,6 +58,38 @@ class StoreLifecycle:
         self._save_clock()
         self.backend.sync()
         self.expiry.flushed()  # rows below durable ttl cutoffs may now leave LMDB
+
+    @_locked
+    def hold_for_snapshot(self) -> int:
+        """A checkpoint's pause: every dirty cached row handed down to the write-behind log, the
+        ring drained, the store's own records saved, and the log's merges held at its end (the
+        snapshot's point). Returns that point for `snapshot_at`, which the copying thread calls;
+        the training thread goes on meanwhile (its writes land in the log past the point)."""
+        self.check_live()
+        self.log.wait_thawed()  # one snapshot at a time
+        for tier in (self.device_tier, self.host_tier):
+            for slots, rows in tier.dirty_chunks(FLUSH_CHUNK):
+                self.cascade.write_down(rows.to(torch.device("cpu")))
+                tier.dirty[slots] = False
+        self.writeback.drain()
+        for adm in self.gate.states.values():  # the sketches go with the rows they gate
+            adm.save(self.backend)
+        self.expiry.save(self.backend)  # and the expiry cutoffs
+        self._save_clock()
+        return self.log.freeze()
+
+    def snapshot_at(self, mark: int) -> lmdb.Transaction:
+        """The state as of `hold_for_snapshot` (which returned `mark`), on the copying thread and
+        without the store lock: the log below `mark` merged into the tables, published to
+        serving readers and synced, then a read transaction. The hold ends here, also on error."""
+        try:
+            with self.log.merging:  # no other merge until the snapshot is taken
+                self._add_written(self.log.merge_below(mark))
+                self.backend.publish()  # readers (tierstore.serving) now see this checkpoint
+                self.backend.sync()
+                return self.backend.snapshot()
+        finally:
+            self.log.thaw()
 
     @_locked
     def close(self) -> None:
@@ -139,6 +172,7 @@ class StoreLifecycle:
     def quiesce_writer(self):
         """Drain the write-behind ring, merge the log, and keep the writer idle inside the block."""
         self.writeback.drain()
+        self.log.wait_thawed()  # a checkpoint's snapshot first: the whole log is merged here
         with self.log.merging, self.writeback.cv:  # no background merge runs meanwhile
             self.ssd_stats.bytes_written += self.log.merge()
             yield

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ...errors import StoreCorruptError
+from ...errors import StoreCorruptError, TierstoreError
 from ...index import HashIndex
 from ..chunk_kernels import HAVE_NUMBA, pack_log
 from ..lmdb_log import LOG_DB
@@ -69,6 +69,10 @@ class WriteLog:
         self._stop = False
         self._merger: threading.Thread | None = None
         self.merge_error: BaseException | None = None  # the background merger's last failure
+        # a snapshot's hold (`freeze`): no merge takes an entry at or past this sequence number
+        self._ceiling: int | None = None
+        self._thawed = threading.Event()
+        self._thawed.set()
         self.background_merges = 0
         self.rows_merged = 0
         self.merge_seconds = 0.0
@@ -115,10 +119,12 @@ class WriteLog:
             cap = self.capacity
             return sum(self.append(tabs[lo : lo + cap], rows[lo : lo + cap], payload[lo : lo + cap])
                        for lo in range(0, n, cap))
-        if self.size + n > self.capacity:  # full: merge, unless a merge running now frees room
+        while self.size + n > self.capacity:  # full: merge, unless a merge running now frees room
             with self.merging:
                 if self.size + n > self.capacity:
                     self._merge(self.size + n - self.capacity + self.capacity // 2)
+            if self.size + n > self.capacity:  # a snapshot holds the merges back: wait for it
+                self._thawed.wait(0.05)
         seq = self.next
         widths = self.widths[tabs]
         if HAVE_NUMBA and int(widths.min()) == int(widths.max()):  # one pass: entries and checks
@@ -214,8 +220,37 @@ class WriteLog:
         return self._merger
 
     def wants_merge(self) -> bool:
-        """Whether the log is full enough for its older half to be merged."""
-        return self.size >= self.capacity * 3 // 4
+        """Whether the log is full enough for its older half to be merged (and a snapshot's
+        hold leaves something to merge)."""
+        ceiling = self._ceiling
+        return self.size >= self.capacity * 3 // 4 and (ceiling is None or ceiling > self.merged)
+
+    def freeze(self) -> int:
+        """Hold every merge below the log's end as it is now (a snapshot's point, taken while
+        nothing is appended: the ring drained under the store lock); returns that sequence
+        number. The writer keeps appending past it; `merge_below` and `thaw` end the hold."""
+        with self.lock:
+            if self._ceiling is not None:
+                raise TierstoreError("the write-behind log is already held for a snapshot")
+            self._ceiling = self.next
+            self._thawed.clear()
+            return self._ceiling
+
+    def merge_below(self, mark: int) -> int:
+        """Merge every entry below sequence number `mark` (a `freeze` point); returns bytes written."""
+        with self.merging:
+            return self._merge(max(0, int(mark) - self.merged))
+
+    def thaw(self) -> None:
+        """End a snapshot's hold: merges go on past it (the background merger is woken)."""
+        with self.lock:
+            self._ceiling = None
+            self._thawed.set()
+        self._wake.set()
+
+    def wait_thawed(self) -> None:
+        """Wait until no snapshot holds the merges (a full merge must see the whole log)."""
+        self._thawed.wait()
 
     def request_merge(self) -> None:
         """Wake the background merger (or do nothing when there is none: the caller merges)."""
@@ -252,12 +287,16 @@ class WriteLog:
 
     def merge(self, n: int | None = None) -> int:
         """Fold the oldest whole chunks holding at least `n` log rows (all when None) into the
-        tables; returns bytes written. One merge runs at a time (`merging`)."""
+        tables, never past a snapshot's hold (`freeze`); returns bytes written. One merge runs
+        at a time (`merging`)."""
         with self.merging:
             return self._merge(n)
 
     def _merge(self, n: int | None) -> int:
         n = self.size if n is None else min(int(n), self.size)
+        ceiling = self._ceiling
+        if ceiling is not None:  # whole chunks end at the hold's point: none is cut
+            n = min(n, ceiling - self.merged)
         if n <= 0:
             return 0
         with self.lock:
