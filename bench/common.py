@@ -60,6 +60,19 @@ def machine() -> dict:
             "cuda": torch.cuda.is_available(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def io_bytes(field: str) -> int:
+    """This process's `read_bytes` or `write_bytes` from /proc/self/io (bytes it made the kernel
+    read from, or send to, storage); 0 where the file is missing."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def save(name: str, records: list[dict], meta: dict, out_dir: Path | str | None = None) -> Path:
     """Write records and run metadata to `<out_dir>/<name>.json`; returns the path."""
     out = Path(out_dir) if out_dir is not None else OUT_DIR

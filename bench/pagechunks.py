@@ -27,16 +27,12 @@ from tierstore.backends.lmdb_common import encode_keys
 from tierstore.backends.pages import PageReader
 from tierstore.backends.record import open_records, seal
 
-from .common import bar_plot, save, table
+from .common import bar_plot, io_bytes, save, table
 
 
 def _read_bytes() -> int:
     """Bytes this process made the kernel read from storage so far."""
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
+    return io_bytes("read_bytes")
 
 
 def _build(path: Path, layout: str, ids: np.ndarray, recs: np.ndarray, batch: int) -> float:

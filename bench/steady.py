@@ -27,18 +27,14 @@ from pathlib import Path
 
 import torch
 
-from .common import OUT_DIR, save, table
+from .common import OUT_DIR, io_bytes, save, table
 from .cpu_calls import CallTimer, thread_cpu
 from .training import FRACTIONS, TierstoreRunner, add_cache_options, add_workload_options, workload_from
 
 
 def written_bytes() -> int:
     """Bytes this process has caused to be sent to storage (page-cache writes included)."""
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("write_bytes"):
-                return int(line.split()[1])
-    return 0
+    return io_bytes("write_bytes")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
