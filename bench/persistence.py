@@ -26,12 +26,13 @@ from tierstore.export import encode_shard, export_store, import_store
 MIB = 2**20
 
 
-def _rows(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
-    """Payloads that look trained: uniform init plus small steps, row-wise Adagrad state."""
+def _rows(rng: np.random.Generator, n: int, dim: int, row_dim: int) -> np.ndarray:
+    """Stored rows that look trained: uniform init plus small steps, row-wise Adagrad state,
+    then the row's other columns (its last-update stamp) zero: `row_dim` words a row."""
     w = rng.uniform(-0.05, 0.05, (n, dim)).astype(np.float32)
     w += (rng.standard_normal((n, dim)) * 1e-3).astype(np.float32)
     acc = (rng.gamma(2.0, 1e-3, (n, 1))).astype(np.float32)
-    return np.concatenate([w, acc], 1)
+    return np.concatenate([w, acc, np.zeros((n, row_dim - dim - 1), np.float32)], 1)
 
 
 def build(path: Path, rows: int, dim: int, caps: tuple[int, int], seed: int = 0) -> ts.TierStore:
@@ -43,7 +44,7 @@ def build(path: Path, rows: int, dim: int, caps: tuple[int, int], seed: int = 0)
     chunk = 1 << 18
     for lo in range(0, rows, chunk):
         ids = np.arange(lo, min(rows, lo + chunk), dtype=np.int64) * 9973
-        store.backend.put({"t": (ids, _rows(rng, len(ids), dim))})
+        store.backend.put({"t": (ids, _rows(rng, len(ids), dim, spec.row_dim))})
     store.backend.sync()
     return store
 
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         res["import_s"] = time.perf_counter() - t1
         res["import_MBps"] = m["raw_bytes"] / res["import_s"] / 1e6
 
-        sample = _rows(np.random.default_rng(1), 1 << 17, args.dim)
+        sample = _rows(np.random.default_rng(1), 1 << 17, args.dim, args.dim + 1)  # payloads
         res["codecs"] = codecs(sample)
     finally:
         if args.workdir is None:

@@ -255,3 +255,16 @@ def test_bench_pagechunks_smoke(tmp_path):
     assert all(r["found"] == recs[0]["found"] > 0 for r in recs)  # every layout finds the same rows
     assert all(_positive(r["disk_x_raw"]) and _positive(r["warm_us_row"]) for r in recs)
     assert (tmp_path / "pagechunks.png").is_file()
+
+
+def test_bench_persistence_smoke(tmp_path):
+    from bench import persistence as bench_persistence
+
+    out = tmp_path / "persistence.json"
+    rc = bench_persistence.main(["--rows", "20000", "--device-capacity", "512", "--host-capacity",
+                                 "2048", "--batch", "1024", "--workdir", str(tmp_path / "w"),
+                                 "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["dirty_rows"] > 0 and res["pause_s"] >= 0 and _positive(res["restore_s"])
+    assert all(_positive(c["ratio"]) for c in res["codecs"])
