@@ -196,14 +196,14 @@ class Trainer:
             with watch_compilation(lambda text: bar.write(text, file=sys.stderr)) as watch:
                 self.compile_watch = watch
                 self._loop(it, bar, t_start, start_step, held_out)
-                self._published(bar, self.finish_checkpoint())  # the last one, if still copying
         finally:
             self.compile_watch = None
             if cfg.prefetch:
                 it.close()  # type: ignore[attr-defined]
             bar.close()
         train_s = time.perf_counter() - t_start
-        final = self.evaluate(held_out)
+        final = self.evaluate(held_out)  # while the last checkpoint's copy runs
+        self._published(bar, self.finish_checkpoint())
         self.store.flush()
         dense_path = self.run_dir / "final_dense.pt"
         save_torch(dense_path, {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
