@@ -46,16 +46,10 @@ class StoreLifecycle:
         needs bounded extra memory; the flush is acknowledged (durable) when it returns.
         """
         self.check_live()
-        for tier in (self.device_tier, self.host_tier):
-            for slots, rows in tier.dirty_chunks(FLUSH_CHUNK):
-                self.cascade.write_down(rows.to(torch.device("cpu")))
-                tier.dirty[slots] = False
+        self._hand_down_dirty()
         with self.quiesce_writer():  # drain the ring, fold the whole log into the tables
             self.backend.publish()  # readers (tierstore.serving) now see this flush
-        for adm in self.gate.states.values():  # the sketches go down with the rows they gate
-            adm.save(self.backend)
-        self.expiry.save(self.backend)  # and the expiry cutoffs
-        self._save_clock()
+        self._save_records()
         self.backend.sync()
         self.expiry.flushed()  # rows below durable ttl cutoffs may now leave LMDB
 
@@ -67,16 +61,24 @@ class StoreLifecycle:
         the training thread goes on meanwhile (its writes land in the log past the point)."""
         self.check_live()
         self.log.wait_thawed()  # one snapshot at a time
+        self._hand_down_dirty()
+        self.writeback.drain()
+        self._save_records()
+        return self.log.freeze()
+
+    def _hand_down_dirty(self) -> None:
+        """Every dirty cached row to the write-behind ring, in chunks of `FLUSH_CHUNK` rows."""
         for tier in (self.device_tier, self.host_tier):
             for slots, rows in tier.dirty_chunks(FLUSH_CHUNK):
                 self.cascade.write_down(rows.to(torch.device("cpu")))
                 tier.dirty[slots] = False
-        self.writeback.drain()
-        for adm in self.gate.states.values():  # the sketches go with the rows they gate
+
+    def _save_records(self) -> None:
+        """The store's own records beside its rows: admission sketches, expiry cutoffs, clock."""
+        for adm in self.gate.states.values():  # the sketches go down with the rows they gate
             adm.save(self.backend)
         self.expiry.save(self.backend)  # and the expiry cutoffs
         self._save_clock()
-        return self.log.freeze()
 
     def snapshot_at(self, mark: int) -> lmdb.Transaction:
         """The state as of `hold_for_snapshot` (which returned `mark`), on the copying thread and

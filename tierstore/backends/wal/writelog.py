@@ -294,13 +294,12 @@ class WriteLog:
 
     def _merge(self, n: int | None) -> int:
         n = self.size if n is None else min(int(n), self.size)
-        ceiling = self._ceiling
+        with self.lock:  # the chunks and a snapshot's hold, read together (`freeze` sets it here)
+            chunks, ceiling = self._chunks, self._ceiling
         if ceiling is not None:  # whole chunks end at the hold's point: none is cut
             n = min(n, ceiling - self.merged)
-        if n <= 0:
+        if n <= 0 or not len(chunks):
             return 0
-        with self.lock:
-            chunks = self._chunks
         take = int(np.searchsorted(np.cumsum(chunks[:, 1]), n)) + 1  # whole chunks
         chunks = chunks[:take]
         if int(chunks[0, 0]) != self.merged:
