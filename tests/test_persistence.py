@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -129,6 +130,35 @@ def test_a_checkpoint_holds_the_logs_merges_at_its_pause(tmp_path):
     store.flush()
     ref.flush()
     assert same(dump_backend(store.backend), dump_backend(ref.backend))
+    store.close()
+    ref.close()
+
+
+def test_checkpoints_back_to_back_each_hold_their_own_point(tmp_path):
+    """Checkpoints started while the one before is still copying (each waits for it), with a
+    tiny log the writer and merger keep filling: every checkpoint is the state at its own pause."""
+    kw = {"write_log": 150, "write_buffer": 64}
+    ref = trained(tmp_path / "ref", 0, **kw)
+    store = trained(tmp_path / "s", 0, **kw)
+    snapshot_at = store.snapshot_at
+
+    def late_snapshot_at(mark):  # training runs on (and fills the log) before each snapshot
+        time.sleep(0.15)
+        return snapshot_at(mark)
+
+    store.snapshot_at = late_snapshot_at
+    wants, pendings = {}, []
+    for step in range(1, 13):
+        train_step(store, step)
+        train_step(ref, step)
+        if step % 3 == 0:
+            ref.flush()
+            wants[step] = dump_backend(ref.backend)
+            pendings.append(persistence.start_checkpoint(store, tmp_path / f"ck{step}", step=step))
+    for p in pendings:
+        p.wait()
+    for step, want in wants.items():
+        assert same(dump_path(tmp_path / f"ck{step}"), want), step
     store.close()
     ref.close()
 
