@@ -211,6 +211,41 @@ def test_checkpoint_full_disk_leaves_nothing(tmp_path, monkeypatch):
     store.close()
 
 
+def test_a_checkpoint_whose_merge_fails_ends_its_hold(tmp_path):
+    """A merge that fails in the copying thread (a full disk there) fails the checkpoint and
+    ends the log's hold: the writer, with a log too small to go on without merging, keeps
+    writing, and the next flush and checkpoint succeed with every row."""
+    kw = {"write_log": 150, "write_buffer": 64}
+    store = trained(tmp_path / "s", 3, **kw)
+    merge_below = store.log.merge_below
+
+    def full(mark):
+        raise ts.OutOfSpaceError("no space left on device (injected)")
+
+    store.log.merge_below = full
+    with pytest.raises(ts.OutOfSpaceError):
+        store.checkpoint(tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+    store.log.merge_below = merge_below
+    done = threading.Event()
+
+    def train_on():  # past the log's capacity: merges must go on
+        for step in range(4, 10):
+            train_step(store, step)
+        done.set()
+
+    threading.Thread(target=train_on, daemon=True).start()
+    assert done.wait(60), "the writer stayed blocked: the failed checkpoint kept its hold"
+    store.flush()
+    ref = trained(tmp_path / "ref", 9, **kw)
+    ref.flush()
+    assert same(dump_backend(store.backend), dump_backend(ref.backend))
+    store.checkpoint(tmp_path / "ck")
+    assert same(dump_path(tmp_path / "ck"), dump_backend(ref.backend))
+    store.close()
+    ref.close()
+
+
 # hardened inputs -------------------------------------------------------------------------------
 @pytest.fixture
 def ckpt(tmp_path):
