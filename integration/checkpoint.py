@@ -40,7 +40,7 @@ def load_dense(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -
     return int(state["step"])
 
 
-class PendingCheckpoint:
+class PendingStepCheckpoint:
     """A checkpoint written but for its store's copy, which runs on in a background thread
     while training goes on; `finish()` publishes it (rename, LATEST) once the copy is done."""
 
@@ -68,7 +68,7 @@ class PendingCheckpoint:
 
 
 def start_checkpoint(ckpt_dir: Path, step: int, store: TierStore, model: torch.nn.Module,
-                     opt: torch.optim.Optimizer, cfg: TrainConfig) -> PendingCheckpoint:
+                     opt: torch.optim.Optimizer, cfg: TrainConfig) -> PendingStepCheckpoint:
     """Begin ckpt/step-N in a staging directory: the store's pause (its rows handed to its
     log; `persistence.start_checkpoint`), then the dense model, optimizer and step written
     now. The store's copy goes on in the background; `finish()` publishes the checkpoint."""
@@ -83,7 +83,7 @@ def start_checkpoint(ckpt_dir: Path, step: int, store: TierStore, model: torch.n
     store_copy = persistence.start_checkpoint(store, staging / "store", step=step)
     save_torch(staging / "dense.pt", {"model": model.state_dict(), "optimizer": opt.state_dict()})
     write_text(staging / "state.json", json.dumps({"step": step, "config": asdict(cfg)}))
-    return PendingCheckpoint(ckpt_dir, step, staging, final, cfg.keep_checkpoints, store_copy)
+    return PendingStepCheckpoint(ckpt_dir, step, staging, final, cfg.keep_checkpoints, store_copy)
 
 
 def write_checkpoint(ckpt_dir: Path, step: int, store: TierStore, model: torch.nn.Module,

@@ -21,7 +21,7 @@ from tierstore.prefetch import Prefetcher
 from tierstore.stats import progress_line
 
 from . import streams
-from .checkpoint import PendingCheckpoint, latest_checkpoint, load_dense, start_checkpoint
+from .checkpoint import PendingStepCheckpoint, latest_checkpoint, load_dense, start_checkpoint
 from .config import TrainConfig, parse_capacity, parse_sizes
 from .data import SPARSE_NAMES, Batch, CriteoTSV, SyntheticCriteo, parse_tables
 from .metrics import auc, rss_parts
@@ -72,7 +72,7 @@ class Trainer:
         # "compile": numba compiling kernels at their first use, counted apart from the phase
         # (data, lookup, compute) it happened in, so it never shows as stall
         self.times = dict(data=0.0, lookup=0.0, compute=0.0, eval=0.0, checkpoint=0.0, compile=0.0)
-        self.pending_checkpoint: PendingCheckpoint | None = None  # begun, its store still copying
+        self.pending_checkpoint: PendingStepCheckpoint | None = None  # begun, its store still copying
         self.compile_watch: CompileWatch | None = None
         self.evals: list[dict] = []
         self.checkpoints: list[int] = []
