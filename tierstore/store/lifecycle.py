@@ -58,7 +58,9 @@ class StoreLifecycle:
         """A checkpoint's pause: every dirty cached row handed down to the write-behind log, the
         ring drained, the store's own records saved, and the log's merges held at its end (the
         snapshot's point). Returns that point for `snapshot_at`, which the copying thread calls;
-        the training thread goes on meanwhile (its writes land in the log past the point)."""
+        the training thread goes on meanwhile (its writes land in the log past the point). The
+        two go together (`persistence.start_checkpoint` pairs them): until `snapshot_at` runs,
+        merges stay held, and a log that fills up makes the writer, then writes, wait."""
         self.check_live()
         self.log.wait_thawed()  # one snapshot at a time
         self._hand_down_dirty()
