@@ -47,6 +47,7 @@ class Trainer:
         self.tsv: CriteoTSV | None
         self.synth, self.tsv = streams.open_source(cfg, self.cards)
         self.step = 0
+        self.pending_checkpoint: PendingStepCheckpoint | None = None  # begun, its store still copying
         self._lock_fd = lock_run(self.run_dir)
         try:
             prepare_run_dir(self.run_dir, cfg)
@@ -72,7 +73,6 @@ class Trainer:
         # "compile": numba compiling kernels at their first use, counted apart from the phase
         # (data, lookup, compute) it happened in, so it never shows as stall
         self.times = dict(data=0.0, lookup=0.0, compute=0.0, eval=0.0, checkpoint=0.0, compile=0.0)
-        self.pending_checkpoint: PendingStepCheckpoint | None = None  # begun, its store still copying
         self.compile_watch: CompileWatch | None = None
         self.evals: list[dict] = []
         self.checkpoints: list[int] = []
@@ -112,7 +112,7 @@ class Trainer:
     def finish_checkpoint(self, wait: bool = True) -> Path | None:
         """Publish the checkpoint begun last, waiting for its copy (or, `wait=False`, only if
         the copy is done); returns its path, or None when there is none to publish."""
-        pending = getattr(self, "pending_checkpoint", None)  # (none yet in a failed __init__)
+        pending = self.pending_checkpoint
         if pending is None or (not wait and not pending.done()):
             return None
         t0 = time.perf_counter()

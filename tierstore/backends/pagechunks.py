@@ -71,19 +71,22 @@ def pack(ids: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if n and (int(ids[0]) < 0 or (n > 1 and not bool(np.all(ids[1:] > ids[:-1])))):
         raise TierstoreError("chunk ids must be non-negative and increasing")
     c = -(-n // cap)
-    pid = np.zeros((c, cap), dtype=np.int64)
-    pid.reshape(-1)[:n] = ids
-    prec = np.zeros((c, cap, rb), dtype=np.uint8)
-    prec.reshape(-1, rb)[:n] = records
+    full, rest = divmod(n, cap)
     vals = np.zeros((c, value_bytes(rb)), dtype=np.uint8)
+    # each row copied once, straight into its chunk's value (unused tail slots stay zero)
+    pid = vals[:, HEAD : HEAD + 8 * cap].view(np.int64)
+    prec = vals[:, HEAD + 8 * cap :].reshape(c, cap, rb)
+    pid[:full] = ids[: full * cap].reshape(full, cap)
+    prec[:full] = records[: full * cap].reshape(full, cap, rb)
+    if rest:
+        pid[full, :rest] = ids[full * cap :]
+        prec[full, :rest] = records[full * cap :]
     head = vals[:, :HEAD].view(np.uint32)
     head[:, 0] = cap
-    if c:
-        head[-1, 0] = n - (c - 1) * cap
+    if rest:
+        head[-1, 0] = rest
     head[:, 1] = cap
     head[:, 2] = ids_check(pid)
-    vals[:, HEAD : HEAD + 8 * cap] = pid.view(np.uint8).reshape(c, 8 * cap)
-    vals[:, HEAD + 8 * cap :] = prec.reshape(c, cap * rb)
     return pid[:, 0].copy(), vals
 
 
