@@ -117,6 +117,22 @@ def engine_step(case: Case, kernels: str = "numba", device: str = "cpu"):
     return out.cpu(), src.cpu()
 
 
+def keyed_engine_step(case: Case, kernels: str = "numba", device: str = "cpu"):
+    """`engine_step` over a keyed batch (`Plan.keyed_step`: each id given as its slot)."""
+    from tierstore.engine import Engine
+
+    plan = Plan(case.specs, case.features)
+    pos = {s.name: t for t, s in enumerate(case.specs)}
+    dev = torch.device(device)
+    keys = [case.slots[pos[t]][i].to(dev) for (_, t, _), i in zip(case.features, case.ids)]
+    batch, slots = plan.keyed_step(keys, case.lengths, case.psw)
+    eng = Engine(plan, kernels)
+    src = case.slab.clone().to(dev)
+    out, fwd = eng.forward(batch, src, slots)
+    eng.backward(batch, fwd, case.grad.to(dev), src, slots)
+    return out.cpu(), src.cpu()
+
+
 def fused_step(case: Case):
     """The same step through today's per-table fused path (sum/mean only)."""
     name_of = {s.name: s for s in case.specs}

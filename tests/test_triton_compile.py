@@ -49,7 +49,7 @@ PTR = {"src": "*fp32", "slots": "*i64", "work": "*fp32", "work_of": "*i64", "inv
        "starts": "*i64", "bag_of": "*i64", "grad_out": "*fp32", "scale": "*fp32",
        "tab_kind": "*i64", "tab_params": "*fp64", "tab_clip": "*fp32", "goff": "*i64", "sscale": "*fp32",
        "src_stride": "i32", "work_stride": "i32", "out_stride": "i32", "am_stride": "i32",
-       "tab_stride": "i32", "grad_stride": "i32", "lo": "i32"}
+       "tab_stride": "i32", "grad_stride": "i32", "lo": "i32", "finite": "*i1"}
 HBM = {"table": "*i64", "keys": "*i64", "out": "*i64", "stamp": "*i64", "lock": "*i32",
        "rank": "*i64", "n": "i32", "sets": "i32"}
 cases = []
@@ -58,7 +58,8 @@ for full in (True, False):
         cases.append((tb._forward_kernel, PTR, dict(HAS_WORK=full, HAS_PSW=full, HAS_MAX=mx,
                                                      BLOCK_D=64 if full else 1)))
         cases.append((tb._backward_kernel, PTR, dict(HAS_WORK=full, HAS_SCALE=full, HAS_MAX=mx,
-                                                      NCH=8 if full else 1, KB=tb.KB)))
+                                                      HAS_FLAG=full, NCH=8 if full else 1,
+                                                      KB=tb.KB)))
 for direct in (True, False):
     cases.append((hk._lookup_kernel, HBM, dict(WAYS=32, BLOCK_N=64, DIRECT=direct)))
     cases.append((hk._choose_kernel, HBM, dict(WAYS=32, DIRECT=direct)))

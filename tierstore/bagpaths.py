@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 import tierstore.admission as _adm
 import tierstore.cascade as _cas
+import tierstore.hostread as hostread
 import tierstore.validate as validate
 
 from .errors import InvalidGradientError
@@ -26,6 +28,21 @@ if TYPE_CHECKING:
     from .store import _Table
 
 R = TypeVar("R")
+_INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+@dataclass(frozen=True, eq=False)
+class DirectRows:
+    """A step's rows as `BagPaths.direct_forward` found them: the items' tables, their slots
+    (on the device, by item and all together; a row's slot may come more than once), the
+    cache's removal count then, and whether a pipeline delivered the batch (its gradient check
+    is then left to the device)."""
+
+    tabs: list[_Table]
+    keys: list[torch.Tensor]
+    slots: torch.Tensor
+    removals: int
+    deferred: bool
 
 
 class BagPaths:
@@ -44,7 +61,7 @@ class BagPaths:
                  gate: _adm.AccessGate, stats: PrefetchStats, device: torch.device,
                  device_cache: str, fused: bool, *, table_record: Callable[[str], _Table],
                  check_live: Callable[[], None],
-                 stamp_many: Callable[[list[_Table], torch.Tensor, list[torch.Tensor]], None],
+                 stamp_many: Callable[..., None],
                  count_update: Callable[[_Table], int]) -> None:
         self.device_tier, self.cascade, self.staging, self.gate = device_tier, cascade, staging, gate
         self.prefetch_stats, self.device, self.device_cache, self.fused = stats, device, device_cache, fused
@@ -139,6 +156,76 @@ class BagPaths:
                 for slots in held:
                     dev.pin(slots, -1)
 
+    def direct_forward(self, items: Sequence[tuple[str, torch.Tensor]],
+                       pool: Callable[[list[torch.Tensor], torch.Tensor], R]
+                       ) -> tuple[R, DirectRows] | None:
+        """A step's forward on a direct device cache (`SetTier.direct`), when it holds every id.
+
+        `items`: (table, ids) pairs (a table may come more than once). Each id's slot is its key
+        (no dedup, no lookup, nothing staged or pinned: rows of a direct cache never move), so
+        `pool(slots, slab)` runs lock-free on `slots[i]`, item i's slots on the device. None,
+        with nothing done, when the step must go `step_forward`'s way: another device tier,
+        admission or a trace counting, ids not 1-D integers on the host, not all held or out of
+        range (that way raises the error), or a locked operation running.
+        """
+        dev = self.device_tier
+        if not dev.direct:
+            return None
+        tabs = [self.table_record(t) for t, _ in items]
+        if self.gate.counts(tabs) or any(
+                i.device.type != "cpu" or i.dim() != 1 or i.dtype not in _INT for _, i in items):
+            return None
+        sizes = [int(i.numel()) for _, i in items]
+        flat = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=dev.device.type == "cuda")
+        if not self.staging.begin_unlocked():
+            return None
+        try:
+            at = 0
+            for tab, (_, ids), n in zip(tabs, items, sizes):
+                if dev.direct_keys(tab.index, tab.spec.num_rows, ids.to(torch.int64).numpy(),
+                                   flat[at : at + n].numpy()) != 1:
+                    return None
+                at += n
+            removals = dev.removals
+            flat = hostread.to_device(flat, dev.device)
+            keys = list(torch.split(flat, sizes))
+            out = pool(keys, dev.slab)
+            self.staging.count_hits(flat)  # each position a device hit (no dedup to count rows)
+            self.prefetch_stats.lock_free_bags += len({id(t) for t in tabs})  # tables, as below
+            return out, DirectRows(tabs, keys, flat, removals, self.staging.delivers())
+        finally:
+            self.staging.end_unlocked()
+
+    def direct_update(self, rows: DirectRows, update: Callable[[torch.Tensor, torch.Tensor | None], None],
+                      finite: torch.Tensor | None) -> bool:
+        """The update of a `direct_forward` step, in the device slab and lock-free:
+        `update(slab, finite)` (the engine's), then the rows' stamps and dirty marks. `finite`
+        (a device bool: whether the gradient is) is kept for `raise_deferred` when a prefetch
+        pipeline delivered the batch, else read here (a sync) and raised on. False, with
+        nothing done, when rows left the cache since the forward or a locked operation runs:
+        the caller then updates through `step_backward`."""
+        dev = self.device_tier
+        if finite is not None and not rows.deferred:
+            if not bool(finite):
+                raise InvalidGradientError("the output gradient holds NaN/Inf values; nothing was updated")
+            finite = None
+        if not self.staging.begin_unlocked():
+            return False
+        try:
+            if dev.removals != rows.removals:
+                return False
+            update(dev.slab, finite)
+            tabs = list({id(t): t for t in rows.tabs}.values())
+            if len({t.spec.stamp_col for t in tabs}) == 1:  # one stamp column: all rows at once
+                self.stamp_many(tabs, dev.slab, [rows.slots] * len(tabs), finite)
+            else:
+                self.stamp_many(rows.tabs, dev.slab, rows.keys, finite)
+            dev.dirty.index_fill_(0, rows.slots, True)
+            self.defer_check(finite)
+            return True
+        finally:
+            self.staging.end_unlocked()
+
     def step_rows(self, tab: _Table, ids: torch.Tensor,
                    hold: Callable[[], None] | None = None) -> Gathered:
         """A table's rows for a step's forward (store lock held): device slots when every one
@@ -186,23 +273,23 @@ class BagPaths:
                                        "its update was discarded (nothing changed)")
 
     def step_backward(self, items: Sequence[tuple[str, Gathered]],
-                      update: Callable[[torch.Tensor, torch.Tensor | None,
-                                        list[tuple[torch.Tensor | None, int]]], None],
+                      update: Callable[..., None],
                       finite: torch.Tensor | None = None, thread: int | None = None) -> None:
         """A training step's update over several tables, after `step_forward`: one engine call.
 
-        `update(table, slots, salts)` runs the engine's backward+update in place on
-        `table[slots[u]]` (`slots=None`: the forward's slots); `salts[t]` are a 16-bit table's
-        row ids and update count (its rounding bits). When every table's rows are still in the
-        device slots the forward found, it updates the device slab (without the store lock for
-        a pinned batch). Otherwise it updates a payload gathered by unique row (reused from the
-        forward when the table had no write since), which the cascade then writes back where
-        the rows are (`Assign`); rows not admitted are left as they were. `finite` (a device
-        bool, `defers_checks`): whether the gradient is finite, checked without a sync on the
-        lock-free path (an update it refuses is undone, `raise_deferred` reports it), at once on
-        the locked one. `thread`: the id of the thread that ran the forward (None: this one);
-        autograd runs a CUDA step's backward on a device thread of its own, and whether rows
-        move up (a warm-only batch's `deferring`) belongs to the consumer's thread.
+        `update(table, slots, salts, finite=None)` runs the engine's backward+update in place
+        on `table[slots[u]]` (`slots=None`: the forward's slots); `salts[t]` are a 16-bit
+        table's row ids and update count (its rounding bits); `finite` as the engine's. When
+        every table's rows are still in the device slots the forward found, it updates the
+        device slab (without the store lock for a pinned batch). Otherwise it updates a payload
+        gathered by unique row (reused from the forward when the table had no write since),
+        which the cascade then writes back where the rows are (`Assign`); rows not admitted are
+        left as they were. `finite` (a device bool, `defers_checks`): whether the gradient is
+        finite, checked without a sync on the lock-free path (an update it refuses leaves
+        every row as it was, `raise_deferred` reports it), at once on the locked one.
+        `thread`: the id of the thread that ran the forward (None: this one); autograd runs a
+        CUDA step's backward on a device thread of its own, and whether rows move up (a
+        warm-only batch's `deferring`) belongs to the consumer's thread.
         """
         tabs = [self.table_record(t) for t, _ in items]
         gs = [g for _, g in items]
@@ -243,15 +330,17 @@ class BagPaths:
         """The engine's update in the device slab; with `finite`, undone (sync-free) unless it holds."""
         dev = self.device_tier
         slots = torch.cat([g.slots for g in gs]) if len(gs) != 1 else gs[0].slots
-        if finite is not None:  # the rows as they were, to put back if the gradient was not finite
-            before = dev.slab.index_select(0, slots)
-        update(dev.slab, None, self._salts(tabs, gs))
+        # with `finite`, the engine leaves every row as it was unless it holds (no host sync)
+        update(dev.slab, None, self._salts(tabs, gs), finite)
         used = [(tab, g.slots) for tab, g in zip(tabs, gs) if g.slots.numel()]
         if used:  # every table's stamps and dirty marks in a few calls, not a few a table
-            self.stamp_many([t for t, _ in used], dev.slab, [s for _, s in used])
+            self.stamp_many([t for t, _ in used], dev.slab, [s for _, s in used], finite)
             dev.dirty.index_fill_(0, slots, True)  # a scalar fill: `[...] = True` syncs on CUDA
+        self.defer_check(finite)
+
+    def defer_check(self, finite: torch.Tensor | None) -> None:
+        """Keep a staged step's device flag `finite` for `raise_deferred` (None: nothing to keep)."""
         if finite is not None:
-            dev.slab.index_copy_(0, slots, torch.where(finite, dev.slab.index_select(0, slots), before))
             done = None
             if finite.device.type == "cuda":  # the flag lands in pinned host memory in stream
                 # order, and the event says when: `raise_deferred` then reads it on the host

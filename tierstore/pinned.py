@@ -116,6 +116,26 @@ class StagingArea:
         """Whether gathers of `thread` (None: this one) move missed rows up (not in a warm-only batch)."""
         return self.deferring != (threading.get_ident() if thread is None else thread)
 
+    def holds(self, ids: dict[str, torch.Tensor]) -> bool:
+        """Whether a direct device tier (`SetTier.direct`) holds every row of a batch's ids
+        (table -> host int64 ids; a read of the host mirror, no lock): such a batch needs no
+        staging, its step reads every row where it is (`BagPaths.direct_forward`)."""
+        dev = self.device_tier
+        if not dev.direct:
+            return False
+        for name, i in ids.items():
+            tab = self.tables.get(name)
+            if tab is None or i.device.type != "cpu" or i.dtype != torch.int64:
+                return False
+            out = np.empty(i.numel(), dtype=np.int64)
+            if dev.direct_keys(tab.index, tab.spec.num_rows, i.numpy(), out) != 1:
+                return False
+        return True
+
+    def delivers(self) -> bool:
+        """Whether a prefetch pipeline hands this thread its batches (`use_batch`)."""
+        return self.staged[0] == threading.get_ident()
+
     def count_hits(self, slots: torch.Tensor) -> None:
         """Queue the device hits of a step that read pinned rows; told at the next locked section."""
         self._pending_hits.append(slots)

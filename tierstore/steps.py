@@ -18,8 +18,10 @@ import torch
 
 import tierstore.validate as validate
 
-from .engine import Engine, Forward, Plan
+from .bagpaths import DirectRows, Gathered
+from .engine import Engine, Forward, Plan, StepBatch
 from .errors import InvalidGradientError, ReadOnlyError
+from .index import dedup
 
 
 class EngineStep(torch.autograd.Function):
@@ -32,11 +34,25 @@ class EngineStep(torch.autograd.Function):
         of_table: list[list[int]] = [[] for _ in plan.tables]
         for f, feat in enumerate(plan.features):
             of_table[feat.table].append(f)
-        items = [(tp.name, torch.cat([ids[f] for f in of_table[t]]) if len(of_table[t]) > 1
-                  else ids[of_table[t][0]]) for t, tp in enumerate(plan.tables)]
         sizes = [int(i.numel()) for i in ids]
         weights_w = None if psw is None else psw.detach()
         need_rows = psw is not None and bool(ctx.needs_input_grad[1])
+        ctx.save_for_backward(psw)
+        thread = threading.get_ident()  # autograd runs a CUDA step's backward on a thread of its own
+        if not plan.packed and not need_rows:  # a direct device cache: ids are slots
+            def pool_keyed(keys, slab):
+                batch, slots = plan.keyed_step(keys, lengths, weights_w)
+                return (*engine.forward(batch, slab, slots), batch, slots)
+
+            got = store.paths.direct_forward(
+                [(plan.tables[feat.table].name, ids[f]) for f, feat in enumerate(plan.features)],
+                pool_keyed)
+            if got is not None:
+                (out, fwd, batch, slots), direct = got
+                ctx.state = (store, engine, direct, (of_table, ids, sizes, lengths, weights_w),
+                             fwd, batch, slots, None, thread)
+                return out
+        items = _table_ids(plan, of_table, ids)
 
         def pool(gs, weights, slab):
             inverse: list[torch.Tensor] = [torch.empty(0)] * len(ids)
@@ -57,10 +73,7 @@ class EngineStep(torch.autograd.Function):
             return out, fwd, batch, slots, rows
 
         (out, fwd, batch, slots, rows), gs = store.paths.step_forward(items, pool)
-        ctx.save_for_backward(psw)
-        # the consumer's thread: autograd runs a CUDA step's backward on a device thread
-        ctx.state = (store, engine, [n for n, _ in items], gs, fwd, batch, slots, rows,
-                     threading.get_ident())
+        ctx.state = (store, engine, [n for n, _ in items], gs, fwd, batch, slots, rows, thread)
         return out
 
     @staticmethod
@@ -69,6 +82,17 @@ class EngineStep(torch.autograd.Function):
         store, engine, names, gs, fwd, batch, slots, rows, thread = ctx.state
         ctx.state = None
         grad = grad_out.detach().to(device=slots.device, dtype=torch.float32).contiguous()
+        if isinstance(names, DirectRows):
+            if psw is not None and psw.numel() and not validate.all_finite(psw.detach().float()):
+                raise InvalidGradientError("per_sample_weights hold NaN/Inf; nothing was updated")
+            finite = torch.isfinite(grad).all() if grad.numel() else None
+            if store.paths.direct_update(names, lambda table, ok: engine.backward(
+                    batch, fwd, grad, table, slots, finite=ok), finite):
+                return None, None, None, None, None, None
+            # rows left the cache since the forward: the gathered way, by table
+            if finite is not None and not bool(finite):
+                raise InvalidGradientError("the output gradient holds NaN/Inf values; nothing was updated")
+            names, gs, batch = _by_table(engine.plan, store, gs, slots.device)
         # a staged step on the sets cache checks on the device (no sync): `raise_deferred`
         deferred = bool(grad.numel()) and store.paths.defers_checks(gs)
         if grad.numel() and not deferred and not validate.all_finite(grad):
@@ -76,13 +100,37 @@ class EngineStep(torch.autograd.Function):
         if psw is not None and psw.numel() and not validate.all_finite(psw.detach().float()):
             raise InvalidGradientError("per_sample_weights hold NaN/Inf; nothing was updated")
         store.paths.step_backward(list(zip(names, gs)),
-                                  lambda table, at, salts: engine.backward(
-                                      batch, fwd, grad, table, slots if at is None else at, salts=salts),
+                                  lambda table, at, salts, finite=None: engine.backward(
+                                      batch, fwd, grad, table, slots if at is None else at,
+                                      salts=salts, finite=finite),
                                   finite=torch.isfinite(grad).all() if deferred else None, thread=thread)
         g_psw = None
         if rows is not None:
             g_psw = _weights_grad(engine.plan, batch, fwd, grad, rows).to(psw.device)
         return None, g_psw, None, None, None, None
+
+
+def _table_ids(plan: Plan, of_table: list[list[int]], ids: list[torch.Tensor]
+               ) -> list[tuple[str, torch.Tensor]]:
+    """(table, ids of its features one after another) per table of the plan."""
+    return [(tp.name, torch.cat([ids[f] for f in of_table[t]]) if len(of_table[t]) > 1
+             else ids[of_table[t][0]]) for t, tp in enumerate(plan.tables)]
+
+
+def _by_table(plan: Plan, store: Any, layout: tuple, device: torch.device
+              ) -> tuple[list[str], list[Gathered], StepBatch]:
+    """A direct step's tables, their ids gathered by table (no rows: read again at the
+    update) and its batch numbered by table, for `step_backward`'s gathered way."""
+    of_table, ids, sizes, lengths, weights_w = layout
+    items = _table_ids(plan, of_table, ids)
+    gs, inverse = [], [torch.empty(0)] * len(sizes)
+    for (name, ids), fs in zip(items, of_table):
+        uniq, inv = dedup(store.check_ids(store.table_record(name), ids))
+        gs.append(Gathered(uniq, inv, torch.empty(0)))
+        for f, part in zip(fs, torch.split(inv, [sizes[f] for f in fs])):
+            inverse[f] = part
+    batch = plan.step(inverse, [g.unique.numel() for g in gs], lengths, weights_w).to(device)
+    return [n for n, _ in items], gs, batch
 
 
 def _weights_grad(plan: Plan, batch: Any, fwd: Forward, grad: torch.Tensor,

@@ -18,6 +18,7 @@ import torch
 
 import tierstore.hostread as hostread
 
+from .._kernels import HAVE_NUMBA
 from ..stats import TierStats
 from .hbm_cache import POLICIES, HbmCache
 from .slab import Rows
@@ -26,6 +27,35 @@ TAB_SHIFT = 48
 ROW_MASK = (1 << TAB_SHIFT) - 1
 MAX_TABLES = 1 << 15
 LFU_NAMES = ("lfu", "hlfu", "wtinylfu")  # ranked by counts: the cache's LFU; the rest: LRU
+
+
+def _direct_keys_np(held: np.ndarray, base: int, rows: int, ids: np.ndarray, out: np.ndarray) -> int:
+    """`direct_keys` in numpy (no numba)."""
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        return -1
+    np.add(ids, base, out=out)
+    return int(held[out].all())
+
+
+if HAVE_NUMBA:
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def _direct_keys(held, base, rows, ids, out):  # pragma: no cover - compiled
+        """Keys of a table's ids in a direct cache: -1 if an id is out of range, 0 if one is
+        not held, else 1 (`out` then holds every key)."""
+        ok = 1
+        for i in range(ids.shape[0]):
+            x = ids[i]
+            if x < 0 or x >= rows:
+                return -1
+            k = base + x
+            out[i] = k
+            if not held[k]:
+                ok = 0
+        return ok
+else:  # pragma: no cover
+    _direct_keys = _direct_keys_np
 
 
 def keys_fit(num_tables: int, max_rows: int) -> bool:
@@ -160,11 +190,26 @@ class SetTier:
         # direct: which keys are cached, on the host too (kept by insert and remove), so
         # staging finds a batch's slots without reading the device
         self.held = np.zeros(self.capacity, dtype=bool) if direct else None
+        # each table's first key (direct), as Python ints: no tensor read a step
+        self._bases = [] if offsets is None else self.codec.host_offsets.tolist()
         self.index = SetIndex(self.cache, self.codec, self.held)
         self.stats = TierStats()
         self.generation = 0  # bumped whenever a slot changes owner
         self.pin_epoch = 0  # bumped whenever a pinned row leaves
+        self.removals = 0  # bumped whenever rows leave (a direct cache loses rows no other way)
         self.last_slots = torch.empty(0, dtype=torch.int64, device=self.device)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the cache holds a line for every declared row (key k at slot k: rows never
+        move, and leave only by `remove`)."""
+        return self.held is not None
+
+    def direct_keys(self, table: int, rows: int, ids: np.ndarray, out: np.ndarray) -> int:
+        """A direct cache's slots of table `table`'s ids (int64, any order, duplicates too) into
+        `out`: 1 when every one is held, 0 when one is not, -1 when one is outside
+        [0, `rows`) (then `out` is partly written). A host read of the mirror, no device read."""
+        return int(_direct_keys(self.held, self._bases[table], rows, ids, out))
 
     @property
     def slab(self) -> torch.Tensor:
@@ -241,6 +286,7 @@ class SetTier:
         if bool((pins > 0).any()):
             self.pin_epoch += 1
         self.generation += 1
+        self.removals += 1
         return Rows(*self.codec.unpack(out.keys), out.payload, out.dirty, pins)
 
     def insert(self, rows: Rows, protect: torch.Tensor | None = None,

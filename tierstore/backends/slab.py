@@ -80,6 +80,7 @@ class SlabTier:
     """
 
     pins_skip_absent = False  # `pin` takes resident slots only (callers drop the -1s)
+    direct = False  # slots change owners (`SetTier.direct`: a cache with a line for every row)
 
     def __init__(self, name: str, capacity: int, width: int, policy: str,
                  device: torch.device | str = "cpu", pin_memory: bool = False,

@@ -91,19 +91,28 @@ class Engine:
 
     def backward(self, batch: StepBatch, fwd: Forward, grad_out: torch.Tensor,
                  table: torch.Tensor, slots: torch.Tensor, lo: int = 0, hi: int | None = None,
-                 salts: Sequence[tuple[torch.Tensor | None, int]] | None = None) -> None:
+                 salts: Sequence[tuple[torch.Tensor | None, int]] | None = None,
+                 finite: torch.Tensor | None = None) -> None:
         """Sum gradients per unique row and apply each table's optimizer, in place on
-        `table[slots[u]]` for u in [lo, hi) (all rows by default). `grad_out` must be finite.
-        `salts[t]`: a 16-bit table's row ids and update count, which draw its stochastic
-        rounding's bits (`HalfCodec.encode_stochastic`)."""
+        `table[slots[u]]` for u in [lo, hi) (all rows by default). `grad_out` must be finite,
+        or `finite` given: a bool tensor on the device, false when it is not, and then no row
+        changes (checked by the kernels, or a 16-bit table's rows put back: no host sync). `salts[t]`: a
+        16-bit table's row ids and update count, which draw its stochastic rounding's bits
+        (`HalfCodec.encode_stochastic`)."""
         hi = batch.n_unique if hi is None else hi
         scale = self.plan.scale(batch)
         if not self.plan.packed:
-            self.backend.backward(batch, table, slots, None, None, grad_out, scale, fwd.argmax, lo, hi)
+            self.backend.backward(batch, table, slots, None, None, grad_out, scale, fwd.argmax, lo,
+                                  hi, finite)
             return
+        if finite is not None:  # 16-bit rows are re-encoded outside the kernel: put them back
+            at = slots[lo:hi]
+            before = table.index_select(0, at)
         work, work_of = self._decoded(batch, table, slots, weights_only=False, lo=lo, hi=hi)
         self.backend.backward(batch, table, slots, work, work_of, grad_out, scale, fwd.argmax, lo, hi)
         self._encode(batch, table, slots, work, lo, hi, salts)
+        if finite is not None:
+            table.index_copy_(0, at, torch.where(finite, table.index_select(0, at), before))
 
     def _packed_ranges(self, batch: StepBatch, lo: int, hi: int
                        ) -> Iterator[tuple[TablePlan, int, int]]:

@@ -120,6 +120,8 @@ if HAVE_NUMBA:
             nxt = u + PREFETCH_AHEAD
             if nxt < hi and work_of.shape[0] == 0:
                 prefetch_row(table, slots[nxt])
+            if starts[u] == starts[u + 1]:  # no position (a keyed batch's spare row): as it is
+                continue
             t = u_table[u]
             dim = tab_dim[t]
             clip = tab_clip[t]
@@ -154,6 +156,8 @@ if HAVE_NUMBA:
             nxt = u + PREFETCH_AHEAD
             if nxt < hi:
                 prefetch_row(table, slots[nxt])
+            if starts[u] == starts[u + 1]:
+                continue
             t = u_table[u]
             dim = tab_dim[t]
             for d in range(dim):
@@ -218,14 +222,19 @@ class NumbaBackend:
 
     def backward(self, batch: StepBatch, table: torch.Tensor, slots: torch.Tensor,
                  work: torch.Tensor | None, work_of: torch.Tensor | None, grad_out: torch.Tensor,
-                 scale: torch.Tensor | None, argmax: torch.Tensor | None, lo: int, hi: int) -> None:
-        """Update unique rows [lo, hi) in place: `table[slots[u]]` (or `work[work_of[u]]`)."""
-        if hi <= lo:
+                 scale: torch.Tensor | None, argmax: torch.Tensor | None, lo: int, hi: int,
+                 finite: torch.Tensor | None = None) -> None:
+        """Update unique rows [lo, hi) in place: `table[slots[u]]` (or `work[work_of[u]]`);
+        none where the bool `finite` is false."""
+        if hi <= lo or (finite is not None and not bool(finite)):
             return
         _, fc, fm, td, tk, tp, tc = self._arrays
-        perm, starts = csr_by_group(batch.inverse.numpy(), batch.n_unique)
-        bag_of = np.empty(batch.inverse.numel(), dtype=np.int64)
-        bag_of_kernel(batch.offsets.numpy(), bag_of)
+        if batch.csr is not None:  # a keyed batch's, made with it
+            perm, starts, bag_of = (t.numpy() for t in batch.csr)
+        else:
+            perm, starts = csr_by_group(batch.inverse.numpy(), batch.n_unique)
+            bag_of = np.empty(batch.inverse.numel(), dtype=np.int64)
+            bag_of_kernel(batch.offsets.numpy(), bag_of)
         if work is None and scale is None and argmax is None and self.no_clip:
             pargs = (table.numpy(), slots.numpy(), batch.u_table.numpy(), perm, starts, bag_of,
                      batch.bag_out.numpy(), batch.bag_feat.numpy(), grad_out.contiguous().numpy(),

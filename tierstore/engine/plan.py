@@ -86,7 +86,11 @@ class StepBatch:
 
     Position p (an id of some feature) reads unique row `inverse[p]`; bag b pools positions
     `offsets[b]:offsets[b + 1]` into output row `bag_out[b]` at its feature's columns. Unique
-    rows are numbered table by table: table t holds `u_start[t]:u_start[t + 1]`.
+    rows are numbered table by table: table t holds `u_start[t]:u_start[t + 1]`. A keyed batch
+    (`Plan.keyed_step`) numbers them by slot over all tables instead, n of them for n positions,
+    the ones past the last distinct slot with no position (the kernels leave such a row alone);
+    its `u_start` is (0, ..., 0, n), and no table range of it is read (it has no 16-bit table and
+    no weights' gradient).
     """
 
     inverse: torch.Tensor  # int64 [n]
@@ -98,6 +102,9 @@ class StepBatch:
     u_start: tuple[int, ...]  # [tables + 1]
     out_rows: int
     out_width: int
+    # a keyed batch's gradient CSR, made with it (`Plan.keyed_step`): positions sorted stably by
+    # unique row, each row's start there [u + 1], each position's bag; None: the backend's own
+    csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> StepBatch:
         """The same batch with its tensors on `device`."""
@@ -108,7 +115,8 @@ class StepBatch:
                          self.bag_out.to(device, non_blocking=nb), self.bag_feat.to(device, non_blocking=nb),
                          None if self.psw is None else self.psw.to(device, non_blocking=nb),
                          self.u_table.to(device, non_blocking=nb), self.u_start, self.out_rows,
-                         self.out_width)
+                         self.out_width, None if self.csr is None else
+                         tuple(t.to(device, non_blocking=nb) for t in self.csr))
 
     @property
     def n_unique(self) -> int:
@@ -159,6 +167,7 @@ class Plan:
         self.tab_params = torch.tensor([t.params for t in self.tables], dtype=torch.float64)
         self.tab_clip = torch.tensor([t.clip for t in self.tables], dtype=torch.float32)
         self._bag_cache: tuple[int, torch.Tensor, torch.Tensor, dict] | None = None
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def step(self, inverse: Sequence[torch.Tensor], n_unique: Sequence[int],
              lengths: torch.Tensor, psw: torch.Tensor | None = None) -> StepBatch:
@@ -235,6 +244,69 @@ class Plan:
         w = None if psw is None else psw.detach().to(**to).to(torch.float32).reshape(-1).contiguous()
         return StepBatch(inv, offsets, bag_out, bag_feat, w, u_table, tuple(starts), out_rows,
                          self.out_width)
+
+    def on(self, dev: torch.device) -> tuple[torch.Tensor, ...]:
+        """The per-feature and per-table arrays (`feat_table`, `feat_col`, `feat_mode`,
+        `tab_dim`, `tab_kind`, `tab_params`, `tab_clip`) on `dev`, copied once per device."""
+        got = self._on.get(dev)
+        if got is None:  # not blocking: a first step under the sync debug mode must not wait
+            got = self._on[dev] = tuple(a.to(dev, non_blocking=True) for a in (
+                self.feat_table, self.feat_col, self.feat_mode, self.tab_dim, self.tab_kind,
+                self.tab_params, self.tab_clip))
+        return got
+
+    def keyed_step(self, keys: Sequence[torch.Tensor], lengths: torch.Tensor,
+                   psw: torch.Tensor | None = None) -> tuple[StepBatch, torch.Tensor]:
+        """Linearize one batch whose ids are already slots, and make its gradient CSR.
+
+        `keys[f]`: feature f's positions as slots of the payload (one space for every table:
+        equal slots are one row), all on one device; `lengths`, `psw` as in `step`. Built with
+        fixed-size ops on that device (no host sync): the n positions sorted stably by slot, so
+        unique row u is the u-th distinct slot and a row's positions stay in input order (the
+        order `step`'s CSR sums them in: the same bits). Returns the batch and each unique
+        row's slot [n] (rows past the last distinct slot: 0, never read).
+        """
+        if self.packed:
+            raise ConfigError("a keyed step needs float32 tables: 16-bit ones are decoded by table")
+        dev = keys[0].device if keys else torch.device("cpu")
+        to = {"device": dev, "non_blocking": True}
+        counts = [int(k.numel()) for k in keys]
+        n, nt = sum(counts), len(self.tables)
+        flat = (torch.cat(list(keys)) if len(keys) != 1 else keys[0]).to(torch.int64)
+        per_feat = torch.tensor(counts, dtype=torch.int64).to(**to)
+        pos_table = torch.repeat_interleave(self.on(dev)[0], per_feat, output_size=n)
+        sk, perm = torch.sort(flat, stable=True)
+        head = torch.ones(n, dtype=torch.bool, device=dev)
+        if n > 1:
+            torch.ne(sk[1:], sk[:-1], out=head[1:])
+        useq = torch.cumsum(head, 0) - 1  # the unique row of each sorted position
+        inverse = torch.empty(n, dtype=torch.int64, device=dev).index_copy_(0, perm, useq)
+        # a row's positions all write its one slot and table (the same values: no race)
+        slots = torch.zeros(n, dtype=torch.int64, device=dev).index_copy_(0, useq, sk)
+        u_table = torch.zeros(n, dtype=torch.int64, device=dev).index_copy_(
+            0, useq, pos_table.index_select(0, perm))
+        starts = torch.zeros(n + 1, dtype=torch.int64, device=dev).index_add_(
+            0, useq + 1, torch.ones_like(useq)).cumsum(0)
+        if self.pooled:
+            nf = len(self.features)
+            lengths = lengths.to(torch.int64).to(**to)
+            batch = lengths.numel() // nf if nf else 0
+            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=dev)
+            torch.cumsum(lengths, 0, out=offsets[1:])
+            bag_out, bag_feat = self._bags(nf, batch, dev)
+            out_rows = batch
+            bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths,
+                                             output_size=n)
+        else:
+            offsets = torch.arange(n + 1, dtype=torch.int64, device=dev)
+            bag_out = bag_of = offsets[:-1]
+            bag_feat = torch.repeat_interleave(torch.arange(len(self.features), device=dev),
+                                               per_feat, output_size=n)
+            out_rows = n
+        w = None if psw is None else psw.detach().to(**to).to(torch.float32).reshape(-1).contiguous()
+        batch_ = StepBatch(inverse, offsets, bag_out, bag_feat, w, u_table, (0,) * nt + (n,),
+                           out_rows, self.out_width, (perm, starts, bag_of))
+        return batch_, slots
 
     def _bags(self, nf: int, batch: int, dev: torch.device | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:

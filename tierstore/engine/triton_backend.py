@@ -73,9 +73,9 @@ def _forward_kernel(src, src_stride, slots, work, work_stride, work_of, inverse,
 @triton.jit
 def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_table, perm, starts,
                      goff, sscale, bag_of, bag_feat, grad_out, argmax, am_stride,
-                     feat_mode, tab_dim, tab_kind, tab_params, tab_clip, lo,
+                     feat_mode, tab_dim, tab_kind, tab_params, tab_clip, lo, finite,
                      HAS_WORK: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_MAX: tl.constexpr,
-                     NCH: tl.constexpr, KB: tl.constexpr):
+                     HAS_FLAG: tl.constexpr, NCH: tl.constexpr, KB: tl.constexpr):
     u = lo + tl.program_id(0)
     t = tl.load(u_table + u)
     dim = tl.load(tab_dim + t)
@@ -89,6 +89,12 @@ def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_tab
     # gradient row in `grad_out`, `sscale[k]` its scale (both laid out by the host in this order)
     k0 = tl.load(starts + u)
     k1 = tl.load(starts + u + 1)
+    # a row with no position (a keyed batch's spare rows) is left as it is, and so is every
+    # row when the device flag `finite` says the gradient was not (a check with no host sync)
+    live = k1 > k0
+    if HAS_FLAG:
+        live = live & (tl.load(finite) != 0)
+    dm = d < tl.where(live, dim, 0)
     if k1 - k0 <= KB:  # most rows: one position after another
         for k in range(k0, k1):
             gr = tl.load(grad_out + tl.load(goff + k) + d, mask=dm, other=0.0)
@@ -169,8 +175,8 @@ def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_tab
         p_7 = tl.sum(tl.where(lane == 7, part, 0.0))
         total = ((p_0 + p_1) + (p_2 + p_3)) + ((p_4 + p_5) + (p_6 + p_7))
         inv_dim = tl.div_rn(tl.full([], 1.0, tl.float32), dim.to(tl.float32))
-        acc = tl.load(base + dim) + total * inv_dim
-        tl.store(base + dim, acc)
+        acc = tl.load(base + dim, mask=live, other=0.0) + total * inv_dim
+        tl.store(base + dim, acc, mask=live)
         mult = tl.div_rn(lr, tl.sqrt_rn(acc) + eps)
         tl.store(base + d, w - mult * gd, mask=dm)
     else:  # adam
@@ -181,8 +187,8 @@ def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_tab
         wd = tl.load(tab_params + t * 5 + 4).to(tl.float32)
         one_b1 = (1.0 - b1).to(tl.float32)
         one_b2 = (1.0 - b2).to(tl.float32)
-        count = tl.load(base + 3 * dim) + 1.0
-        tl.store(base + 3 * dim, count)
+        count = tl.load(base + 3 * dim, mask=live, other=0.0) + 1.0
+        tl.store(base + 3 * dim, count, mask=live)
         # the step size in float64 as numba's `fused.adam_row`: b ** count by squaring (IEEE
         # multiplies, the same bits on any device; `pow` differs between libm and CUDA)
         n = count.to(tl.int64)
@@ -231,19 +237,11 @@ class TritonBackend:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self._dummy: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _arrays(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The plan's per-feature and per-table arrays on `device` (copied once per device)."""
-        got = self._on.get(device)
-        if got is None:
-            p = self.plan
-            # not blocking: a first step under the sync debug mode must not wait for the copies
-            got = tuple(a.to(device, non_blocking=True) for a in (
-                p.feat_table, p.feat_col, p.feat_mode, p.tab_dim, p.tab_kind, p.tab_params, p.tab_clip))
-            self._on[device] = got
-        return got
+        return self.plan.on(device)
 
     def _dummies(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """A float32 and an int64 placeholder on `device` for pointers a variant does not read
@@ -280,7 +278,9 @@ class TritonBackend:
 
     def csr(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions sorted stably by unique row, each row's start there, each position's bag),
-        with no host synchronization."""
+        with no host synchronization (a keyed batch's, made with it)."""
+        if batch.csr is not None:
+            return batch.csr
         inv = batch.inverse
         dev = inv.device
         perm = torch.sort(inv, stable=True).indices
@@ -293,8 +293,10 @@ class TritonBackend:
 
     def backward(self, batch: StepBatch, table: torch.Tensor, slots: torch.Tensor,
                  work: torch.Tensor | None, work_of: torch.Tensor | None, grad_out: torch.Tensor,
-                 scale: torch.Tensor | None, argmax: torch.Tensor | None, lo: int, hi: int) -> None:
-        """Update unique rows [lo, hi) in place: `table[slots[u]]` (or `work[work_of[u]]`)."""
+                 scale: torch.Tensor | None, argmax: torch.Tensor | None, lo: int, hi: int,
+                 finite: torch.Tensor | None = None) -> None:
+        """Update unique rows [lo, hi) in place: `table[slots[u]]` (or `work[work_of[u]]`);
+        none where the device bool `finite` is false."""
         if hi <= lo:
             return
         dev = table.device
@@ -314,6 +316,8 @@ class TritonBackend:
                 table, table.stride(0), slots, wk, wk.stride(0),
                 work_of if work_of is not None else dummy_i, batch.u_table, perm, starts, goff,
                 sscale, bag_of, batch.bag_feat, grad_out, am, am.stride(0), fm, td, tk, tp, tc, lo,
+                finite if finite is not None else dummy_i,
                 HAS_WORK=work is not None, HAS_SCALE=scale is not None,
-                HAS_MAX=argmax is not None, NCH=max(1, _pow2(self.plan.max_dim) // 8), KB=KB,
+                HAS_MAX=argmax is not None, HAS_FLAG=finite is not None,
+                NCH=max(1, _pow2(self.plan.max_dim) // 8), KB=KB,
                 enable_fp_fusion=False, num_warps=_row_warps(self.plan.max_dim))

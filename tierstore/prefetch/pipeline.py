@@ -286,6 +286,9 @@ class Prefetcher:
         store = self.store
         ids = {t: torch.cat(parts).to("cpu", torch.int64)
                for t, parts in jagged_ids(self.extract(batch), self.features).items()}
+        if store.staging.holds(ids):  # a direct device cache holds every row: nothing to stage
+            nothing: dict = {}
+            return {}, {}, None, False, {}, {}, StoredReads(store, nothing, self._pool.submit, 1), {}
         # the step takes its indexes from staging (`Staged`): keep the ids, and on the slab
         # their inverse map too (the sets cache makes it on the device)
         unique_inverse = sorted_unique_each(ids, inverse=store.device_cache != "sets")

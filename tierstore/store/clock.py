@@ -55,16 +55,26 @@ class StoreClock:
         the update in the table's `writes`)."""
         self.stamp_many([tab], target, [slots])
 
-    def stamp_many(self, tabs: list[_Table], target: torch.Tensor, slots: list[torch.Tensor]) -> None:
-        """`stamp` of several tables' rows: one write per stamp column, not one per table."""
+    def stamp_many(self, tabs: list[_Table], target: torch.Tensor, slots: list[torch.Tensor],
+                   finite: torch.Tensor | None = None) -> None:
+        """`stamp` of several tables' rows: one write per stamp column, not one per table.
+        The same tensor given for several tables (all their rows, with one stamp column) is
+        written once. `finite`: a bool tensor on the target's device; where false, the stamps
+        stay (a discarded update, `BagPaths`), with no host sync."""
         by_col: dict[int, list[torch.Tensor]] = {}
         for tab, s in zip(tabs, slots):
             tab.writes += 1
-            by_col.setdefault(tab.spec.stamp_col, []).append(s)
+            parts = by_col.setdefault(tab.spec.stamp_col, [])
+            if not any(p is s for p in parts):
+                parts.append(s)
         value = self.clock_value().to(target.device, non_blocking=True)
         for col, parts in by_col.items():  # index_copy_ of the value broadcast: index_fill_ with
             at = parts[0] if len(parts) == 1 else torch.cat(parts)  # a tensor value reads it back
-            target[:, col].index_copy_(0, at, value.expand(at.numel()))
+            stamps = target[:, col]
+            new = value.expand(at.numel())
+            if finite is not None:
+                new = torch.where(finite, new, stamps.index_select(0, at))
+            stamps.index_copy_(0, at, new)
 
     def count_update(self, tab: _Table) -> int:
         """Count an update call on `tab`; a 16-bit table's count salts its stochastic rounding."""

@@ -1,0 +1,204 @@
+"""Steps on a direct device cache (a sets cache with a line for every declared row): each id is
+its row's slot, so the step neither deduplicates, looks up nor stages (`BagPaths.direct_forward`,
+`Plan.keyed_step`). Where rows live must never change a bit: these steps are compared with a
+store whose slab tier holds every row, and the keyed batch with the engine's own numbering."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") in (None, "", "0") and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import: kernels on CPU tensors
+
+from hypothesis import given, settings  # noqa: E402
+
+import tierstore as ts  # noqa: E402
+from tests.engine_cases import Case, cases, engine_step, keyed_engine_step  # noqa: E402
+from tests.profiles import examples  # noqa: E402
+from tests.syncs import SyncCounter  # noqa: E402
+from tierstore.engine import interpreting  # noqa: E402
+from tierstore.errors import ConfigError, InvalidGradientError  # noqa: E402
+from tierstore.prefetch import Prefetcher  # noqa: E402
+
+FEATS = {"x": "a", "y": "b", "z": "a"}  # two features share table a
+SPECS = [ts.TableSpec("a", 300, 8, optimizer=ts.RowWiseAdagrad(0.1, weight_decay=0.01)),
+         ts.TableSpec("b", 200, 4, optimizer=ts.Adam(0.01, weight_decay=0.01), clip=0.5)]
+TOTAL = 500
+interpreted = pytest.mark.skipif(not interpreting(), reason="triton was imported without its interpreter")
+
+
+@settings(max_examples=examples())
+@given(case=cases(modes=("sum", "mean", "max")))
+def test_a_keyed_batch_updates_the_same_bits_as_the_engines_own(case: Case):
+    out, slab = engine_step(case, "numba")
+    k_out, k_slab = keyed_engine_step(case, "numba")
+    assert torch.equal(out, k_out)
+    assert torch.equal(slab.view(torch.int32), k_slab.view(torch.int32))
+
+
+@interpreted
+@settings(max_examples=examples(0.3))
+@given(case=cases(modes=("sum", "mean", "max")))
+def test_a_keyed_batch_on_triton_equals_numba(case: Case):
+    out, slab = engine_step(case, "numba")
+    k_out, k_slab = keyed_engine_step(case, "triton")
+    assert torch.equal(out, k_out)
+    assert torch.equal(slab.view(torch.int32), k_slab.view(torch.int32))
+
+
+def test_a_keyed_step_refuses_16_bit_tables():
+    plan = ts.engine.Plan([ts.TableSpec("h", 10, 4, dtype="float16")], [("f", "h", "sum")])
+    with pytest.raises(ConfigError, match="float32"):
+        plan.keyed_step([torch.tensor([1, 2])], torch.tensor([2]))
+
+
+def _batches(n, batch=5, seed=3, high=200):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        lengths = torch.randint(0, 5, (3 * batch,), generator=g)
+        parts = [torch.randint(0, high, (int(lengths[i * batch:(i + 1) * batch].sum()),), generator=g)
+                 for i in range(3)]
+        yield (list(FEATS), torch.cat(parts), lengths), torch.randn(batch, 20, generator=g)
+
+
+def _store(path, cache, kernels="auto", device="cpu"):
+    return ts.TierStore(path, SPECS, device=device, kernels=kernels, device_cache=cache,
+                        device_capacity=TOTAL, host_capacity=0, policy="lru")
+
+
+def _rows(store):
+    """Every row of both tables as stored now: weights, optimizer state and stamp."""
+    return {t: store.cascade.access(store.tables[t], torch.arange(store.tables[t].spec.num_rows),
+                                    None, promote=False).cpu() for t in ("a", "b")}
+
+
+def _train(store, steps, mode, prefetch, preload=True, between=None):
+    """Train `steps` batches; `between(i)` runs after step i's forward, before its backward."""
+    if preload:  # every row in the cache: a direct store then takes every step the direct way
+        for t in ("a", "b"):
+            store.read(t, torch.arange(store.tables[t].spec.num_rows))
+    ebc = ts.TieredEmbeddingBagCollection(store, FEATS, mode=mode)
+    src = _batches(steps)
+    with Prefetcher(store, src, depth=2, features=FEATS, extract=lambda b: b[0]) \
+            if prefetch else contextlib.nullcontext(src) as pf:
+        for i, (sparse, weight) in enumerate(pf):
+            store.advance()
+            out = ebc(*sparse)
+            if between is not None:
+                between(store, i)
+            (out * weight.to(store.device)).sum().backward()
+    return _rows(store)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetched", "plain"])
+def test_direct_steps_equal_a_slab_store_bit_for_bit(tmp_path, mode, prefetch):
+    with _store(tmp_path / "slab", "slab") as ref:
+        want = _train(ref, 6, mode, prefetch)
+    with _store(tmp_path / "sets", "sets") as store:
+        assert store.device_tier.direct
+        got = _train(store, 6, mode, prefetch)
+        assert store.prefetch_stats.lock_free_bags == 6 * 2  # every step the direct way
+        store.check()
+    for t in want:
+        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+
+
+@interpreted
+def test_direct_steps_on_triton_equal_a_slab_store_on_numba(tmp_path):
+    with _store(tmp_path / "slab", "slab") as ref:
+        want = _train(ref, 5, "sum", True)
+    with _store(tmp_path / "sets", "sets", kernels="triton") as store:
+        got = _train(store, 5, "sum", True)
+        assert store.prefetch_stats.lock_free_bags == 5 * 2
+    for t in want:
+        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+
+
+def test_rows_not_yet_held_are_staged_then_stepped_directly(tmp_path):
+    # nothing preloaded: the first batches bring their rows in (lazily initialized) through
+    # staging; a batch whose rows are all held by then goes the direct way
+    with _store(tmp_path / "slab", "slab") as ref:
+        want = _train(ref, 8, "sum", True, preload=False)
+    with _store(tmp_path / "sets", "sets") as store:
+        got = _train(store, 8, "sum", True, preload=False)
+        assert store.prefetch_stats.lock_free_bags == 8 * 2
+        store.check()
+    for t in want:
+        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+
+
+def test_rows_expired_between_forward_and_backward_are_updated_where_they_are(tmp_path):
+    def expire(store, i):
+        if i == 3:  # rows not updated in the last step leave the cache (and LMDB)
+            assert sum(store.expire(older_than=1).values()) >= 0
+    with _store(tmp_path / "slab", "slab") as ref:
+        want = _train(ref, 6, "sum", False, between=expire)
+    with _store(tmp_path / "sets", "sets") as store:
+        removals = store.device_tier.removals
+        got = _train(store, 6, "sum", False, between=expire)
+        assert store.device_tier.removals > removals  # the expiry took rows out of the cache
+        store.check()
+    for t in want:
+        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+
+
+def test_a_non_finite_gradient_without_a_pipeline_raises_at_once(tmp_path):
+    with _store(tmp_path / "n", "sets") as store:
+        for t in ("a", "b"):
+            store.read(t, torch.arange(store.tables[t].spec.num_rows))
+        ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+        (sparse, weight), = list(_batches(1))
+        before = _rows(store)
+        weight[0, 0] = float("nan")
+        with pytest.raises(InvalidGradientError, match="nothing was updated"):
+            ebc(*sparse).mul(weight).sum().backward()
+        after = _rows(store)
+        assert not store.paths.deferred_checks
+    for t in before:  # weights, state and stamps as they were
+        assert torch.equal(before[t].view(torch.int32), after[t].view(torch.int32)), t
+
+
+def test_a_non_finite_prefetched_gradient_changes_nothing_and_is_raised_next(tmp_path):
+    with _store(tmp_path / "p", "sets") as store:
+        for t in ("a", "b"):
+            store.read(t, torch.arange(store.tables[t].spec.num_rows))
+        ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+        with Prefetcher(store, _batches(3), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
+            sparse, weight = next(pf)
+            ebc(*sparse).mul(weight).sum().backward()
+            sparse, weight = next(pf)
+            before = _rows(store)
+            weight[0, 0] = float("inf")
+            store.advance()  # a new clock: a stamp written by the refused update would show
+            ebc(*sparse).mul(weight).sum().backward()
+            assert store.prefetch_stats.lock_free_bags == 2 * 2
+            assert len(store.paths.deferred_checks) == 1  # left to the device, read next batch
+            with pytest.raises(InvalidGradientError, match="discarded"):
+                next(pf)
+        after = _rows(store)
+    for t in before:  # weights, state and stamps as they were
+        assert torch.equal(before[t].view(torch.int32), after[t].view(torch.int32)), t
+
+
+@interpreted
+def test_a_direct_prefetched_step_makes_no_syncing_call(tmp_path):
+    counters = []
+    with _store(tmp_path / "s", "sets", kernels="triton") as store:
+        for t in ("a", "b"):
+            store.read(t, torch.arange(store.tables[t].spec.num_rows))
+        ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
+        with Prefetcher(store, _batches(6), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
+            for i, (sparse, weight) in enumerate(pf):
+                with (SyncCounter() if i >= 2 else contextlib.nullcontext()) as c:
+                    ebc(*sparse).mul(weight).sum().backward()
+                if c is not None:
+                    counters.append(c)
+        assert store.prefetch_stats.lock_free_bags == 6 * 2
+        assert store.prefetch_stats.rows_staged == 0  # every batch held: nothing staged
+    assert len(counters) == 4
+    assert [c.calls for c in counters] == [[]] * 4
