@@ -125,8 +125,8 @@ def keyed_engine_step(case: Case, kernels: str = "numba", device: str = "cpu"):
     pos = {s.name: t for t, s in enumerate(case.specs)}
     dev = torch.device(device)
     keys = [case.slots[pos[t]][i].to(dev) for (_, t, _), i in zip(case.features, case.ids)]
-    batch, slots = plan.keyed_step(keys, case.lengths, case.psw)
     eng = Engine(plan, kernels)
+    batch, slots = eng.keyed_step(torch.cat(keys), [k.numel() for k in keys], case.lengths, case.psw)
     src = case.slab.clone().to(dev)
     out, fwd = eng.forward(batch, src, slots)
     eng.backward(batch, fwd, case.grad.to(dev), src, slots)

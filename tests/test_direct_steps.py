@@ -14,6 +14,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET") in (None, "", "0") and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import: kernels on CPU tensors
 
+import hypothesis.strategies as st  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 
 import tierstore as ts  # noqa: E402
@@ -50,10 +51,28 @@ def test_a_keyed_batch_on_triton_equals_numba(case: Case):
     assert torch.equal(slab.view(torch.int32), k_slab.view(torch.int32))
 
 
+@interpreted
+@settings(max_examples=examples())
+@given(slots=st.lists(st.integers(0, 40), max_size=3000), tables=st.integers(1, 4))
+def test_the_keyed_rows_kernels_equal_the_torch_ops(slots, tables):
+    from tierstore.engine.plan import keyed_rows
+    from tierstore.engine.triton_backend import keyed_rows as compiled
+
+    keys = torch.tensor(slots, dtype=torch.int64)
+    sk, perm = torch.sort(keys, stable=True)
+    pos_table = keys % tables  # each position's table: a slot belongs to one table
+    want, got = keyed_rows(sk, perm, pos_table), compiled(sk, perm, pos_table)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    inverse, rows, _, starts = got  # and what they mean: ids == rows[inverse], runs in order
+    assert torch.equal(rows.index_select(0, inverse), keys)
+    assert starts[-1] == keys.numel() and bool((starts[1:] >= starts[:-1]).all())
+
+
 def test_a_keyed_step_refuses_16_bit_tables():
     plan = ts.engine.Plan([ts.TableSpec("h", 10, 4, dtype="float16")], [("f", "h", "sum")])
     with pytest.raises(ConfigError, match="float32"):
-        plan.keyed_step([torch.tensor([1, 2])], torch.tensor([2]))
+        plan.keyed_step(torch.tensor([1, 2]), [2], torch.tensor([2]))
 
 
 def _batches(n, batch=5, seed=3, high=200):

@@ -60,6 +60,10 @@ for full in (True, False):
         cases.append((tb._backward_kernel, PTR, dict(HAS_WORK=full, HAS_SCALE=full, HAS_MAX=mx,
                                                       HAS_FLAG=full, NCH=8 if full else 1,
                                                       KB=tb.KB)))
+ROWS = {"sk": "*i64", "perm": "*i64", "pos_table": "*i64", "useq": "*i64", "inverse": "*i64",
+        "slots": "*i64", "u_table": "*i64", "starts": "*i64", "head": "*i64", "n": "i32"}
+cases.append((tb._heads_kernel, ROWS, dict(BLOCK=tb.ROWS_BLOCK)))
+cases.append((tb._keyed_rows_kernel, ROWS, dict(BLOCK=tb.ROWS_BLOCK)))
 for direct in (True, False):
     cases.append((hk._lookup_kernel, HBM, dict(WAYS=32, BLOCK_N=64, DIRECT=direct)))
     cases.append((hk._choose_kernel, HBM, dict(WAYS=32, DIRECT=direct)))
@@ -92,7 +96,7 @@ def test_every_kernel_variant_compiles_for_sm90_with_exact_float_math():
     got = json.loads(r.stdout.strip().splitlines()[-1])
     if isinstance(got, dict):
         pytest.skip(got["skip"])
-    assert len(got) == 12
+    assert len(got) == 14
     errors = [g for g in got if "error" in g]
     assert not errors, json.dumps(errors, indent=1)[:6000]
     for g in got:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 MIN_CHUNK = 2048  # indices per thread below which splitting costs more than it saves
+PARALLEL_IDS = 1 << 16  # ids in a batch from which its tables (or features) go to several threads
 CPUS = os.cpu_count() or 1  # read once: os.cpu_count() costs tens of microseconds a call
 
 _pool: ThreadPoolExecutor | None = None

@@ -4,6 +4,7 @@ bag gradient applied with the fused optimizer."""
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -15,6 +16,7 @@ import tierstore.cascade as _cas
 import tierstore.hostread as hostread
 import tierstore.validate as validate
 
+from ._parallel import PARALLEL_IDS, parallel_for
 from .errors import InvalidGradientError
 from .fused import BatchUpdate, bag_positions
 from .gathered import Gathered as Gathered  # re-exported
@@ -157,13 +159,14 @@ class BagPaths:
                     dev.pin(slots, -1)
 
     def direct_forward(self, items: Sequence[tuple[str, torch.Tensor]],
-                       pool: Callable[[list[torch.Tensor], torch.Tensor], R]
+                       pool: Callable[[torch.Tensor, list[int], torch.Tensor], R]
                        ) -> tuple[R, DirectRows] | None:
         """A step's forward on a direct device cache (`SetTier.direct`), when it holds every id.
 
         `items`: (table, ids) pairs (a table may come more than once). Each id's slot is its key
         (no dedup, no lookup, nothing staged or pinned: rows of a direct cache never move), so
-        `pool(slots, slab)` runs lock-free on `slots[i]`, item i's slots on the device. None,
+        `pool(slots, sizes, slab)` runs lock-free: `slots` every item's ids' slots one item
+        after another (`sizes[i]` of item i), on the device. None,
         with nothing done, when the step must go `step_forward`'s way: another device tier,
         admission or a trace counting, ids not 1-D integers on the host, not all held or out of
         range (that way raises the error), or a locked operation running.
@@ -180,16 +183,25 @@ class BagPaths:
         if not self.staging.begin_unlocked():
             return None
         try:
-            at = 0
-            for tab, (_, ids), n in zip(tabs, items, sizes):
-                if dev.direct_keys(tab.index, tab.spec.num_rows, ids.to(torch.int64).numpy(),
-                                   flat[at : at + n].numpy()) != 1:
-                    return None
-                at += n
+            starts = [0, *itertools.accumulate(sizes)]
+            found = [0] * len(items)
+
+            def keys(lo: int, hi: int) -> None:  # the compiled check releases the GIL
+                for k in range(lo, hi):
+                    found[k] = dev.direct_keys(tabs[k].index, tabs[k].spec.num_rows,
+                                               items[k][1].to(torch.int64).numpy(),
+                                               flat[starts[k] : starts[k + 1]].numpy())
+
+            if starts[-1] >= PARALLEL_IDS:  # a large batch's items on several threads
+                parallel_for(keys, len(items), min_chunk=1)
+            else:
+                keys(0, len(items))
+            if any(f != 1 for f in found):
+                return None
             removals = dev.removals
             flat = hostread.to_device(flat, dev.device)
             keys = list(torch.split(flat, sizes))
-            out = pool(keys, dev.slab)
+            out = pool(flat, sizes, dev.slab)
             self.staging.count_hits(flat)  # each position a device hit (no dedup to count rows)
             self.prefetch_stats.lock_free_bags += len({id(t) for t in tabs})  # tables, as below
             return out, DirectRows(tabs, keys, flat, removals, self.staging.delivers())

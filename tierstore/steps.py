@@ -40,8 +40,8 @@ class EngineStep(torch.autograd.Function):
         ctx.save_for_backward(psw)
         thread = threading.get_ident()  # autograd runs a CUDA step's backward on a thread of its own
         if not plan.packed and not need_rows:  # a direct device cache: ids are slots
-            def pool_keyed(keys, slab):
-                batch, slots = plan.keyed_step(keys, lengths, weights_w)
+            def pool_keyed(keys, counts, slab):
+                batch, slots = engine.keyed_step(keys, counts, lengths, weights_w)
                 return (*engine.forward(batch, slab, slots), batch, slots)
 
             got = store.paths.direct_forward(

@@ -89,6 +89,11 @@ class Engine:
         out, argmax = self.backend.forward(batch, src, slots, work, work_of)
         return out, Forward(argmax)
 
+    def keyed_step(self, keys: torch.Tensor, counts: Sequence[int], lengths: torch.Tensor,
+                   psw: torch.Tensor | None = None) -> tuple[StepBatch, torch.Tensor]:
+        """`Plan.keyed_step`, its rows numbered by the backend (compiled on CUDA)."""
+        return self.plan.keyed_step(keys, counts, lengths, psw, rows=self.backend.keyed_rows)
+
     def backward(self, batch: StepBatch, fwd: Forward, grad_out: torch.Tensor,
                  table: torch.Tensor, slots: torch.Tensor, lo: int = 0, hi: int | None = None,
                  salts: Sequence[tuple[torch.Tensor | None, int]] | None = None,

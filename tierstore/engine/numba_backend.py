@@ -13,7 +13,7 @@ import torch
 
 from .._kernels import HAVE_NUMBA
 from .._parallel import parallel_for
-from .plan import Plan, StepBatch
+from .plan import Plan, StepBatch, keyed_rows
 
 POOL_CHUNK = 256  # bags per thread, at the least
 
@@ -190,6 +190,7 @@ class NumbaBackend:
 
     name = "numba"
     device_type = "cpu"
+    keyed_rows = staticmethod(keyed_rows)  # a keyed step's rows: torch ops
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan

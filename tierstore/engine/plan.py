@@ -11,14 +11,14 @@ one backward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..config import TableSpec
-from ..errors import ConfigError
+from ..errors import ConfigError, ShapeError
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
 SUM, MEAN, MAX = 0, 1, 2
@@ -127,6 +127,31 @@ class StepBatch:
     def n_bags(self) -> int:
         """Bags over all features."""
         return int(self.bag_out.numel())
+
+
+KeyedRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                     tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def keyed_rows(sk: torch.Tensor, perm: torch.Tensor, pos_table: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unique rows of n positions sorted stably by slot (`sk`, `perm`: sorted slots and their
+    positions; `pos_table`: each position's table), in torch ops on their device: (each
+    position's row [n], each row's slot [n] and table [n], each row's first sorted position
+    [n + 1]); the rows past the last distinct slot have slot and table 0 and start at n."""
+    n, dev = sk.numel(), sk.device
+    head = torch.ones(n, dtype=torch.bool, device=dev)
+    if n > 1:
+        torch.ne(sk[1:], sk[:-1], out=head[1:])
+    useq = torch.cumsum(head, 0) - 1  # the unique row of each sorted position
+    inverse = torch.empty(n, dtype=torch.int64, device=dev).index_copy_(0, perm, useq)
+    # a row's positions all write its one slot and table (the same values: no race)
+    slots = torch.zeros(n, dtype=torch.int64, device=dev).index_copy_(0, useq, sk)
+    u_table = torch.zeros(n, dtype=torch.int64, device=dev).index_copy_(
+        0, useq, pos_table.index_select(0, perm))
+    starts = torch.zeros(n + 1, dtype=torch.int64, device=dev).index_add_(
+        0, useq + 1, torch.ones_like(useq)).cumsum(0)
+    return inverse, slots, u_table, starts
 
 
 class Plan:
@@ -255,38 +280,32 @@ class Plan:
                 self.tab_params, self.tab_clip))
         return got
 
-    def keyed_step(self, keys: Sequence[torch.Tensor], lengths: torch.Tensor,
-                   psw: torch.Tensor | None = None) -> tuple[StepBatch, torch.Tensor]:
+    def keyed_step(self, keys: torch.Tensor, counts: Sequence[int], lengths: torch.Tensor,
+                   psw: torch.Tensor | None = None, rows: KeyedRows | None = None
+                   ) -> tuple[StepBatch, torch.Tensor]:
         """Linearize one batch whose ids are already slots, and make its gradient CSR.
 
-        `keys[f]`: feature f's positions as slots of the payload (one space for every table:
-        equal slots are one row), all on one device; `lengths`, `psw` as in `step`. Built with
+        `keys`: every feature's positions as slots of the payload (one space for every table:
+        equal slots are one row), feature after feature, `counts[f]` of feature f, on one
+        device; `lengths`, `psw` as in `step`. Built with
         fixed-size ops on that device (no host sync): the n positions sorted stably by slot, so
         unique row u is the u-th distinct slot and a row's positions stay in input order (the
         order `step`'s CSR sums them in: the same bits). Returns the batch and each unique
-        row's slot [n] (rows past the last distinct slot: 0, never read).
+        row's slot [n] (rows past the last distinct slot: 0, never read). `rows`: what numbers
+        the sorted positions (`keyed_rows`'s contract; a backend's compiled version).
         """
         if self.packed:
             raise ConfigError("a keyed step needs float32 tables: 16-bit ones are decoded by table")
-        dev = keys[0].device if keys else torch.device("cpu")
+        dev = keys.device
         to = {"device": dev, "non_blocking": True}
-        counts = [int(k.numel()) for k in keys]
-        n, nt = sum(counts), len(self.tables)
-        flat = (torch.cat(list(keys)) if len(keys) != 1 else keys[0]).to(torch.int64)
+        n, nt = int(keys.numel()), len(self.tables)
+        if sum(counts) != n or len(counts) != len(self.features):
+            raise ShapeError(f"a keyed step needs one count a feature summing to its {n} keys")
+        flat = keys.to(torch.int64)
         per_feat = torch.tensor(counts, dtype=torch.int64).to(**to)
         pos_table = torch.repeat_interleave(self.on(dev)[0], per_feat, output_size=n)
         sk, perm = torch.sort(flat, stable=True)
-        head = torch.ones(n, dtype=torch.bool, device=dev)
-        if n > 1:
-            torch.ne(sk[1:], sk[:-1], out=head[1:])
-        useq = torch.cumsum(head, 0) - 1  # the unique row of each sorted position
-        inverse = torch.empty(n, dtype=torch.int64, device=dev).index_copy_(0, perm, useq)
-        # a row's positions all write its one slot and table (the same values: no race)
-        slots = torch.zeros(n, dtype=torch.int64, device=dev).index_copy_(0, useq, sk)
-        u_table = torch.zeros(n, dtype=torch.int64, device=dev).index_copy_(
-            0, useq, pos_table.index_select(0, perm))
-        starts = torch.zeros(n + 1, dtype=torch.int64, device=dev).index_add_(
-            0, useq + 1, torch.ones_like(useq)).cumsum(0)
+        inverse, slots, u_table, starts = (rows or keyed_rows)(sk, perm, pos_table)
         if self.pooled:
             nf = len(self.features)
             lengths = lengths.to(torch.int64).to(**to)

@@ -215,6 +215,62 @@ def _backward_kernel(table, tab_stride, slots, work, work_stride, work_of, u_tab
         tl.store(base + d, w - step * tl.div_rn(m, tl.sqrt_rn(v) + eps), mask=dm)
 
 
+@triton.jit
+def _heads_kernel(sk, head, n, BLOCK: tl.constexpr):
+    """head[i] = 1 where sorted position i starts a run of equal slots, else 0."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    cur = tl.load(sk + i, mask=m, other=0)
+    prev = tl.load(sk + i - 1, mask=m & (i > 0), other=0)
+    tl.store(head + i, ((i == 0) | (cur != prev)).to(tl.int64), mask=m)
+
+
+@triton.jit
+def _keyed_rows_kernel(sk, perm, pos_table, useq, inverse, slots, u_table, starts, n,
+                       BLOCK: tl.constexpr):
+    """`plan.keyed_rows` from the heads' inclusive running count `useq`: each position's row,
+    a head's row gets its slot, table and start; rows past the last (i >= count) get 0, 0, n."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    count = tl.load(useq + n - 1)
+    u = tl.load(useq + i, mask=m, other=1) - 1
+    p = tl.load(perm + i, mask=m, other=0)
+    tl.store(inverse + p, u, mask=m)
+    k = tl.load(sk + i, mask=m, other=0)
+    prev = tl.load(sk + i - 1, mask=m & (i > 0), other=0)
+    h = m & ((i == 0) | (k != prev))
+    tl.store(slots + u, k, mask=h)
+    tl.store(u_table + u, tl.load(pos_table + p, mask=h, other=0), mask=h)
+    tl.store(starts + u, i, mask=h)
+    spare = m & (i >= count)
+    zero = tl.zeros([BLOCK], dtype=tl.int64)
+    tl.store(slots + i, zero, mask=spare)
+    tl.store(u_table + i, zero, mask=spare)
+    tl.store(starts + i, zero + n, mask=spare)
+    tl.store(starts + i + 1, zero + n, mask=m & (i == n - 1))
+
+
+ROWS_BLOCK = 1024  # sorted positions a program of the keyed rows' kernels takes
+
+
+def keyed_rows(sk: torch.Tensor, perm: torch.Tensor, pos_table: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`plan.keyed_rows` in two kernels and a running sum (its ~15 torch ops), the same integers."""
+    n = sk.numel()
+    if n == 0:
+        return sk.new_empty(0), sk.new_empty(0), sk.new_empty(0), sk.new_zeros(1)
+    # made from `sk` (its device and dtype): what the kernels write counts as on its device
+    head, inverse, slots, u_table = (sk.new_empty(n) for _ in range(4))
+    starts = sk.new_empty(n + 1)
+    grid = (triton.cdiv(n, ROWS_BLOCK),)
+    with launching():
+        _heads_kernel[grid](sk, head, n, BLOCK=ROWS_BLOCK)
+        useq = torch.cumsum(head, 0)
+        _keyed_rows_kernel[grid](sk, perm, pos_table.contiguous(), useq, inverse, slots, u_table,
+                                 starts, n, BLOCK=ROWS_BLOCK)
+    return inverse, slots, u_table, starts
+
+
 KB = 16  # positions of a unique row the backward loads at once (a hot row: 1/16 the chain)
 
 
@@ -234,6 +290,7 @@ class TritonBackend:
     """Table-batched Triton kernels (CUDA, or the interpreter on CPU tensors)."""
 
     name = "triton"
+    keyed_rows = staticmethod(keyed_rows)  # a keyed step's rows: two kernels
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .._parallel import parallel_for
+from .._parallel import PARALLEL_IDS, parallel_for
 from ..errors import ShapeError
 from ..index import sorted_dedup, sorted_unique
 from ..jagged import JaggedBatch, is_keyed_jagged
@@ -28,9 +28,6 @@ def jagged_ids(sparse: Any, features: Mapping[str, str] | None) -> dict[str, lis
         table = features.get(key, key) if features else key
         out.setdefault(table, []).append(ids.reshape(-1))
     return out
-
-
-PARALLEL_IDS = 1 << 16  # ids in a batch from which its tables are deduplicated in parallel
 
 
 def sorted_unique_each(ids: dict[str, torch.Tensor], inverse: bool = False
