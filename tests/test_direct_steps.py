@@ -118,8 +118,9 @@ def _train(store, steps, mode, prefetch, preload=True, between=None):
 def test_direct_steps_equal_a_slab_store_bit_for_bit(tmp_path, mode, prefetch):
     with _store(tmp_path / "slab", "slab") as ref:
         want = _train(ref, 6, mode, prefetch)
+        assert not ref.stats()["layout"]["device_direct"]
     with _store(tmp_path / "sets", "sets") as store:
-        assert store.device_tier.direct
+        assert store.stats()["layout"]["device_direct"]
         got = _train(store, 6, mode, prefetch)
         assert store.prefetch_stats.lock_free_bags == 6 * 2  # every step the direct way
         store.check()

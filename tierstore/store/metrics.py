@@ -18,7 +18,8 @@ class StoreMetrics:
                              staging=self.device_tier.staging,
                              staging_active=self.device_tier.scratch_slots if self.device_tier.staging else 0)
         out["layout"] = self.layout.as_dict()  # what the store resolved its capacities into, and why
-        out["layout"].update(device_cache=self.device_cache, device_policy=self.device_tier.policy.name)
+        out["layout"].update(device_cache=self.device_cache, device_policy=self.device_tier.policy.name,
+                             device_direct=self.device_tier.direct)
         out["host"].update(capacity=self.host_tier.capacity, resident=self.host_tier.size)
         out["prefetch"] = self.prefetch_stats.as_dict()
         log = self.log
