@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from .store import _Table
 
 R = TypeVar("R")
-_INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,8 +172,8 @@ class BagPaths:
         if not dev.direct:
             return None
         tabs = [self.table_record(t) for t, _ in items]
-        if self.gate.counts(tabs) or any(
-                i.device.type != "cpu" or i.dim() != 1 or i.dtype not in _INT for _, i in items):
+        if self.gate.counts(tabs) or any(i.device.type != "cpu" or i.dim() != 1
+                                         or i.dtype not in validate.INT_DTYPES for _, i in items):
             return None
         sizes = [int(i.numel()) for _, i in items]
         flat = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=dev.device.type == "cuda")

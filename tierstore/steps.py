@@ -3,7 +3,9 @@
 `EngineStep` is the autograd Function every tiered module runs: its forward asks the store for
 the step's rows (`store.paths.step_forward`, `BagPaths`: device slots, or gathered weights for rows that are
 not resident) and pools every feature of the collection in one engine call; its backward checks
-the gradient and hands the store one engine update for the whole step (`step_backward`). The
+the gradient and hands the store one engine update for the whole step (`step_backward`). On a
+direct device cache that holds every id, the ids are the slots (`direct_forward`, a keyed batch,
+`direct_update`): no dedup, lookup or staging. The
 store's cascade, staging and write-behind stay below it. A read-only handle serves rows through
 `ReadOnlyRows`, whose backward refuses to train.
 """
@@ -18,7 +20,7 @@ import torch
 
 import tierstore.validate as validate
 
-from .bagpaths import DirectRows, Gathered
+from .bagpaths import Gathered
 from .engine import Engine, Forward, Plan, StepBatch
 from .errors import InvalidGradientError, ReadOnlyError
 from .index import dedup
@@ -39,6 +41,7 @@ class EngineStep(torch.autograd.Function):
         need_rows = psw is not None and bool(ctx.needs_input_grad[1])
         ctx.save_for_backward(psw)
         thread = threading.get_ident()  # autograd runs a CUDA step's backward on a thread of its own
+        ctx.direct = None  # a direct step's rows and its input (`_by_table`)
         if not plan.packed and not need_rows:  # a direct device cache: ids are slots
             def pool_keyed(keys, counts, slab):
                 batch, slots = engine.keyed_step(keys, counts, lengths, weights_w)
@@ -49,8 +52,8 @@ class EngineStep(torch.autograd.Function):
                 pool_keyed)
             if got is not None:
                 (out, fwd, batch, slots), direct = got
-                ctx.state = (store, engine, direct, (of_table, ids, sizes, lengths, weights_w),
-                             fwd, batch, slots, None, thread)
+                ctx.direct = (direct, (of_table, ids, sizes, lengths, weights_w))
+                ctx.state = (store, engine, None, None, fwd, batch, slots, None, thread)
                 return out
         items = _table_ids(plan, of_table, ids)
 
@@ -82,17 +85,19 @@ class EngineStep(torch.autograd.Function):
         store, engine, names, gs, fwd, batch, slots, rows, thread = ctx.state
         ctx.state = None
         grad = grad_out.detach().to(device=slots.device, dtype=torch.float32).contiguous()
-        if isinstance(names, DirectRows):
+        if ctx.direct is not None:
+            direct, layout = ctx.direct
+            ctx.direct = None
             if psw is not None and psw.numel() and not validate.all_finite(psw.detach().float()):
                 raise InvalidGradientError("per_sample_weights hold NaN/Inf; nothing was updated")
             finite = torch.isfinite(grad).all() if grad.numel() else None
-            if store.paths.direct_update(names, lambda table, ok: engine.backward(
+            if store.paths.direct_update(direct, lambda table, ok: engine.backward(
                     batch, fwd, grad, table, slots, finite=ok), finite):
                 return None, None, None, None, None, None
             # rows left the cache since the forward: the gathered way, by table
             if finite is not None and not bool(finite):
                 raise InvalidGradientError("the output gradient holds NaN/Inf values; nothing was updated")
-            names, gs, batch = _by_table(engine.plan, store, gs, slots.device)
+            names, gs, batch = _by_table(engine.plan, store, layout, slots.device)
         # a staged step on the sets cache checks on the device (no sync): `raise_deferred`
         deferred = bool(grad.numel()) and store.paths.defers_checks(gs)
         if grad.numel() and not deferred and not validate.all_finite(grad):

@@ -18,7 +18,7 @@ from .config import TableSpec
 from .errors import ConfigError, InvalidGradientError, InvalidIdsError, ShapeError
 
 BAG_MODES = ("sum", "mean")
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # ids may be these
 
 
 def not_meta(t: torch.Tensor, what: str, error: type[Exception] = ShapeError) -> None:
@@ -39,7 +39,7 @@ def index_tensor(t: Any, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ShapeError(f"{what} must be a torch tensor, got {type(t).__name__}")
     not_meta(t, what, InvalidIdsError)
-    if t.dtype not in _INT_DTYPES:
+    if t.dtype not in INT_DTYPES:
         raise InvalidIdsError(f"{what} must be an integer tensor, got dtype {t.dtype}")
     if t.dim() != 1:
         raise ShapeError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
@@ -54,7 +54,7 @@ def row_ids(spec: TableSpec, ids: Any) -> torch.Tensor:
         except (TypeError, ValueError, RuntimeError) as exc:
             raise InvalidIdsError(f"ids must be an integer tensor: {exc}") from exc
     not_meta(ids, "ids", InvalidIdsError)
-    if ids.dtype not in _INT_DTYPES:
+    if ids.dtype not in INT_DTYPES:
         raise InvalidIdsError(f"ids must be an integer tensor, got dtype {ids.dtype}")
     if ids.dim() != 1:
         raise ShapeError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
