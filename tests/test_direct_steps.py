@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def test_a_keyed_step_refuses_16_bit_tables():
         plan.keyed_step(torch.tensor([1, 2]), [2], torch.tensor([2]))
 
 
-def _batches(n, batch=5, seed=3, high=200):
+def _batches(n, batch=5, seed=3, high=190):
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
         lengths = torch.randint(0, 5, (3 * batch,), generator=g)
@@ -95,17 +96,20 @@ def _rows(store):
                                     None, promote=False).cpu() for t in ("a", "b")}
 
 
-def _train(store, steps, mode, prefetch, preload=True, between=None):
-    """Train `steps` batches; `between(i)` runs after step i's forward, before its backward."""
-    if preload:  # every row in the cache: a direct store then takes every step the direct way
+def _train(store, steps, mode, prefetch, preload=True, between=None, before=None):
+    """Train `steps` batches; `between(store, i)` runs after step i's forward, before its
+    backward, and `before(store, i, sparse)` before its forward (it may return other input)."""
+    if preload:  # the rows batches use in the cache: a direct store takes every step directly
         for t in ("a", "b"):
-            store.read(t, torch.arange(store.tables[t].spec.num_rows))
+            store.read(t, torch.arange(store.tables[t].spec.num_rows if preload is True else preload))
     ebc = ts.TieredEmbeddingBagCollection(store, FEATS, mode=mode)
     src = _batches(steps)
     with Prefetcher(store, src, depth=2, features=FEATS, extract=lambda b: b[0]) \
             if prefetch else contextlib.nullcontext(src) as pf:
         for i, (sparse, weight) in enumerate(pf):
             store.advance()
+            if before is not None:
+                sparse = before(store, i, sparse)
             out = ebc(*sparse)
             if between is not None:
                 between(store, i)
@@ -135,6 +139,62 @@ def test_direct_steps_on_triton_equal_a_slab_store_on_numba(tmp_path):
     with _store(tmp_path / "sets", "sets", kernels="triton") as store:
         got = _train(store, 5, "sum", True)
         assert store.prefetch_stats.lock_free_bags == 5 * 2
+    for t in want:
+        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+
+
+def test_a_prefetched_step_trusts_the_pipelines_check_only_for_the_ids_it_checked(tmp_path, monkeypatch):
+    from tierstore.backends.set_tier import SetTier
+
+    calls = []
+    keys = SetTier.direct_keys
+
+    def counted(self, table, rows, ids, out, check=True):
+        calls.append((threading.get_ident(), check))
+        return keys(self, table, rows, ids, out, check)
+
+    monkeypatch.setattr(SetTier, "direct_keys", counted)
+    with _store(tmp_path / "slab", "slab") as ref:
+        want = _train(ref, 6, "sum", True)
+    with _store(tmp_path / "sets", "sets") as store:
+        got = _train(store, 6, "sum", True)
+    mine = [c for t, c in calls if t == threading.get_ident()]
+    # table b has one feature: its ids are the pipeline's, checked there; table a has two,
+    # each a part of what the pipeline checked: checked again
+    assert mine.count(False) == 6 and mine.count(True) == 12
+    for t in want:
+        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+
+
+def _other_ids(store, i, sparse):
+    """Input the pipeline did not stage: step 2's first id of feature y moved to a row of b
+    that no batch uses (not held yet)."""
+    if i != 2:
+        return sparse
+    keys, values, lengths = sparse
+    values = values.clone()
+    batch = lengths.numel() // 3
+    at = int(lengths[:batch].sum())  # feature y's first position
+    values[at] = 199 if int(lengths[batch:2 * batch].sum()) else values[at]
+    return keys, values, lengths
+
+
+def _expire_first(store, i, sparse):
+    if i == 3:  # rows of b (one feature: trusted when nothing left) leave the cache between
+        store.expire("b", older_than=1)  # the pipeline's check and the step
+    return sparse
+
+
+@pytest.mark.parametrize("before", [_other_ids, _expire_first], ids=["other-ids", "expired"])
+def test_a_step_whose_rows_are_not_the_ones_checked_checks_again(tmp_path, before):
+    with _store(tmp_path / "slab", "slab") as ref:
+        want = _train(ref, 6, "sum", True, preload=190, before=before)
+    with _store(tmp_path / "sets", "sets") as store:
+        got = _train(store, 6, "sum", True, preload=190, before=before)
+        # other ids: all steps but that one go direct; expired: the steps after the expiry
+        # find rows of theirs gone and go the staged way
+        assert store.prefetch_stats.lock_free_bags == (5 * 2 if before is _other_ids else 3 * 2)
+        store.check()
     for t in want:
         assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
 

@@ -40,6 +40,15 @@ class Staged:
     unique: torch.Tensor | None = None  # `rows` as a CPU tensor
     inverse: torch.Tensor | None = None  # int64 [n] on the device: ids == rows[inverse]
     dslots: torch.Tensor | None = None  # int64 [u] on the device
+    # a batch a direct cache held whole (nothing staged): the device tier's removal count at
+    # which every one of `ids` was held (-1: not such a batch)
+    held_at: int = -1
+
+    @classmethod
+    def held(cls, ids: torch.Tensor, removals: int) -> Staged:
+        """A table's ids a direct cache held whole when its removal count was `removals`."""
+        empty = np.empty(0, dtype=np.int64)
+        return cls(empty, empty, ids, held_at=removals)
 
     @classmethod
     def on_device(cls, uniq: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor,

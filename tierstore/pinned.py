@@ -132,6 +132,16 @@ class StagingArea:
                 return False
         return True
 
+    def held_whole(self, tab: _Table, ids: torch.Tensor) -> bool:
+        """Whether the pipeline found every one of exactly these ids held by the direct device
+        tier (`Staged.held`, for this thread's batch) and no row has left it since: the step
+        then needs no check of its own."""
+        owner, staged, _ = self.staged
+        got = staged.get(tab.spec.name)
+        return (got is not None and got.held_at >= 0 and owner == threading.get_ident()
+                and got.held_at == self.device_tier.removals and got.ids is not None
+                and ids.dtype == torch.int64 and torch.equal(ids, got.ids))
+
     def delivers(self) -> bool:
         """Whether a prefetch pipeline hands this thread its batches (`use_batch`)."""
         return self.staged[0] == threading.get_ident()
@@ -203,8 +213,9 @@ class StagingArea:
         """
         owner, staged, epoch = self.staged
         got = staged.get(tab.spec.name)
-        if got is None or owner != threading.get_ident() or epoch != self.device_tier.pin_epoch:
-            return None
+        if got is None or got.held_at >= 0 or owner != threading.get_ident() \
+                or epoch != self.device_tier.pin_epoch:
+            return None  # (a batch a direct cache held whole pinned nothing)
         rows, slots = got.rows, got.slots
         u = uniq.numpy()
         order = np.argsort(u)  # searching in key order: ~3.7x faster than random probes here

@@ -286,9 +286,12 @@ class Prefetcher:
         store = self.store
         ids = {t: torch.cat(parts).to("cpu", torch.int64)
                for t, parts in jagged_ids(self.extract(batch), self.features).items()}
-        if store.staging.holds(ids):  # a direct device cache holds every row: nothing to stage
+        removals = store.device_tier.removals if store.device_tier.direct else -1
+        if store.staging.holds(ids):  # a direct device cache holds every row: nothing to stage;
+            # the step trusts this check while no row has left the cache (`Staged.held`)
+            held = {t: Staged.held(i, removals) for t, i in ids.items()}
             nothing: dict = {}
-            return {}, {}, None, False, {}, {}, StoredReads(store, nothing, self._pool.submit, 1), {}
+            return {}, {}, None, False, {}, {}, StoredReads(store, nothing, self._pool.submit, 1), held
         # the step takes its indexes from staging (`Staged`): keep the ids, and on the slab
         # their inverse map too (the sets cache makes it on the device)
         unique_inverse = sorted_unique_each(ids, inverse=store.device_cache != "sets")
@@ -432,6 +435,9 @@ class Prefetcher:
                 fresh = uniq if not earlier else uniq[~torch.isin(uniq, torch.cat(earlier))]
                 if fresh.numel():
                     store.staging.hint(tabs[t], fresh, torch.full((fresh.numel(),), step))
+            for t, got in seen.items():  # a batch a direct cache held whole: its checked ids
+                if isinstance(got, Staged):
+                    slots[t] = got
             self._window[step] = per_table
             self._slots[step] = (slots, epoch)
             self._unpin_slots[step] = (by_slot, epoch)
