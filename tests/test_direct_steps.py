@@ -119,11 +119,11 @@ def _train(store, steps, mode, prefetch, preload=True, between=None, before=None
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetched", "plain"])
-def test_direct_steps_equal_a_slab_store_bit_for_bit(tmp_path, mode, prefetch):
-    with _store(tmp_path / "slab", "slab") as ref:
+def test_direct_steps_equal_a_slab_store_bit_for_bit(tmp_path, mode, prefetch, device):
+    with _store(tmp_path / "slab", "slab", device=device) as ref:
         want = _train(ref, 6, mode, prefetch)
         assert not ref.stats()["layout"]["device_direct"]
-    with _store(tmp_path / "sets", "sets") as store:
+    with _store(tmp_path / "sets", "sets", device=device) as store:
         assert store.stats()["layout"]["device_direct"]
         got = _train(store, 6, mode, prefetch)
         assert store.prefetch_stats.lock_free_bags == 6 * 2  # every step the direct way
@@ -186,10 +186,10 @@ def _expire_first(store, i, sparse):
 
 
 @pytest.mark.parametrize("before", [_other_ids, _expire_first], ids=["other-ids", "expired"])
-def test_a_step_whose_rows_are_not_the_ones_checked_checks_again(tmp_path, before):
-    with _store(tmp_path / "slab", "slab") as ref:
+def test_a_step_whose_rows_are_not_the_ones_checked_checks_again(tmp_path, before, device):
+    with _store(tmp_path / "slab", "slab", device=device) as ref:
         want = _train(ref, 6, "sum", True, preload=190, before=before)
-    with _store(tmp_path / "sets", "sets") as store:
+    with _store(tmp_path / "sets", "sets", device=device) as store:
         got = _train(store, 6, "sum", True, preload=190, before=before)
         # other ids: all steps but that one go direct; expired: the steps after the expiry
         # find rows of theirs gone and go the staged way
@@ -227,8 +227,8 @@ def test_rows_expired_between_forward_and_backward_are_updated_where_they_are(tm
         assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
 
 
-def test_a_non_finite_gradient_without_a_pipeline_raises_at_once(tmp_path):
-    with _store(tmp_path / "n", "sets") as store:
+def test_a_non_finite_gradient_without_a_pipeline_raises_at_once(tmp_path, device):
+    with _store(tmp_path / "n", "sets", device=device) as store:
         for t in ("a", "b"):
             store.read(t, torch.arange(store.tables[t].spec.num_rows))
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
@@ -236,26 +236,26 @@ def test_a_non_finite_gradient_without_a_pipeline_raises_at_once(tmp_path):
         before = _rows(store)
         weight[0, 0] = float("nan")
         with pytest.raises(InvalidGradientError, match="nothing was updated"):
-            ebc(*sparse).mul(weight).sum().backward()
+            ebc(*sparse).mul(weight.to(store.device)).sum().backward()
         after = _rows(store)
         assert not store.paths.deferred_checks
     for t in before:  # weights, state and stamps as they were
         assert torch.equal(before[t].view(torch.int32), after[t].view(torch.int32)), t
 
 
-def test_a_non_finite_prefetched_gradient_changes_nothing_and_is_raised_next(tmp_path):
-    with _store(tmp_path / "p", "sets") as store:
+def test_a_non_finite_prefetched_gradient_changes_nothing_and_is_raised_next(tmp_path, device):
+    with _store(tmp_path / "p", "sets", device=device) as store:
         for t in ("a", "b"):
             store.read(t, torch.arange(store.tables[t].spec.num_rows))
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
         with Prefetcher(store, _batches(3), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
             sparse, weight = next(pf)
-            ebc(*sparse).mul(weight).sum().backward()
+            ebc(*sparse).mul(weight.to(store.device)).sum().backward()
             sparse, weight = next(pf)
             before = _rows(store)
             weight[0, 0] = float("inf")
             store.advance()  # a new clock: a stamp written by the refused update would show
-            ebc(*sparse).mul(weight).sum().backward()
+            ebc(*sparse).mul(weight.to(store.device)).sum().backward()
             assert store.prefetch_stats.lock_free_bags == 2 * 2
             assert len(store.paths.deferred_checks) == 1  # left to the device, read next batch
             with pytest.raises(InvalidGradientError, match="discarded"):
@@ -275,7 +275,7 @@ def test_a_direct_prefetched_step_makes_no_syncing_call(tmp_path):
         with Prefetcher(store, _batches(6), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
             for i, (sparse, weight) in enumerate(pf):
                 with (SyncCounter() if i >= 2 else contextlib.nullcontext()) as c:
-                    ebc(*sparse).mul(weight).sum().backward()
+                    ebc(*sparse).mul(weight.to(store.device)).sum().backward()
                 if c is not None:
                     counters.append(c)
         assert store.prefetch_stats.lock_free_bags == 6 * 2
