@@ -3,7 +3,9 @@
 One collection step of `bench.training`'s shape (8 tables x 1M x 64, batch 2048, Zipf(1.05)
 bags, row-wise Adagrad) run on a slab that holds every row, without the store: the host's
 linearization (`Plan.step`), the forward (pooling), and the backward (gradient CSR, sum and
-fused update), each timed on its own (CUDA events around each phase on a GPU). Beside them,
+fused update), each timed on its own (CUDA events around each phase on a GPU); then the same
+step keyed, as a direct cache runs it (`keyed`: the slots copied to the device and
+`Engine.keyed_step`, then its forward and backward). Beside them,
 in the same run, `torch.nn.functional.embedding_bag` forward and backward over the same rows
 (one call a table) as the floor a plain PyTorch step pays for the same lookups. It is the quick
 check for a kernel change on a lent GPU: seconds, not the minutes `bench.training` takes.
@@ -59,7 +61,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     weights = [torch.randn(args.rows, args.dim, device=device, requires_grad=True)
                for _ in range(args.tables)]
     timed = _timer(device)
-    phases: dict[str, list[float]] = {k: [] for k in ("plan", "forward", "backward", "torch_bag")}
+    phases: dict[str, list[float]] = {k: [] for k in ("plan", "forward", "backward", "keyed",
+                                                      "keyed_forward", "keyed_backward", "torch_bag")}
+    table_of = torch.arange(args.tables).repeat_interleave(args.batch)  # each bag's table
     def one(i: int) -> dict[str, float]:
         """The phases' ms of pool step i."""
         values, lengths = wl.steps[i % len(wl.steps)]
@@ -78,6 +82,18 @@ def run(args: argparse.Namespace) -> list[dict]:
         ms["forward"] = timed(lambda: got.__setitem__("fwd", engine.forward(batch, slab, slot_t)))
         _, fwd = got["fwd"]
         ms["backward"] = timed(lambda: engine.backward(batch, fwd, grad, slab, slot_t))
+        # the same step with the ids as slots (a direct cache's step: `Engine.keyed_step` from
+        # the host's slots, their copy to the device included)
+        keys = (values + table_of.repeat_interleave(lengths) * args.rows).pin_memory() \
+            if device.type == "cuda" else values + table_of.repeat_interleave(lengths) * args.rows
+        counts = lengths.view(args.tables, args.batch).sum(1).tolist()
+        ms["keyed"] = timed(lambda: got.__setitem__("keyed", engine.keyed_step(
+            keys.to(device, non_blocking=True), counts, lengths)))
+        kbatch, kslots = got["keyed"]
+        ms["keyed_forward"] = timed(lambda: got.__setitem__(
+            "kfwd", engine.forward(kbatch, slab, kslots)))
+        _, kfwd = got["kfwd"]
+        ms["keyed_backward"] = timed(lambda: engine.backward(kbatch, kfwd, grad, slab, kslots))
         dev_parts = [p.to(device) for p in parts]
         starts = torch.zeros_like(lengths)
         starts[1:] = lengths.cumsum(0)[:-1]

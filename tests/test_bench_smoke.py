@@ -240,7 +240,8 @@ def test_bench_kernels_smoke(tmp_path):
                              "--reps", "2", "--warmup", "0", "--device", "cpu", "--out", str(tmp_path)])
     assert rc == 0
     recs = _load(tmp_path / "kernels.json")
-    assert {r["phase"] for r in recs} == {"plan", "forward", "backward", "torch_bag"}
+    assert {r["phase"] for r in recs} == {"plan", "forward", "backward", "keyed", "keyed_forward",
+                                          "keyed_backward", "torch_bag"}
     assert all(_positive(r["ms"]) and r["ms_min"] <= r["ms"] for r in recs)
 
 
