@@ -249,20 +249,7 @@ class Plan:
         # each position's table start, added to its feature's indexes
         inv = torch.cat([i.to(**to).to(torch.int64) for i in inverse]) + torch.repeat_interleave(
             shift.to(**to), per_feat.to(**to), output_size=n)
-        if self.pooled:
-            nf = len(self.features)
-            lengths = lengths.to(torch.int64).to(**to)
-            batch = lengths.numel() // nf if nf else 0
-            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=dev)
-            torch.cumsum(lengths, 0, out=offsets[1:])
-            bag_out, bag_feat = self._bags(nf, batch, dev)
-            out_rows = batch
-        else:
-            offsets = torch.arange(n + 1, dtype=torch.int64, device=dev)
-            bag_out = offsets[:-1]
-            bag_feat = torch.repeat_interleave(torch.arange(len(self.features), device=dev),
-                                               per_feat.to(**to), output_size=n)
-            out_rows = n
+        lengths, offsets, bag_out, bag_feat, out_rows = self._device_bags(lengths, n, per_feat.to(**to), dev)
         sizes = torch.tensor([starts[t + 1] - starts[t] for t in range(nt)], dtype=torch.int64)
         u_table = torch.repeat_interleave(torch.arange(nt, device=dev), sizes.to(**to),
                                           output_size=starts[-1])
@@ -306,26 +293,31 @@ class Plan:
         pos_table = torch.repeat_interleave(self.on(dev)[0], per_feat, output_size=n)
         sk, perm = torch.sort(flat, stable=True)
         inverse, slots, u_table, starts = (rows or keyed_rows)(sk, perm, pos_table)
-        if self.pooled:
-            nf = len(self.features)
-            lengths = lengths.to(torch.int64).to(**to)
-            batch = lengths.numel() // nf if nf else 0
-            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=dev)
-            torch.cumsum(lengths, 0, out=offsets[1:])
-            bag_out, bag_feat = self._bags(nf, batch, dev)
-            out_rows = batch
-            bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths,
-                                             output_size=n)
-        else:
-            offsets = torch.arange(n + 1, dtype=torch.int64, device=dev)
-            bag_out = bag_of = offsets[:-1]
-            bag_feat = torch.repeat_interleave(torch.arange(len(self.features), device=dev),
-                                               per_feat, output_size=n)
-            out_rows = n
+        lengths, offsets, bag_out, bag_feat, out_rows = self._device_bags(lengths, n, per_feat, dev)
+        bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths,
+                                         output_size=n) if self.pooled else bag_out
         w = None if psw is None else psw.detach().to(**to).to(torch.float32).reshape(-1).contiguous()
         batch_ = StepBatch(inverse, offsets, bag_out, bag_feat, w, u_table, (0,) * nt + (n,),
                            out_rows, self.out_width, (perm, starts, bag_of))
         return batch_, slots
+
+    def _device_bags(self, lengths: torch.Tensor, n: int, per_feat: torch.Tensor, dev: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """A batch's bags made on `dev` with fixed-size ops: (lengths there, offsets, each bag's
+        output row and feature, output rows); unpooled, one bag a position (`per_feat`: the
+        features' position counts, on `dev`)."""
+        if not self.pooled:
+            offsets = torch.arange(n + 1, dtype=torch.int64, device=dev)
+            bag_feat = torch.repeat_interleave(torch.arange(len(self.features), device=dev),
+                                               per_feat, output_size=n)
+            return lengths, offsets, offsets[:-1], bag_feat, n
+        nf = len(self.features)
+        lengths = lengths.to(torch.int64).to(device=dev, non_blocking=True)
+        batch = lengths.numel() // nf if nf else 0
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        bag_out, bag_feat = self._bags(nf, batch, dev)
+        return lengths, offsets, bag_out, bag_feat, batch
 
     def _bags(self, nf: int, batch: int, dev: torch.device | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
