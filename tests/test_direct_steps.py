@@ -81,6 +81,18 @@ def _store(path, cache, kernels="auto", device="cpu"):
                         device_capacity=TOTAL, host_capacity=0, policy="lru")
 
 
+def _preload(store, rows=None):
+    """Bring rows [0, rows) of both tables (all by default) into the store's caches."""
+    for t in ("a", "b"):
+        store.read(t, torch.arange(store.tables[t].spec.num_rows if rows is None else rows))
+
+
+def _same(want, got):
+    """Every table's rows equal bit for bit."""
+    for t in want:
+        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+
+
 def _rows(store):
     """Every row of both tables as stored now: weights, optimizer state and stamp."""
     return {t: store.cascade.access(store.tables[t], torch.arange(store.tables[t].spec.num_rows),
@@ -91,8 +103,7 @@ def _train(store, steps, mode, prefetch, preload=True, between=None, before=None
     """Train `steps` batches; `between(store, i)` runs after step i's forward, before its
     backward, and `before(store, i, sparse)` before its forward (it may return other input)."""
     if preload:  # the rows batches use in the cache: a direct store takes every step directly
-        for t in ("a", "b"):
-            store.read(t, torch.arange(store.tables[t].spec.num_rows if preload is True else preload))
+        _preload(store, None if preload is True else preload)
     ebc = ts.TieredEmbeddingBagCollection(store, FEATS, mode=mode)
     src = _batches(steps)
     with Prefetcher(store, src, depth=2, features=FEATS, extract=lambda b: b[0]) \
@@ -119,8 +130,7 @@ def test_direct_steps_equal_a_slab_store_bit_for_bit(tmp_path, mode, prefetch, d
         got = _train(store, 6, mode, prefetch)
         assert store.prefetch_stats.lock_free_bags == 6 * 2  # every step the direct way
         store.check()
-    for t in want:
-        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+    _same(want, got)
 
 
 @interpreted
@@ -130,8 +140,7 @@ def test_direct_steps_on_triton_equal_a_slab_store_on_numba(tmp_path):
     with _store(tmp_path / "sets", "sets", kernels="triton") as store:
         got = _train(store, 5, "sum", True)
         assert store.prefetch_stats.lock_free_bags == 5 * 2
-    for t in want:
-        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+    _same(want, got)
 
 
 def test_a_prefetched_step_trusts_the_pipelines_check_only_for_the_ids_it_checked(tmp_path, monkeypatch):
@@ -153,8 +162,7 @@ def test_a_prefetched_step_trusts_the_pipelines_check_only_for_the_ids_it_checke
     # table b has one feature: its ids are the pipeline's, checked there; table a has two,
     # each a part of what the pipeline checked: checked again
     assert mine.count(False) == 6 and mine.count(True) == 12
-    for t in want:
-        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+    _same(want, got)
 
 
 def _other_ids(store, i, sparse):
@@ -186,8 +194,7 @@ def test_a_step_whose_rows_are_not_the_ones_checked_checks_again(tmp_path, befor
         # find rows of theirs gone and go the staged way
         assert store.prefetch_stats.lock_free_bags == (5 * 2 if before is _other_ids else 3 * 2)
         store.check()
-    for t in want:
-        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+    _same(want, got)
 
 
 def test_rows_not_yet_held_are_staged_then_stepped_directly(tmp_path):
@@ -199,8 +206,7 @@ def test_rows_not_yet_held_are_staged_then_stepped_directly(tmp_path):
         got = _train(store, 8, "sum", True, preload=False)
         assert store.prefetch_stats.lock_free_bags == 8 * 2
         store.check()
-    for t in want:
-        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+    _same(want, got)
 
 
 def test_rows_expired_between_forward_and_backward_are_updated_where_they_are(tmp_path):
@@ -214,14 +220,12 @@ def test_rows_expired_between_forward_and_backward_are_updated_where_they_are(tm
         got = _train(store, 6, "sum", False, between=expire)
         assert store.device_tier.removals > removals  # the expiry took rows out of the cache
         store.check()
-    for t in want:
-        assert torch.equal(want[t].view(torch.int32), got[t].view(torch.int32)), t
+    _same(want, got)
 
 
 def test_a_non_finite_gradient_without_a_pipeline_raises_at_once(tmp_path, device):
     with _store(tmp_path / "n", "sets", device=device) as store:
-        for t in ("a", "b"):
-            store.read(t, torch.arange(store.tables[t].spec.num_rows))
+        _preload(store)
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
         (sparse, weight), = list(_batches(1))
         before = _rows(store)
@@ -230,14 +234,12 @@ def test_a_non_finite_gradient_without_a_pipeline_raises_at_once(tmp_path, devic
             ebc(*sparse).mul(weight.to(store.device)).sum().backward()
         after = _rows(store)
         assert not store.paths.deferred_checks
-    for t in before:  # weights, state and stamps as they were
-        assert torch.equal(before[t].view(torch.int32), after[t].view(torch.int32)), t
+    _same(before, after)  # weights, state and stamps as they were
 
 
 def test_a_non_finite_prefetched_gradient_changes_nothing_and_is_raised_next(tmp_path, device):
     with _store(tmp_path / "p", "sets", device=device) as store:
-        for t in ("a", "b"):
-            store.read(t, torch.arange(store.tables[t].spec.num_rows))
+        _preload(store)
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
         with Prefetcher(store, _batches(3), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
             sparse, weight = next(pf)
@@ -252,16 +254,14 @@ def test_a_non_finite_prefetched_gradient_changes_nothing_and_is_raised_next(tmp
             with pytest.raises(InvalidGradientError, match="discarded"):
                 next(pf)
         after = _rows(store)
-    for t in before:  # weights, state and stamps as they were
-        assert torch.equal(before[t].view(torch.int32), after[t].view(torch.int32)), t
+    _same(before, after)  # weights, state and stamps as they were
 
 
 @interpreted
 def test_a_direct_prefetched_step_makes_no_syncing_call(tmp_path):
     counters = []
     with _store(tmp_path / "s", "sets", kernels="triton") as store:
-        for t in ("a", "b"):
-            store.read(t, torch.arange(store.tables[t].spec.num_rows))
+        _preload(store)
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
         with Prefetcher(store, _batches(6), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
             for i, (sparse, weight) in enumerate(pf):
