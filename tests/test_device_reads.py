@@ -73,7 +73,7 @@ def _watch_staging(monkeypatch, modes):
         monkeypatch.setattr(Prefetcher, name, watched)
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["evicting", "direct"])
+@pytest.mark.parametrize("direct", [False, True, "ahead"], ids=["evicting", "direct", "made-ahead"])
 def test_staging_on_the_sets_cache_reads_device_values_only_through_hostread(tmp_path, monkeypatch,
                                                                            direct):
     modes: dict[int, DeviceTaint] = {}
@@ -84,13 +84,20 @@ def test_staging_on_the_sets_cache_reads_device_values_only_through_hostread(tmp
         dict(device_capacity=64, host_capacity=256, policy="lru")
     with ts.TierStore(tmp_path / "s", SMALL if direct else SPECS, device="cpu", device_cache="sets",
                       **kw) as store, watching_hostread(modes):
-        assert (store.device_tier.held is not None) == direct
+        assert (store.device_tier.held is not None) == bool(direct)
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
-        with Prefetcher(store, _batches(8), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
+        # made-ahead: every row in the cache first, so the pipeline stages nothing; over the
+        # collection it makes each step's slots and keyed batch instead
+        over = ebc if direct == "ahead" else store
+        if direct == "ahead":
+            for spec in SMALL:
+                store.read(spec.name, torch.arange(spec.num_rows))
+        with Prefetcher(over, _batches(8), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
             for sparse, weight in pf:
                 (ebc(*sparse) * weight).sum().backward()
         if direct:
             assert store.prefetch_stats.lock_free_bags == 8 * 2
+            assert store.prefetch_stats.steps_made_ahead == (0 if direct is True else 8)
         else:
             assert store.prefetch_stats.staged_from_host > 0  # victims went down and came back
         store.check()

@@ -1,5 +1,5 @@
 """Steps on a direct device cache (a sets cache with a line for every declared row): each id is
-its row's slot, so the step neither deduplicates, looks up nor stages (`BagPaths.direct_forward`,
+its row's slot, so the step neither deduplicates, looks up nor stages (`DirectSteps.forward`,
 `Plan.keyed_step`). Where rows live must never change a bit: these steps are compared with a
 store whose slab tier holds every row, and the keyed batch with the engine's own numbering."""
 
@@ -101,12 +101,15 @@ def _rows(store):
 
 def _train(store, steps, mode, prefetch, preload=True, between=None, before=None):
     """Train `steps` batches; `between(store, i)` runs after step i's forward, before its
-    backward, and `before(store, i, sparse)` before its forward (it may return other input)."""
+    backward, and `before(store, i, sparse)` before its forward (it may return other input).
+    `prefetch`: False, True (a pipeline over the store), or "module" (over the collection:
+    it makes a direct store's steps ahead)."""
     if preload:  # the rows batches use in the cache: a direct store takes every step directly
         _preload(store, None if preload is True else preload)
     ebc = ts.TieredEmbeddingBagCollection(store, FEATS, mode=mode)
     src = _batches(steps)
-    with Prefetcher(store, src, depth=2, features=FEATS, extract=lambda b: b[0]) \
+    over = ebc if prefetch == "module" else store
+    with Prefetcher(over, src, depth=2, features=FEATS, extract=lambda b: b[0]) \
             if prefetch else contextlib.nullcontext(src) as pf:
         for i, (sparse, weight) in enumerate(pf):
             store.advance()
@@ -120,7 +123,7 @@ def _train(store, steps, mode, prefetch, preload=True, between=None, before=None
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetched", "plain"])
+@pytest.mark.parametrize("prefetch", [True, "module", False], ids=["prefetched", "made-ahead", "plain"])
 def test_direct_steps_equal_a_slab_store_bit_for_bit(tmp_path, mode, prefetch, device):
     with _store(tmp_path / "slab", "slab", device=device) as ref:
         want = _train(ref, 6, mode, prefetch)
@@ -129,6 +132,8 @@ def test_direct_steps_equal_a_slab_store_bit_for_bit(tmp_path, mode, prefetch, d
         assert store.stats()["layout"]["device_direct"]
         got = _train(store, 6, mode, prefetch)
         assert store.prefetch_stats.lock_free_bags == 6 * 2  # every step the direct way
+        # over the collection, the pipeline made every step ahead (the first two included)
+        assert store.prefetch_stats.steps_made_ahead == (6 if prefetch == "module" else 0)
         store.check()
     _same(want, got)
 
@@ -184,12 +189,15 @@ def _expire_first(store, i, sparse):
     return sparse
 
 
+@pytest.mark.parametrize("over", [True, "module"], ids=["store", "collection"])
 @pytest.mark.parametrize("before", [_other_ids, _expire_first], ids=["other-ids", "expired"])
-def test_a_step_whose_rows_are_not_the_ones_checked_checks_again(tmp_path, before, device):
+def test_a_step_whose_rows_are_not_the_ones_checked_checks_again(tmp_path, before, over, device):
     with _store(tmp_path / "slab", "slab", device=device) as ref:
-        want = _train(ref, 6, "sum", True, preload=190, before=before)
+        want = _train(ref, 6, "sum", over, preload=190, before=before)
     with _store(tmp_path / "sets", "sets", device=device) as store:
-        got = _train(store, 6, "sum", True, preload=190, before=before)
+        got = _train(store, 6, "sum", over, preload=190, before=before)
+        if over == "module":  # the steps made ahead for other input (or before an expiry)
+            assert store.prefetch_stats.steps_made_ahead == (5 if before is _other_ids else 3)
         # other ids: all steps but that one go direct; expired: the steps after the expiry
         # find rows of theirs gone and go the staged way
         assert store.prefetch_stats.lock_free_bags == (5 * 2 if before is _other_ids else 3 * 2)
@@ -258,12 +266,14 @@ def test_a_non_finite_prefetched_gradient_changes_nothing_and_is_raised_next(tmp
 
 
 @interpreted
-def test_a_direct_prefetched_step_makes_no_syncing_call(tmp_path):
+@pytest.mark.parametrize("ahead", [False, True], ids=["over-store", "made-ahead"])
+def test_a_direct_prefetched_step_makes_no_syncing_call(tmp_path, ahead):
     counters = []
     with _store(tmp_path / "s", "sets", kernels="triton") as store:
         _preload(store)
         ebc = ts.TieredEmbeddingBagCollection(store, FEATS)
-        with Prefetcher(store, _batches(6), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
+        with Prefetcher(ebc if ahead else store, _batches(6), depth=2, features=FEATS,
+                        extract=lambda b: b[0]) as pf:
             for i, (sparse, weight) in enumerate(pf):
                 with (SyncCounter() if i >= 2 else contextlib.nullcontext()) as c:
                     ebc(*sparse).mul(weight.to(store.device)).sum().backward()
@@ -271,5 +281,6 @@ def test_a_direct_prefetched_step_makes_no_syncing_call(tmp_path):
                     counters.append(c)
         assert store.prefetch_stats.lock_free_bags == 6 * 2
         assert store.prefetch_stats.rows_staged == 0  # every batch held: nothing staged
+        assert store.prefetch_stats.steps_made_ahead == (6 if ahead else 0)
     assert len(counters) == 4
     assert [c.calls for c in counters] == [[]] * 4

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 import tierstore.admission as _adm
 import tierstore.cascade as _cas
-import tierstore.hostread as hostread
 import tierstore.validate as validate
 
+from .direct import DirectSteps
 from .errors import InvalidGradientError
 from .fused import BatchUpdate, bag_positions
 from .gathered import Gathered as Gathered  # re-exported
@@ -28,20 +27,6 @@ if TYPE_CHECKING:
     from .store import _Table
 
 R = TypeVar("R")
-
-
-@dataclass(frozen=True, eq=False)
-class DirectRows:
-    """A step's rows as `BagPaths.direct_forward` found them: the items' tables, their slots
-    (on the device, by item and all together; a row's slot may come more than once), the
-    cache's removal count then, and whether a pipeline delivered the batch (its gradient check
-    is then left to the device)."""
-
-    tabs: list[_Table]
-    keys: list[torch.Tensor]
-    slots: torch.Tensor
-    removals: int
-    deferred: bool
 
 
 class BagPaths:
@@ -69,6 +54,9 @@ class BagPaths:
         # device flags of staged steps' gradient checks not read yet, each with the CUDA event
         # recorded after its step (None on the CPU): `raise_deferred`
         self.deferred_checks: collections.deque = collections.deque()
+        # the direct way of a step, on a device cache with a line for every row
+        self.direct = DirectSteps(device_tier, staging, gate, stats, table_record=table_record,
+                                  stamp_many=stamp_many, defer_check=self.defer_check)
 
     def gather_rows(self, tab: _Table, ids: torch.Tensor) -> Gathered:
         """A table's rows of `ids` (validated), made resident and deduplicated (store lock held)."""
@@ -154,81 +142,6 @@ class BagPaths:
             finally:
                 for slots in held:
                     dev.pin(slots, -1)
-
-    def direct_forward(self, items: Sequence[tuple[str, torch.Tensor]],
-                       pool: Callable[[torch.Tensor, list[int], torch.Tensor], R]
-                       ) -> tuple[R, DirectRows] | None:
-        """A step's forward on a direct device cache (`SetTier.direct`), when it holds every id.
-
-        `items`: (table, ids) pairs (a table may come more than once). Each id's slot is its key
-        (no dedup, no lookup, nothing staged or pinned: rows of a direct cache never move), so
-        `pool(slots, sizes, slab)` runs lock-free: `slots` every item's ids' slots one item
-        after another (`sizes[i]` of item i), on the device. None,
-        with nothing done, when the step must go `step_forward`'s way: another device tier,
-        admission or a trace counting, ids not 1-D integers on the host, not all held or out of
-        range (that way raises the error), or a locked operation running.
-        """
-        dev = self.device_tier
-        if not dev.direct:
-            return None
-        tabs = [self.table_record(t) for t, _ in items]
-        if self.gate.counts(tabs) or any(i.device.type != "cpu" or i.dim() != 1
-                                         or i.dtype not in validate.INT_DTYPES for _, i in items):
-            return None
-        sizes = [int(i.numel()) for _, i in items]
-        flat = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=dev.device.type == "cuda")
-        if not self.staging.begin_unlocked():
-            return None
-        try:
-            # one thread: on the H100 (16 cores), the features' checks on the kernels' pool
-            # took 2 ms a step of waiting (their Python parts hold the GIL), one thread ~1 ms
-            at = 0
-            for tab, (_, ids), n in zip(tabs, items, sizes):
-                ids = ids.to(torch.int64)
-                # ids the pipeline found held (and nothing left since) need no second look
-                if dev.direct_keys(tab.index, tab.spec.num_rows, ids.numpy(), flat[at : at + n].numpy(),
-                                   check=not self.staging.held_whole(tab, ids)) != 1:
-                    return None
-                at += n
-            removals = dev.removals
-            flat = hostread.to_device(flat, dev.device)
-            keys = list(torch.split(flat, sizes))
-            out = pool(flat, sizes, dev.slab)
-            self.staging.count_hits(flat)  # each position a device hit (no dedup to count rows)
-            self.prefetch_stats.lock_free_bags += len({id(t) for t in tabs})  # tables, as below
-            return out, DirectRows(tabs, keys, flat, removals, self.staging.delivers())
-        finally:
-            self.staging.end_unlocked()
-
-    def direct_update(self, rows: DirectRows, update: Callable[[torch.Tensor, torch.Tensor | None], None],
-                      finite: torch.Tensor | None) -> bool:
-        """The update of a `direct_forward` step, in the device slab and lock-free:
-        `update(slab, finite)` (the engine's), then the rows' stamps and dirty marks. `finite`
-        (a device bool: whether the gradient is) is kept for `raise_deferred` when a prefetch
-        pipeline delivered the batch, else read here (a sync) and raised on. False, with
-        nothing done, when rows left the cache since the forward or a locked operation runs:
-        the caller then updates through `step_backward`."""
-        dev = self.device_tier
-        if finite is not None and not rows.deferred:
-            if not bool(finite):
-                raise InvalidGradientError("the output gradient holds NaN/Inf values; nothing was updated")
-            finite = None
-        if not self.staging.begin_unlocked():
-            return False
-        try:
-            if dev.removals != rows.removals:
-                return False
-            update(dev.slab, finite)
-            tabs = list({id(t): t for t in rows.tabs}.values())
-            if len({t.spec.stamp_col for t in tabs}) == 1:  # one stamp column: all rows at once
-                self.stamp_many(tabs, dev.slab, [rows.slots] * len(tabs), finite)
-            else:
-                self.stamp_many(rows.tabs, dev.slab, rows.keys, finite)
-            dev.dirty.index_fill_(0, rows.slots, True)
-            self.defer_check(finite)
-            return True
-        finally:
-            self.staging.end_unlocked()
 
     def step_rows(self, tab: _Table, ids: torch.Tensor,
                    hold: Callable[[], None] | None = None) -> Gathered:

@@ -13,11 +13,11 @@ import tierstore.validate as validate
 
 from .config import TableSpec
 from .embedding_configs import config_features, config_pooling, is_table_config, table_spec
-from .errors import ConfigError, ShapeError, StoreClosedError, UnknownTableError
+from .errors import ConfigError, ShapeError, StoreClosedError, TierstoreError, UnknownTableError
 from .jagged import JaggedBatch, either_weights, keyed_tensor, torchrec_keyed_tensor
 from .module_state import StoreBacked
 from .optimizers import Optimizer
-from .steps import EngineStep, ReadOnlyRows, anchor, engine_for
+from .steps import EngineStep, ReadOnlyRows, anchor, engine_for, prepare_direct
 from .store import TierStore
 
 MODES = ("sum", "mean", "max")
@@ -235,7 +235,24 @@ class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
                 ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Pooled embeddings of every feature: [batch, sum of dims] or {feature: [batch, dim]}."""
         weights = either_weights(weights, per_sample_weights)  # nn.EmbeddingBag's name too
-        keys, values, lengths, weights = JaggedBatch.of(keys, values, lengths, offsets, weights).astuple()
+        ids, lengths, psw = self._inputs(JaggedBatch.of(keys, values, lengths, offsets, weights))
+        pooled = pool_bags(self.store, self._plan(), ids, lengths, psw)
+        if as_dict or self.output == "dict":
+            out, at = {}, 0
+            for f, d in zip(self.feature_names, self.dims):
+                out[f] = pooled[:, at : at + d]
+                at += d
+            return out
+        return keyed_tensor(self.feature_names, self.dims, pooled) if self.output == "keyed" else pooled
+
+    def _plan(self) -> list[tuple[str, str, str]]:
+        """(feature, table, mode) of every feature, in the output's order."""
+        return [(f, t, self.mode) for f, t in self.features.items()]
+
+    def _inputs(self, jb: JaggedBatch) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+        """A batch's ids by feature (the plan's order), its lengths feature-major in that order,
+        and its per-sample weights (None without); raises on input this collection cannot take."""
+        keys, values, lengths, weights = jb.astuple()
         if len(keys) == 0 or lengths.numel() % len(keys):
             raise ShapeError("lengths must hold one entry per (feature, sample)")
         missing = [f for f in self.feature_names if f not in keys]
@@ -254,16 +271,23 @@ class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
             lens.append(lengths[i * batch : (i + 1) * batch])
             if weights is not None:
                 wparts.append(weights[lo:hi])
-        psw = torch.cat(wparts) if weights is not None else None
-        plan = [(f, t, self.mode) for f, t in self.features.items()]
-        pooled = pool_bags(self.store, plan, ids, torch.cat(lens), psw)
-        if as_dict or self.output == "dict":
-            out, at = {}, 0
-            for f, d in zip(self.feature_names, self.dims):
-                out[f] = pooled[:, at : at + d]
-                at += d
-            return out
-        return keyed_tensor(self.feature_names, self.dims, pooled) if self.output == "keyed" else pooled
+        return ids, torch.cat(lens), torch.cat(wparts) if weights is not None else None
+
+    def prepare_step(self, sparse: Any) -> Any:
+        """Make a batch's step ahead, for the prefetch pipeline's thread: on a store whose
+        device cache holds every row (`device_direct`), its rows' slots on the device and its
+        keyed batch; the forward of exactly this input then starts from them. Returns what was
+        made, or None (a batch with per-sample weights, other stores, input the forward will
+        refuse: the forward does it all itself)."""
+        if self.store.readonly or not self.store.device_tier.direct:
+            return None
+        try:
+            ids, lengths, psw = self._inputs(JaggedBatch.of(sparse))
+        except TierstoreError:  # the forward raises it in its turn
+            return None
+        if psw is not None:
+            return None
+        return prepare_direct(self.store, engine_for(self.store, self._plan()), ids, lengths)
 
     def extra_repr(self) -> str:
         """The store's path, tables, features, mode and output."""

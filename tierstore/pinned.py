@@ -7,7 +7,7 @@ import collections
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -59,6 +59,8 @@ class StagingArea:
         # {table: (sorted rows, device slots)}, pin epoch); its rows stay pinned until the
         # pipeline's release
         self.staged: tuple[int, dict[str, Staged], int] = (0, {}, -1)
+        # the step the pipeline made ahead for that batch (`BagPaths.prepare_direct`), by thread
+        self.ahead: tuple[int, Any] = (0, None)
         # the consumer thread whose batch is warm-only (0: none): its forward reads missed rows
         # where they are, and its backward moves them up once (`Cascade.access`'s `promote`)
         self.deferring = 0
@@ -100,12 +102,20 @@ class StagingArea:
                 self._compute.notify_all()
 
     # the batch handed to the consumer thread -----------------------------------------------
-    def use_batch(self, staged: tuple[dict[str, Staged], int] | None, warm: bool) -> None:
-        """Hand this (consumer) thread its batch: the slots the pipeline staged and their pin
-        epoch (None: none), and whether it is warm-only (its misses stay where they are)."""
+    def use_batch(self, staged: tuple | None, warm: bool) -> None:
+        """Hand this (consumer) thread its batch: the slots the pipeline staged, their pin
+        epoch and the step it made ahead (None: none), and whether it is warm-only (its misses
+        stay where they are)."""
         ident = threading.get_ident()
         self.staged = (ident, staged[0], staged[1]) if staged else (0, {}, -1)
+        self.ahead = (ident, staged[2]) if staged and len(staged) > 2 and staged[2] is not None \
+            else (0, None)
         self.deferring = ident if warm else 0
+
+    def step_ahead(self) -> Any:
+        """The step the pipeline made ahead for this thread's batch (`prepare_step`), or None."""
+        owner, ahead = self.ahead
+        return ahead if owner == threading.get_ident() else None
 
     def drop_batch(self) -> None:
         """Forget the consumer's batch (its rows are about to lose their pins)."""
@@ -119,7 +129,7 @@ class StagingArea:
     def holds(self, ids: dict[str, torch.Tensor]) -> bool:
         """Whether a direct device tier (`SetTier.direct`) holds every row of a batch's ids
         (table -> host int64 ids; a read of the host mirror, no lock): such a batch needs no
-        staging, its step reads every row where it is (`BagPaths.direct_forward`)."""
+        staging, its step reads every row where it is (`DirectSteps.forward`)."""
         dev = self.device_tier
         if not dev.direct:
             return False

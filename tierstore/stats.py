@@ -104,6 +104,9 @@ class PrefetchStats:
     cold_read_batches: int = 0
     stage_seconds: float = 0.0  # staging time spent holding the store lock
     lock_free_bags: int = 0  # bag lookups (and their updates) served from pinned slots, lock-free
+    # direct steps (a device cache with a line for every row) whose slots and keyed batch the
+    # pipeline made ahead (`Prefetcher` over a collection: `prepare_step`)
+    steps_made_ahead: int = 0
     # tables of a locked step (another table's rows could not all be staged) still read from
     # the slots staging pinned them in
     staged_bags_locked: int = 0

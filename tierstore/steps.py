@@ -4,8 +4,8 @@
 the step's rows (`store.paths.step_forward`, `BagPaths`: device slots, or gathered weights for rows that are
 not resident) and pools every feature of the collection in one engine call; its backward checks
 the gradient and hands the store one engine update for the whole step (`step_backward`). On a
-direct device cache that holds every id, the ids are the slots (`direct_forward`, a keyed batch,
-`direct_update`): no dedup, lookup or staging. The
+direct device cache that holds every id, the ids are the slots (`DirectSteps.forward`, a keyed batch,
+`DirectSteps.update`): no dedup, lookup or staging. The
 store's cascade, staging and write-behind stay below it. A read-only handle serves rows through
 `ReadOnlyRows`, whose backward refuses to train.
 """
@@ -43,13 +43,13 @@ class EngineStep(torch.autograd.Function):
         thread = threading.get_ident()  # autograd runs a CUDA step's backward on a thread of its own
         ctx.direct = None  # a direct step's rows and its input (`_by_table`)
         if not plan.packed and not need_rows:  # a direct device cache: ids are slots
-            def pool_keyed(keys, counts, slab):
-                batch, slots = engine.keyed_step(keys, counts, lengths, weights_w)
+            def pool_keyed(keys, counts, slab, made):  # `made`: the keyed batch made ahead
+                batch, slots = made or engine.keyed_step(keys, counts, lengths, weights_w)
                 return (*engine.forward(batch, slab, slots), batch, slots)
 
-            got = store.paths.direct_forward(
-                [(plan.tables[feat.table].name, ids[f]) for f, feat in enumerate(plan.features)],
-                pool_keyed)
+            # a step made ahead has no per-sample weights (`prepare_direct`)
+            got = store.paths.direct.forward(direct_items(plan, ids), pool_keyed,
+                                             engine if weights_w is None else None, lengths)
             if got is not None:
                 (out, fwd, batch, slots), direct = got
                 ctx.direct = (direct, (of_table, ids, sizes, lengths, weights_w))
@@ -91,7 +91,7 @@ class EngineStep(torch.autograd.Function):
             if psw is not None and psw.numel() and not validate.all_finite(psw.detach().float()):
                 raise InvalidGradientError("per_sample_weights hold NaN/Inf; nothing was updated")
             finite = torch.isfinite(grad).all() if grad.numel() else None
-            if store.paths.direct_update(direct, lambda table, ok: engine.backward(
+            if store.paths.direct.update(direct, lambda table, ok: engine.backward(
                     batch, fwd, grad, table, slots, finite=ok), finite):
                 return None, None, None, None, None, None
             # rows left the cache since the forward: the gathered way, by table
@@ -113,6 +113,21 @@ class EngineStep(torch.autograd.Function):
         if rows is not None:
             g_psw = _weights_grad(engine.plan, batch, fwd, grad, rows).to(psw.device)
         return None, g_psw, None, None, None, None
+
+
+def direct_items(plan: Plan, ids: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """(table, ids) of each feature of a plan, in its order (a direct step's items)."""
+    return [(plan.tables[feat.table].name, ids[f]) for f, feat in enumerate(plan.features)]
+
+
+def prepare_direct(store: Any, engine: Engine, ids: list[torch.Tensor], lengths: torch.Tensor) -> Any:
+    """A direct step of `engine`'s collection made ahead (the prefetch pipeline's thread): its
+    slots on the device and its keyed batch, or None (`DirectSteps.prepare`); the step takes it
+    when its input is this one. Not for 16-bit tables (no keyed batch)."""
+    if engine.plan.packed:
+        return None
+    return store.paths.direct.prepare(engine, direct_items(engine.plan, ids), lengths,
+                                      lambda slots, sizes: engine.keyed_step(slots, sizes, lengths))
 
 
 def _table_ids(plan: Plan, of_table: list[list[int]], ids: list[torch.Tensor]

@@ -8,7 +8,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import lmdb
 import numpy as np
@@ -39,6 +39,20 @@ READ_CHUNK = 16384  # rows per reader task: page-cached reads gain nothing from 
 # never empties between batches. Page-cached reads take less time than staging: one is enough
 READS_AHEAD = 8
 READ_AHEAD_BYTES = 64 << 20
+
+
+class Prep(NamedTuple):
+    """A batch between the pipeline's two phases (`prepare_batch`, `finish_batch`)."""
+
+    per_table: dict  # table -> its sorted unique ids to stage
+    tabs: dict  # table -> its record
+    since: Any  # the read-ahead mark the reads started after
+    warm_only: bool  # the window cannot stay cached: nothing is pinned
+    ringed: dict  # table -> (ids, rows) copied from the write-behind ring
+    cold: dict  # table -> ids read below the caches
+    reads: StoredReads  # those reads, on the reader threads
+    seen: dict  # table -> (its ids, their inverse map), or `Staged.held` for a batch held whole
+    ahead: Any = None  # the module's step made ahead for a batch held whole (`prepare_step`)
 
 
 class Prefetcher:
@@ -76,9 +90,11 @@ class Prefetcher:
                 raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
         if not isinstance(ask_ahead, bool):
             raise ConfigError(f"ask_ahead must be a bool, got {ask_ahead!r}")
+        self._module = None  # a collection whose steps the pipeline makes ahead (`prepare_step`)
         if not isinstance(store, TierStore) and hasattr(store, "store") and hasattr(store, "features"):
             # a TieredEmbeddingBagCollection: take its store and feature -> table map
             features = store.features if features is None else features
+            self._module = store if callable(getattr(store, "prepare_step", None)) else None
             store = store.store
         if not isinstance(store, TierStore):
             raise ConfigError("Prefetcher needs a TierStore or a TieredEmbeddingBagCollection")
@@ -96,7 +112,8 @@ class Prefetcher:
         self.delay = delay  # test hook: seconds to sleep inside staging
         self._source = iter(batches)
         self._window: dict[int, dict[str, torch.Tensor]] = {}  # staged, unreleased batches
-        self._slots: dict[int, dict] = {}  # step -> {table: (sorted rows, device slots)} when staged
+        # step -> ({table: its rows staged (`Staged`)}, pin epoch, the step made ahead or None)
+        self._slots: dict[int, tuple] = {}
         self._unpin_slots: dict[int, tuple] = {}  # step -> ({table: device slots}, pin epoch)
         self.warm_only = False  # the last batch's mode (warm-only batches are not read a batch early)
         self._warm_steps: set[int] = set()  # warm-only batches not yet handed over
@@ -276,7 +293,7 @@ class Prefetcher:
         """Read a batch's rows ahead and stage it (both phases, one after the other)."""
         self.finish_batch(step, self.prepare_batch(batch))
 
-    def prepare_batch(self, batch: Any) -> tuple:
+    def prepare_batch(self, batch: Any) -> Prep:
         """Phase 1: find the batch's rows no cache holds and start reading them (reader threads).
 
         Runs while the previous batch is staged (`loop.run`): rows that staging brings into a cache
@@ -291,7 +308,10 @@ class Prefetcher:
             # the step trusts this check while no row has left the cache (`Staged.held`)
             held = {t: Staged.held(i, removals) for t, i in ids.items()}
             nothing: dict = {}
-            return {}, {}, None, False, {}, {}, StoredReads(store, nothing, self._pool.submit, 1), held
+            # the module's step, made ahead on this thread (`prepare_step`: None if it cannot)
+            ahead = self._module.prepare_step(self.extract(batch)) if self._module is not None else None
+            return Prep({}, {}, None, False, {}, {}, StoredReads(store, nothing, self._pool.submit, 1),
+                        held, ahead)
         # the step takes its indexes from staging (`Staged`): keep the ids, and on the slab
         # their inverse map too (the sets cache makes it on the device)
         unique_inverse = sorted_unique_each(ids, inverse=store.device_cache != "sets")
@@ -337,13 +357,13 @@ class Prefetcher:
                             self._pool.submit,
                             self._pool.part_rows(sum(c.numel() for c in cold.values()), READ_CHUNK),
                             ahead=self.ask_ahead and self._pool.cold)
-        return per_table, tabs, since, warm_only, ringed, cold, reads, seen
+        return Prep(per_table, tabs, since, warm_only, ringed, cold, reads, seen)
 
     def prep_bytes(self, prep: Any) -> int:
         """Memory a batch read ahead holds: its ids, and its rows once read (buffers, found)."""
         if isinstance(prep, BaseException):
             return 0
-        per_table, tabs, _, _, _, cold, _, seen = prep
+        per_table, tabs, cold, seen = prep.per_table, prep.tabs, prep.cold, prep.seen
         return sum(8 * u.numel() + cold[t].numel() * (4 * tabs[t].spec.row_dim + 9)
                    + sum(8 * x.numel() for x in seen[t] if x is not None) for t, u in per_table.items())
 
@@ -360,10 +380,10 @@ class Prefetcher:
         stats.read_ahead_bytes_peak = max(stats.read_ahead_bytes_peak, held)
         return self._pool.cold and len(pending) <= self.reads_ahead and held <= self.read_ahead_bytes
 
-    def finish_batch(self, step: int, prep: tuple) -> None:
+    def finish_batch(self, step: int, prep: Prep) -> None:
         """Phase 2: register the rows read ahead and stage the batch (pins, hints) under the lock."""
         store = self.store
-        per_table, tabs, since, warm_only, ringed, cold, reads, seen = prep
+        per_table, tabs, since, warm_only, ringed, cold, reads, seen, ahead = prep
         batch_rows = sum(u.numel() for u in per_table.values())
         got, seconds = reads.result()
         stats = store.prefetch_stats
@@ -439,7 +459,7 @@ class Prefetcher:
                 if isinstance(got, Staged):
                     slots[t] = got
             self._window[step] = per_table
-            self._slots[step] = (slots, epoch)
+            self._slots[step] = (slots, epoch, ahead)
             self._unpin_slots[step] = (by_slot, epoch)
             stats.stage_seconds += time.perf_counter() - t1
 
