@@ -371,6 +371,8 @@ if HAVE_NUMBA:
                     return -2 - nxt
         return 0
 
+    check_page = _whole_page  # every node of a page checked: the leaf walk of chunkmerge.py
+
     _NONE = np.zeros(0, dtype=np.bool_)
     _NO_OUT = np.zeros((0, 0), dtype=np.uint8)  # find_spans copying nothing
 
@@ -441,6 +443,10 @@ class PageReader:
                 self._mem = np.frombuffer(mm, dtype=np.uint8)  # the array keeps the map alive
                 self._size = size
             return self._mem
+
+    def mapping(self, remap: bool = False) -> np.ndarray | None:
+        """The file's read-only mapping (uint8), remapped first when asked and the file has grown."""
+        return self._mapping(remap)
 
     def drop(self) -> int:
         """Drop this mapping's resident pages (they stay in the page cache); returns bytes advised."""

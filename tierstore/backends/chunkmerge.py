@@ -1,0 +1,526 @@
+"""The merge of sorted rows into a level of page chunks (format 4's base), range by range.
+
+A `ChunkLevel` is one table's rows as page-sized chunks (`pagechunks.py`) split into ranges:
+LMDB databases holding the ids in `[bounds[r], bounds[r + 1])`, each of about `range_rows`
+rows (a range grown past twice that is cut into parts of about `range_rows` as it is written).
+`merge` takes a batch of sorted distinct (id, record) rows (the merged half of the log) and
+writes every range they touch again, sequentially: the range's old chunks are walked in
+place in the data file's map (`leaf_spans`, one compiled pass over its leaf pages, every page
+checked), merged with the batch's rows in a compiled two-way merge (`merge_into`: a batch row
+replaces the old one of its id), and the output is packed into full chunks appended with
+`MDB_APPEND` into a fresh database, a write transaction every `window` chunks. The range's last
+transaction also drops its old database: the file holds the old and the new copy of one range
+at a time (its pages go back to LMDB for the next range), so a merge of an 8 M-row table in
+1 M-row ranges peaks near `T + range_rows`, not `2 T`. A range no row touches is kept as it is.
+
+This is the regime the design chose for tables up to ~4x the batch (docs/design.md, "Format 4,
+corrected"): each merge copies every row of the ranges it touches. Every chunk's count and ids
+check are verified as it is read (a damaged id must not be sealed under a fresh check); with
+`verify` every record copied is checked too, old and new (without it a damaged record keeps the
+checksum that does not match it, and the next read of the row fails). The level is not the
+store's yet: its bounds and names live in memory; `on_publish` runs inside each range's
+publishing transaction, where a manifest record would be written.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from .._kernels import HAVE_NUMBA
+from ..errors import StoreCorruptError, TierstoreError
+from .lmdb_common import encode_keys
+from .pagechunks import HEAD, capacity, lookup, value_bytes
+from .pages import REASONS, PageReader
+
+RANGE_ROWS = 1 << 20  # rows a range database holds (about: a range is cut at a chunk boundary)
+WINDOW = 4096  # chunks a write transaction (~8 MB)
+_MDB_DB = struct.Struct("<IHHQQQQQ")  # a named database's record: ..., entries, root page
+_P_INVALID = (1 << 64) - 1
+# merge_into's state: old chunk, row in it, next batch row, last old id, rows in the open chunk
+_C, _CPOS, _I, _LAST, _FILL = range(5)
+
+if HAVE_NUMBA:
+    import numba
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    from .pages import check_page
+    from .record import check_row
+
+    @intrinsic
+    def _copy(typingctx, dst, src, n):
+        """memcpy of `n` bytes between addresses (of buffers the caller keeps alive, apart)."""
+        def codegen(context, builder, sig, args):
+            i8p = ir.IntType(8).as_pointer()
+            d = builder.inttoptr(args[0], i8p)
+            s = builder.inttoptr(args[1], i8p)
+            cgutils.raw_memcpy(builder, d, s, args[2], 1)
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64, types.int64), codegen
+
+    @intrinsic
+    def _i64_at(typingctx, addr):
+        """The int64 at an address (unaligned: chunk values sit on 2-byte node boundaries)."""
+        def codegen(context, builder, sig, args):
+            ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+            return builder.load(ptr, align=1)
+        return types.int64(types.int64), codegen
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _u16(mem, pos):  # pragma: no cover - compiled
+        return np.int64(mem[pos]) | (np.int64(mem[pos + 1]) << 8)
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _key(mem, pos):  # pragma: no cover - compiled
+        v = np.uint64(0)
+        for j in range(8):
+            v = (v << np.uint64(8)) | np.uint64(mem[pos + j])
+        return v
+
+    @numba.njit(nogil=True, cache=True)
+    def leaf_spans(mem, psize, root, offs, lens, info):  # pragma: no cover - compiled
+        """Every value of the tree under page `root`, in key order: (status, values), their
+        offsets in `mem` in offs[:values] and sizes in lens. Status 0; 1 a page lies past the
+        mapping (remap, retry); 2 a layout chunks never use (a value in overflow pages, a page
+        of another kind); 3 damaged (info: the page and the reason, pages.REASONS; reason 8:
+        more values than the database counts). Every page is checked whole (`check_page`:
+        node pointers, node sizes, keys in order and inside the range its parent gives)."""
+        limit = mem.shape[0]
+        st_pg = np.zeros(64, dtype=np.int64)
+        st_slot = np.zeros(64, dtype=np.int64)
+        st_n = np.zeros(64, dtype=np.int64)
+        st_lb = np.zeros(64, dtype=np.uint64)
+        st_ub = np.zeros(64, dtype=np.uint64)
+        st_hlb = np.zeros(64, dtype=np.bool_)
+        st_hub = np.zeros(64, dtype=np.bool_)
+        depth = 0
+        count = 0
+        pg = root
+        lb, hlb, ub, hub = np.uint64(0), False, np.uint64(0), False
+        while True:
+            base = pg * psize
+            if base + psize > limit:
+                return 1, count
+            own = np.uint64(0)
+            for j in range(8):
+                own |= np.uint64(mem[base + j]) << np.uint64(8 * j)
+            if own != np.uint64(pg):
+                info[0], info[1] = pg, 1
+                return 3, count
+            flags = _u16(mem, base + 10) & 0x3FEF
+            lower = _u16(mem, base + 12)
+            upper = _u16(mem, base + 14)
+            if lower < 18 or lower > upper or upper > psize or (lower & 1):
+                info[0], info[1] = pg, 3
+                return 3, count
+            n = (lower - 16) >> 1
+            if flags == 1:  # a branch: checked whole, then its children in order
+                if psize - upper != 8 + 16 * (n - 1):
+                    info[0], info[1] = pg, 4
+                    return 3, count
+                st = check_page(mem, base, psize, upper, n, False, 0, lb, hlb, ub, hub, info, pg)
+                if st != 0:
+                    return st, count
+                if depth == 64:  # deeper than any tree of 2^64 keys: a cycle
+                    info[0], info[1] = pg, 5
+                    return 3, count
+                st_pg[depth], st_slot[depth], st_n[depth] = pg, 0, n
+                st_lb[depth], st_hlb[depth], st_ub[depth], st_hub[depth] = lb, hlb, ub, hub
+                depth += 1
+            elif flags == 2:  # a leaf: equal-sized nodes, values inline
+                first = base + _u16(mem, base + 16)
+                if first < base + upper or first + 16 > base + psize:
+                    info[0], info[1] = pg, 5
+                    return 3, count
+                if _u16(mem, first + 4) & 1:
+                    return 2, count
+                dsize = _u16(mem, first) | (_u16(mem, first + 2) << 16)
+                align = (8 + _u16(mem, first + 6) + dsize + 1) & ~1
+                if psize - upper != n * align:
+                    info[0], info[1] = pg, 4
+                    return 3, count
+                st = check_page(mem, base, psize, upper, n, True, align, lb, hlb, ub, hub, info, pg)
+                if st != 0:
+                    return st, count
+                if count + n > offs.shape[0]:
+                    info[0], info[1] = pg, 8
+                    return 3, count
+                for s in range(n):
+                    node = base + _u16(mem, base + 16 + 2 * s)
+                    offs[count] = node + 16
+                    lens[count] = _u16(mem, node) | (_u16(mem, node + 2) << 16)
+                    count += 1
+            else:
+                return 2, count
+            while depth > 0 and st_slot[depth - 1] == st_n[depth - 1]:
+                depth -= 1
+            if depth == 0:
+                return 0, count
+            t = depth - 1
+            s = st_slot[t]
+            st_slot[t] = s + 1
+            bb = st_pg[t] * psize
+            node = bb + _u16(mem, bb + 16 + 2 * s)
+            pg = _u16(mem, node) | (_u16(mem, node + 2) << 16) | (_u16(mem, node + 4) << 32)
+            if s > 0:  # the child's range: [its key, the next key)
+                lb, hlb = _key(mem, node + 8), True
+            else:
+                lb, hlb = st_lb[t], st_hlb[t]
+            if s + 1 < st_n[t]:
+                ub, hub = _key(mem, bb + _u16(mem, bb + 16 + 2 * (s + 1)) + 8), True
+            else:
+                ub, hub = st_ub[t], st_hub[t]
+
+    @numba.njit(nogil=True, cache=True)
+    def seal_chunk(out, at, fill, cap, rb):  # pragma: no cover - compiled
+        """Close the chunk at out[at:] holding `fill` rows: unused slots zeroed, then its head
+        (count, capacity, the check over its ids)."""
+        ids0 = at + HEAD
+        for b in range(ids0 + 8 * fill, ids0 + 8 * cap):
+            out[b] = 0
+        for b in range(ids0 + 8 * cap + fill * rb, ids0 + cap * (8 + rb)):
+            out[b] = 0
+        ids = out[ids0 : ids0 + 8 * cap].view(np.int64)
+        chk = check_row(np.uint64(ids[0]), ids.view(np.uint32))
+        for j in range(4):
+            out[at + j] = np.uint8((fill >> (8 * j)) & 0xFF)
+            out[at + 4 + j] = np.uint8((cap >> (8 * j)) & 0xFF)
+            out[at + 8 + j] = np.uint8((chk >> np.uint32(8 * j)) & np.uint32(0xFF))
+            out[at + 12 + j] = 0
+
+    @numba.njit(nogil=True, cache=True)
+    def _open_old(mem, offs, lens, c, cap, vb, last):  # pragma: no cover - compiled
+        """Chunk c's row count after checking its size, count, ids' check and id order (all
+        above `last`), or -1 when it is damaged."""
+        off = offs[c]
+        if lens[c] != vb:
+            return -1
+        count = np.int64(mem[off]) | (np.int64(mem[off + 1]) << 8) | \
+            (np.int64(mem[off + 2]) << 16) | (np.int64(mem[off + 3]) << 24)
+        if count < 1 or count > cap:
+            return -1
+        ids = mem[off + HEAD : off + HEAD + 8 * cap].view(np.int64)
+        chk = np.uint32(mem[off + 8]) | (np.uint32(mem[off + 9]) << np.uint32(8)) | \
+            (np.uint32(mem[off + 10]) << np.uint32(16)) | (np.uint32(mem[off + 11]) << np.uint32(24))
+        if check_row(np.uint64(ids[0]), ids.view(np.uint32)) != chk:
+            return -1
+        prev = last
+        for j in range(count):
+            if ids[j] <= prev:
+                return -1
+            prev = ids[j]
+        return count
+
+    @numba.njit(nogil=True, cache=True)
+    def merge_into(mem, offs, lens, ids, recs, words, hi, cap, w, verify, out, state
+                   ):  # pragma: no cover - compiled
+        """Merge the old chunks offs[state C:] (values in `mem`) with the batch rows
+        ids[state I : hi] (records recs, their words `words`) into whole chunks of `out` (flat,
+        `out.size // value bytes` chunks; the first holds state FILL rows already): each id's
+        newest record, a batch row before an old one. Stops when `out` is full or both are
+        used up; `state` says where it stopped. Returns (chunks sealed, status, at): status 0;
+        1 old chunk `at` is damaged (size, count, ids' check or order); 2 the old record of id
+        `at` failed its check; 3 batch row `at`'s record failed its check."""
+        rb = 4 * (w + 1)
+        vb = HEAD + cap * (8 + rb)
+        r0 = HEAD + 8 * cap
+        m = out.shape[0] // vb
+        nc = offs.shape[0]
+        c, cpos, i, last, fill = state[0], state[1], state[2], state[3], state[4]
+        m_at, o_at, r_at = mem.ctypes.data, out.ctypes.data, recs.ctypes.data
+        oc = 0
+        count = 0
+        if c < nc:
+            count = _open_old(mem, offs, lens, c, cap, vb, last if cpos == 0 else np.int64(-1))
+            if count < 0:
+                return 0, 1, c
+        status, at = 0, 0
+        while oc < m:
+            has_old = c < nc
+            oid = np.int64(0)
+            if has_old:
+                oid = _i64_at(m_at + offs[c] + HEAD + 8 * cpos)
+            if i < hi and (not has_old or ids[i] <= oid):
+                x = ids[i]
+                if verify and check_row(np.uint64(x), words[i, :w]) != words[i, w]:
+                    status, at = 3, i
+                    break
+                _copy(o_at + oc * vb + r0 + fill * rb, r_at + i * rb, rb)
+                i += 1
+                skip = has_old and oid == x  # the batch's row replaces the old one
+            elif has_old:
+                x = oid
+                src = offs[c] + r0 + cpos * rb
+                if verify:
+                    rec = mem[src : src + rb].view(np.uint32)
+                    if check_row(np.uint64(x), rec[:w]) != rec[w]:
+                        status, at = 2, x
+                        break
+                _copy(o_at + oc * vb + r0 + fill * rb, m_at + src, rb)
+                skip = True
+            else:
+                break
+            if skip:  # the old row is consumed
+                last = oid
+                cpos += 1
+                if cpos == count:
+                    c += 1
+                    cpos = 0
+                    if c < nc:
+                        count = _open_old(mem, offs, lens, c, cap, vb, last)
+                        if count < 0:
+                            status, at = 1, c
+                            break
+            p = oc * vb + HEAD + 8 * fill
+            for b in range(8):
+                out[p + b] = np.uint8((x >> (8 * b)) & 0xFF)
+            fill += 1
+            if fill == cap:
+                seal_chunk(out, oc * vb, fill, cap, rb)
+                oc += 1
+                fill = 0
+        state[0], state[1], state[2], state[3], state[4] = c, cpos, i, last, fill
+        return oc, status, at
+
+
+@dataclass(frozen=True)
+class MergeStats:
+    """What one `ChunkLevel.merge` did: rows of the batch, old rows read, rows written, ranges."""
+
+    batch_rows: int
+    old_rows: int
+    rows_written: int
+    chunks_written: int
+    ranges_rewritten: int
+    ranges_kept: int
+
+
+class ChunkLevel:
+    """One table's rows as page chunks in ranges of LMDB databases, merged with sorted batches."""
+
+    def __init__(self, env: lmdb.Environment, table: str, row_dim: int, prefix: str,
+                 range_rows: int = RANGE_ROWS, window: int = WINDOW) -> None:
+        if not HAVE_NUMBA:  # pragma: no cover - numba is a hard dependency
+            raise TierstoreError("page-chunk merges need numba")
+        if range_rows < 1 or window < 1:
+            raise TierstoreError("a chunk level needs range_rows >= 1 and window >= 1")
+        self.env, self.table, self.row_dim = env, table, int(row_dim)
+        self.record_bytes = 4 * self.row_dim + 4
+        self.cap = capacity(self.record_bytes)
+        self.vb = value_bytes(self.record_bytes)
+        self.prefix, self.range_rows, self.window = prefix, int(range_rows), int(window)
+        self.bounds: list[int] = [0]  # range r holds the ids in [bounds[r], bounds[r + 1])
+        self.names: list[bytes | None] = [None]  # None: an empty range (no database yet)
+        self._dbs: dict[bytes, object] = {}
+        self._seq = 0
+        self.reader = PageReader(Path(env.path()) / "data.mdb", int(env.stat()["psize"]))
+        # called inside each range's publishing transaction with the bounds and names after it
+        self.on_publish: Callable[[lmdb.Transaction, list[int], list[bytes | None]], None] | None = None
+
+    def rows(self) -> int:
+        """Rows stored in the level."""
+        with self.env.begin() as txn:
+            return sum(self._count(txn, name) for name in self.names)
+
+    def _count(self, txn: lmdb.Transaction, name: bytes | None) -> int:
+        """Rows of range `name`: every chunk is full but its last."""
+        if name is None:
+            return 0
+        entries, _ = self._record(txn, name)
+        if not entries:
+            return 0
+        cur = txn.cursor(db=self._dbs[name])
+        cur.last()
+        return (entries - 1) * self.cap + int(np.frombuffer(cur.value()[:4], dtype=np.uint32)[0])
+
+    def _record(self, txn: lmdb.Transaction, name: bytes) -> tuple[int, int]:
+        """(entries, root page) of database `name` in `txn`'s snapshot."""
+        rec = txn.get(name)
+        if rec is None or len(rec) != _MDB_DB.size:
+            raise StoreCorruptError(f"table {self.table!r}: the chunk range {name!r} is missing")
+        fields = _MDB_DB.unpack(rec)
+        return int(fields[6]), int(fields[7])
+
+    def _leaves(self, txn: lmdb.Transaction, name: bytes | None) -> tuple[np.ndarray, np.ndarray,
+                                                                           np.ndarray]:
+        """(mapping, offsets, sizes) of every chunk of range `name`, in id order, in place."""
+        empty = np.zeros(0, dtype=np.int64)
+        if name is None:
+            return np.zeros(0, dtype=np.uint8), empty, empty
+        entries, root = self._record(txn, name)
+        offs = np.zeros(entries, dtype=np.int64)
+        lens = np.zeros(entries, dtype=np.int64)
+        if root == _P_INVALID:
+            if entries:
+                raise StoreCorruptError(f"table {self.table!r}: chunk range {name!r} has no root")
+            return np.zeros(0, dtype=np.uint8), empty, empty
+        info = np.zeros(2, dtype=np.int64)
+        for remap in (False, True):
+            mem = self.reader.mapping(remap)
+            if mem is None:
+                raise StoreCorruptError(f"{self.reader.path}: the data file cannot be mapped")
+            status, count = leaf_spans(mem, self.reader.psize, root, offs, lens, info)
+            if status == 0 and count == entries:
+                return mem, offs, lens
+            if status == 1:
+                continue
+            why = REASONS.get(int(info[1]), "more values than its database counts") \
+                if status == 3 else "a layout chunks never use" if status == 2 else \
+                f"{count} chunks where its database counts {entries}"
+            raise StoreCorruptError(f"{self.reader.path}: chunk range {name!r} of table "
+                                    f"{self.table!r}, page {int(info[0])}: {why}")
+        raise StoreCorruptError(f"{self.reader.path}: a page of chunk range {name!r} lies past "
+                                f"the file's end")
+
+    def _new_db(self, txn: lmdb.Transaction) -> bytes:
+        while True:
+            name = f"{self.prefix}.{self._seq}".encode()
+            self._seq += 1
+            if txn.get(name) is None:
+                self._dbs[name] = self.env.open_db(name, txn=txn)
+                return name
+
+    def merge(self, ids: np.ndarray, records: np.ndarray, verify: bool = True) -> MergeStats:
+        """Merge sorted distinct rows (ids int64 [n] >= 0, records uint8 [n, record bytes]) into
+        the level: every id's newest record, each touched range rewritten into a fresh database."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        records = np.ascontiguousarray(records)
+        n = len(ids)
+        if ids.ndim != 1 or records.dtype != np.uint8 or records.shape != (n, self.record_bytes):
+            raise TierstoreError(f"a merge takes ids [n] and records uint8 [n, {self.record_bytes}], "
+                                 f"got {ids.shape} and {records.dtype} {records.shape}")
+        if n and (int(ids[0]) < 0 or not bool(np.all(ids[1:] > ids[:-1]))):
+            raise TierstoreError("a merge's ids must be non-negative, increasing and distinct")
+        words = records.view(np.uint32)
+        cuts = np.searchsorted(ids, np.array(self.bounds[1:], dtype=np.int64)).tolist()
+        cuts = [0, *cuts, n]
+        totals = np.zeros(3, dtype=np.int64)  # old rows, rows written, chunks written
+        rewritten = kept = 0
+        r = 0
+        while r < len(self.names):
+            lo, hi = cuts[r], cuts[r + 1]
+            if lo == hi:
+                kept += 1
+                r += 1
+                continue
+            made = self._rewrite(r, ids, records, words, lo, hi, verify, totals)
+            cuts[r + 1 : r + 1] = [hi] * (len(made) - 1)  # new ranges take no more of the batch
+            r += len(made)
+            rewritten += 1
+        return MergeStats(n, int(totals[0]), int(totals[1]), int(totals[2]), rewritten, kept)
+
+    def _rewrite(self, r: int, ids: np.ndarray, records: np.ndarray, words: np.ndarray,
+                 lo: int, hi: int, verify: bool, totals: np.ndarray) -> list[int]:
+        """Range r merged with batch rows [lo, hi) into fresh databases (one a `range_rows`),
+        the old one dropped in the last one's transaction; returns the new ranges' indexes."""
+        env, cap, vb = self.env, self.cap, self.vb
+        old = self.names[r]
+        out = np.empty(self.window * vb, dtype=np.uint8)
+        state = np.array([0, 0, lo, -1, 0], dtype=np.int64)
+        bounds, names = [self.bounds[r]], [None]  # None: opened by the next write transaction
+        in_db = 0  # rows in the newest output database
+        with env.begin() as rtxn:  # the old range's pages stay put while it is open
+            mem, offs, lens = self._leaves(rtxn, old)
+            had = self._count(rtxn, old)
+            totals[0] += had
+            nc = len(offs)
+            # a range grown past twice its size is cut into parts of about `range_rows`
+            est = had + hi - lo
+            parts = -(-est // self.range_rows) if est > 2 * self.range_rows else 1
+            target = -(-est // parts)
+            while True:
+                made, status, at = merge_into(mem, offs, lens, ids, records, words, hi, cap,
+                                              self.row_dim, verify, out, state)
+                if status:
+                    self._fail(old, status, at, ids)
+                done = state[_C] == nc and state[_I] == hi
+                fill = int(state[_FILL])
+                roll = not done and in_db + made * cap >= target
+                full = made  # (an open chunk is never the buffer's last: that one was sealed)
+                if (done or roll) and fill:  # a range's last chunk may be short
+                    seal_chunk(out, made * vb, fill, cap, self.record_bytes)
+                    full = made + 1
+                    state[_FILL] = 0
+                with env.begin(write=True) as txn:
+                    if names[-1] is None:
+                        names[-1] = self._new_db(txn)
+                    db = self._dbs[names[-1]]
+                    if full:
+                        chunks = out[: full * vb].reshape(full, vb)
+                        firsts = chunks[:, HEAD : HEAD + 8].copy().view(np.int64).ravel()
+                        _, added = txn.cursor(db=db).putmulti(
+                            list(zip(encode_keys(firsts), chunks)), append=True)
+                        if added != full:
+                            raise StoreCorruptError(f"table {self.table!r}: a chunk was refused "
+                                                    f"by its fresh range (out of id order)")
+                    if done:  # the range's new databases replace its old one, in one commit
+                        new_bounds = self.bounds[:r] + bounds + self.bounds[r + 1 :]
+                        new_names = self.names[:r] + names + self.names[r + 1 :]
+                        if old is not None:
+                            txn.drop(self._dbs.pop(old), delete=True)
+                        if self.on_publish is not None:
+                            self.on_publish(txn, list(new_bounds), list(new_names))
+                if done:
+                    self.bounds, self.names = new_bounds, new_names
+                rows = made * cap + (fill if full > made else 0)
+                totals[1] += rows
+                totals[2] += full
+                in_db += rows
+                if full == made and made and fill:  # the open chunk moves to the buffer's front
+                    out[:vb] = out[made * vb : (made + 1) * vb]
+                if done:
+                    return list(range(r, r + len(names)))
+                if roll:  # the next rows go to a range of their own
+                    bounds.append(self._next_id(mem, offs, ids, state, hi))
+                    names.append(None)
+                    in_db = 0
+
+    def _next_id(self, mem: np.ndarray, offs: np.ndarray, ids: np.ndarray, state: np.ndarray,
+                 hi: int) -> int:
+        """The smallest id the merge has yet to write (the next output range's bound)."""
+        nxt = []
+        if state[_I] < hi:
+            nxt.append(int(ids[state[_I]]))
+        if state[_C] < len(offs):
+            at = int(offs[state[_C]]) + HEAD + 8 * int(state[_CPOS])
+            nxt.append(int(mem[at : at + 8].view(np.int64)[0]))
+        return min(nxt)
+
+    def _fail(self, old: bytes | None, status: int, at: int, ids: np.ndarray) -> None:
+        if status == 3:
+            raise TierstoreError(f"table {self.table!r}: the record of row {int(ids[at])} given to "
+                                 f"the merge fails its checksum")
+        if status == 2:
+            raise StoreCorruptError(f"table {self.table!r}: row {at} failed its checksum in chunk "
+                                    f"range {old!r}; the store file is damaged")
+        raise StoreCorruptError(f"table {self.table!r}: chunk {at} of range {old!r} is damaged "
+                                f"(its size, count or ids)")
+
+    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows float32 [n, row_dim], found bool [n]) of sorted distinct `ids`, checksums verified."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        n = len(ids)
+        if n and (int(ids[0]) < 0 or not bool(np.all(ids[1:] > ids[:-1]))):
+            raise TierstoreError("a chunk level reads sorted, distinct, non-negative ids")
+        rows = np.zeros((n, self.row_dim), dtype=np.float32)
+        found = np.zeros(n, dtype=bool)
+        cuts = [0, *np.searchsorted(ids, np.array(self.bounds[1:], dtype=np.int64)).tolist(), n]
+        with self.env.begin() as txn:
+            for r, name in enumerate(self.names):
+                lo, hi = cuts[r], cuts[r + 1]
+                if name is None or lo == hi:
+                    continue
+                got = lookup(self.reader, txn, name, self.table, ids[lo:hi], self.row_dim)
+                if got is None:
+                    raise StoreCorruptError(f"table {self.table!r}: chunk range {name!r} holds a "
+                                            f"layout chunks never use")
+                rows[lo:hi], found[lo:hi] = got
+        return rows, found
