@@ -421,11 +421,26 @@ class ChunkLevel:
                  lo: int, hi: int, verify: bool, totals: np.ndarray) -> list[int]:
         """Range r merged with batch rows [lo, hi) into fresh databases (one a `range_rows`),
         the old one dropped in the last one's transaction; returns the new ranges' indexes."""
-        env, cap, vb = self.env, self.cap, self.vb
+        env = self.env
         old = self.names[r]
+        bounds, names = [self.bounds[r]], [None]  # None: opened by the next write transaction
+        try:
+            return self._write_range(r, old, ids, records, words, lo, hi, verify, totals, bounds,
+                                     names)
+        except BaseException:  # the fresh databases of a merge cut short go: nothing changed
+            with env.begin(write=True) as txn:
+                for name in names:
+                    if name is not None and name in self._dbs:
+                        txn.drop(self._dbs.pop(name), delete=True)
+            raise
+
+    def _write_range(self, r: int, old: bytes | None, ids: np.ndarray, records: np.ndarray,
+                     words: np.ndarray, lo: int, hi: int, verify: bool, totals: np.ndarray,
+                     bounds: list[int], names: list[bytes | None]) -> list[int]:
+        """`_rewrite`'s pass: the new databases' names and bounds go into `names` and `bounds`."""
+        env, cap, vb = self.env, self.cap, self.vb
         out = np.empty(self.window * vb, dtype=np.uint8)
         state = np.array([0, 0, lo, -1, 0], dtype=np.int64)
-        bounds, names = [self.bounds[r]], [None]  # None: opened by the next write transaction
         in_db = 0  # rows in the newest output database
         with env.begin() as rtxn:  # the old range's pages stay put while it is open
             mem, offs, lens = self._leaves(rtxn, old)
@@ -465,11 +480,12 @@ class ChunkLevel:
                         new_bounds = self.bounds[:r] + bounds + self.bounds[r + 1 :]
                         new_names = self.names[:r] + names + self.names[r + 1 :]
                         if old is not None:
-                            txn.drop(self._dbs.pop(old), delete=True)
+                            txn.drop(self._dbs[old], delete=True)
                         if self.on_publish is not None:
                             self.on_publish(txn, list(new_bounds), list(new_names))
                 if done:
                     self.bounds, self.names = new_bounds, new_names
+                    self._dbs.pop(old, None)
                 rows = made * cap + (fill if full > made else 0)
                 totals[1] += rows
                 totals[2] += full

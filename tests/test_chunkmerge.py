@@ -1,0 +1,249 @@
+"""Merges of sorted rows into a level of page chunks (backends/chunkmerge.py) on real LMDB files:
+the level reads as a dict updated by every batch, ranges split and drop their old databases,
+and damage or bad input is an error that changes nothing."""
+
+from __future__ import annotations
+
+import struct
+
+import lmdb
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from tests.profiles import examples
+from tierstore.backends import pagechunks
+from tierstore.backends.chunkmerge import ChunkLevel
+from tierstore.backends.lmdb_common import encode_keys
+from tierstore.backends.record import seal
+from tierstore.errors import StoreCorruptError, TierstoreError
+
+TOP = 1 << 40
+
+
+def _env(path):
+    return lmdb.open(str(path), map_size=1 << 30, max_dbs=64, sync=False, metasync=False)
+
+
+def _rows(ids: np.ndarray, w: int, gen: int) -> np.ndarray:
+    return (ids[:, None] % 100_003 * 10 + np.arange(w) + 1000 * gen).astype(np.float32)
+
+
+def _merge(level: ChunkLevel, ref: dict, ids, gen: int, verify: bool = True):
+    ids = np.array(sorted(set(ids)), dtype=np.int64)
+    rows = _rows(ids, level.row_dim, gen)
+    stats = level.merge(ids, seal(ids, rows), verify=verify)
+    ref.update(zip(ids.tolist(), rows))
+    return stats
+
+
+def _named(level: ChunkLevel) -> set:
+    """The level's databases in its environment."""
+    with level.env.begin() as txn:
+        return {k for k, _ in txn.cursor() if k.startswith(level.prefix.encode() + b".")}
+
+
+def _check(level: ChunkLevel, ref: dict, probes=()) -> None:
+    """Every stored id reads its newest row; other ids read as absent."""
+    q = np.array(sorted(set(ref) | set(probes)), dtype=np.int64)
+    rows, found = level.get(q)
+    assert found.tolist() == [int(x) in ref for x in q]
+    for x, row in zip(q[found].tolist(), rows[found]):
+        assert np.array_equal(row, ref[x])
+    assert not rows[~found].any()
+    assert level.rows() == len(ref)
+    # the level's databases are all that is left: every old range was dropped
+    assert _named(level) == {n for n in level.names if n is not None}
+    assert level.bounds[0] == 0 and all(a < b for a, b in zip(level.bounds, level.bounds[1:]))
+
+
+ids_st = st.one_of(st.integers(0, 300), st.integers(TOP - 300, TOP), st.integers(0, TOP))
+batch_st = st.lists(ids_st, max_size=400)
+
+
+@settings(max_examples=examples(0.5), deadline=None)
+@given(batches=st.lists(batch_st, min_size=1, max_size=6), w=st.sampled_from([1, 5, 65]),
+       range_rows=st.sampled_from([1, 40, 150, 10_000]), window=st.sampled_from([1, 2, 5, 64]),
+       verify=st.booleans(), data=st.data())
+@example(batches=[list(range(0, 62 * 3)), list(range(61, 62 * 4, 2)), [], [0, TOP]], w=5,
+         range_rows=62, window=1, verify=True, data=None)
+@example(batches=[list(range(7)), list(range(7, 14)), list(range(14)), list(range(6, 8))], w=65,
+         range_rows=7, window=1, verify=False, data=None)
+def test_merges_read_like_a_dict(tmp_path_factory, batches, w, range_rows, window, verify, data):
+    """Any sequence of merges (new ids, updated ids, ids at both ends, empty batches, batches
+    that fill chunks exactly) leaves a level that reads as a dict updated by each batch in turn."""
+    env = _env(tmp_path_factory.mktemp("cm"))
+    level = ChunkLevel(env, "t", w, "t", range_rows=range_rows, window=window)
+    published = []
+    level.on_publish = lambda txn, bounds, names: published.append((bounds, names))
+    ref: dict = {}
+    for gen, batch in enumerate(batches):
+        before = list(level.names)
+        stats = _merge(level, ref, batch, gen, verify)
+        assert stats.batch_rows == len(set(batch))
+        assert stats.rows_written >= stats.batch_rows
+        assert stats.ranges_rewritten + stats.ranges_kept == len(before)
+        if not batch:
+            assert level.names == before and stats.rows_written == 0
+        if published:
+            assert published[-1] == (level.bounds, level.names)
+        probes = data.draw(st.lists(ids_st, max_size=50)) if data is not None else [1, TOP - 1]
+        _check(level, ref, probes)
+
+
+def test_chunks_are_full_and_ranges_split(tmp_path):
+    """Every chunk of a range is full but its last; a range grown past twice `range_rows` is cut
+    into parts of about `range_rows`; a range the batch does not touch keeps its database."""
+    env = _env(tmp_path)
+    w = 5
+    cap = pagechunks.capacity(4 * w + 4)
+    level = ChunkLevel(env, "t", w, "t", range_rows=1000, window=3)
+    ref: dict = {}
+    _merge(level, ref, range(0, 10_000, 2), 0)
+    assert len(level.names) == 5  # 5,000 rows in ranges of ~1,000
+    _merge(level, ref, range(1, 1000, 2), 1)  # 500 more rows into the first range only
+    stats = _merge(level, ref, range(9001, 9004, 2), 2)
+    assert stats.ranges_rewritten == 1 and stats.ranges_kept == len(level.names) - 1
+    assert stats.old_rows < 1100 and stats.rows_written == stats.old_rows + 2
+    short = 0
+    with env.begin() as txn:
+        for name in level.names:
+            db = env.open_db(name, txn=txn, create=False)
+            vals = [np.frombuffer(v, dtype=np.uint8) for _, v in txn.cursor(db=db)]
+            counts = [int(v[:4].view(np.uint32)[0]) for v in vals]
+            assert all(c == cap for c in counts[:-1]) and 0 < counts[-1] <= cap
+            # a short chunk's unused slots are zeros (not the buffer's last contents)
+            k, ids = counts[-1], vals[-1][pagechunks.HEAD :]
+            assert not ids[8 * k : 8 * cap].any() and not ids[8 * cap + k * (4 * w + 4) :].any()
+            short += k < cap
+    assert short
+    _check(level, ref)
+
+
+def _damage(env, level: ChunkLevel, at: int, last: bool = False) -> None:
+    """Flip a byte `at` into the second chunk of the level's first range (or its last chunk)."""
+    with env.begin(write=True) as txn:
+        db = env.open_db(level.names[0], txn=txn, create=False)
+        cur = txn.cursor(db=db)
+        if last:
+            cur.last()
+        else:
+            cur.first()
+            cur.next()
+        key, val = cur.key(), bytearray(cur.value())
+        val[at] ^= 0x10
+        txn.put(key, bytes(val), db=db)
+
+
+@pytest.mark.parametrize("where", ["record", "id", "last id", "count"])
+def test_damage_is_found_by_the_merge_or_the_read(tmp_path, where):
+    """A damaged id or count stops the merge (it must not be sealed under a fresh check) and
+    changes nothing; a damaged record stops a verifying merge, and a merge that copies it blind
+    keeps it damaged: the next read of its row fails."""
+    env = _env(tmp_path)
+    w = 5
+    cap = pagechunks.capacity(4 * w + 4)
+    level = ChunkLevel(env, "t", w, "t", range_rows=10_000, window=1)  # a commit a chunk
+    ref: dict = {}
+    _merge(level, ref, range(0, 2000, 2), 0)
+    # the second chunk holds ids 2 cap .. 4 cap - 2; its first record is row 2 cap's
+    # (the range's very last id made larger still breaks no order: only the ids' check sees it)
+    at = {"record": pagechunks.HEAD + 8 * cap + 5, "id": pagechunks.HEAD + 8 * 3, "count": 1,
+          "last id": pagechunks.HEAD + 8 * (1000 % cap - 1) + 6}[where]
+    _damage(env, level, at, last=where == "last id")
+    names = list(level.names)
+    with pytest.raises(StoreCorruptError):
+        _merge(level, {}, [1, 3], 1, verify=True)
+    assert level.names == names and _named(level) == set(names)  # the merge's fresh range went
+    if where == "record":
+        _merge(level, ref, [1, 3], 1, verify=False)
+        with pytest.raises(StoreCorruptError):
+            level.get(np.array([2 * cap]))
+        rows, found = level.get(np.array([0, 3, 2 * cap + 2]))  # the rows around it still read
+        assert found.all() and np.array_equal(rows[1], ref[3])
+    else:
+        with pytest.raises(StoreCorruptError):
+            _merge(level, {}, [1, 3], 1, verify=False)
+
+
+def test_a_damaged_page_stops_the_walk(tmp_path):
+    """A leaf page whose node area no longer tiles (its mp_upper flipped) is a StoreCorruptError
+    naming the page, before any row is merged."""
+    env = _env(tmp_path)
+    level = ChunkLevel(env, "t", 5, "t")
+    _merge(level, {}, range(0, 5000, 3), 0)
+    env.sync()
+    with env.begin() as txn:
+        root = struct.unpack("<IHHQQQQQ", txn.get(level.names[0]))[-1]
+    path = tmp_path / "data.mdb"
+    with open(path, "r+b") as f:  # the range's root page: its mp_upper below its mp_lower
+        f.seek(root * 4096 + 14)
+        f.write(b"\x10\x00")
+    with pytest.raises(StoreCorruptError, match=r"page \d+"):
+        _merge(level, {}, [1], 1)
+
+
+def test_a_leaf_out_of_order_stops_the_walk(tmp_path):
+    """A leaf whose node pointers are swapped (its keys out of order) is found by the page check
+    of the walk, naming the page, not later by a chunk's id order."""
+    env = _env(tmp_path)
+    level = ChunkLevel(env, "t", 5, "t")
+    _merge(level, {}, range(0, 5000, 3), 0)
+    env.sync()
+    with env.begin() as txn:
+        root = struct.unpack("<IHHQQQQQ", txn.get(level.names[0]))[-1]
+    path = tmp_path / "data.mdb"
+    with open(path, "r+b") as f:
+        f.seek(root * 4096)
+        page = f.read(4096)
+        node = struct.unpack_from("<H", page, 16)[0]  # the root's first child: a leaf
+        lo, hi, top = struct.unpack_from("<HHH", page, node)
+        leaf = lo | hi << 16 | top << 32
+        f.seek(leaf * 4096 + 16)
+        a, b = struct.unpack("<HH", f.read(4))
+        f.seek(leaf * 4096 + 16)
+        f.write(struct.pack("<HH", b, a))
+    with pytest.raises(StoreCorruptError, match=rf"page {leaf}: keys out of order"):
+        _merge(level, {}, [1], 1)
+
+
+def test_bad_input_is_refused_and_changes_nothing(tmp_path):
+    env = _env(tmp_path)
+    w = 5
+    level = ChunkLevel(env, "t", w, "t")
+    ref: dict = {}
+    _merge(level, ref, range(100), 0)
+    names = list(level.names)
+    ids = np.array([5, 3], dtype=np.int64)
+    for bad_ids, recs in [(ids, seal(ids, _rows(ids, w, 1))),  # out of order
+                          (np.array([3, 3]), seal(np.array([3, 3]), _rows(np.array([3, 3]), w, 1))),
+                          (np.array([-1, 3]), seal(np.array([-1, 3]), _rows(np.array([-1, 3]), w, 1))),
+                          (np.array([3]), seal(np.array([3, 4]), _rows(np.array([3, 4]), w, 1))),
+                          (np.array([3]), np.zeros((1, 4 * w), dtype=np.uint8))]:
+        with pytest.raises(TierstoreError):
+            level.merge(bad_ids, recs)
+    recs = seal(np.array([3, 4]), _rows(np.array([3, 4]), w, 1))
+    recs[1, 0] ^= 1  # a record that fails its checksum is refused by a verifying merge
+    with pytest.raises(TierstoreError, match="checksum"):
+        level.merge(np.array([3, 4]), recs)
+    with pytest.raises(TierstoreError):
+        level.get(np.array([4, 3]))
+    with pytest.raises(TierstoreError):
+        ChunkLevel(env, "t", w, "u", range_rows=0)
+    assert level.names == names
+    _check(level, ref)
+
+
+def test_keys_are_the_chunks_first_ids(tmp_path):
+    """Each chunk is stored under its first id (the floor search depends on it)."""
+    env = _env(tmp_path)
+    level = ChunkLevel(env, "t", 17, "t", range_rows=100, window=2)
+    _merge(level, {}, range(0, 3000, 7), 0)
+    _merge(level, {}, range(3, 3000, 11), 1)
+    with env.begin() as txn:
+        for name in level.names:
+            db = env.open_db(name, txn=txn, create=False)
+            for key, val in txn.cursor(db=db):
+                first = np.frombuffer(val[pagechunks.HEAD : pagechunks.HEAD + 8], dtype=np.int64)
+                assert key == encode_keys(first)[0]
