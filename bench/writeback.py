@@ -42,6 +42,17 @@ One store of `--tables` x `--rows` populated rows (dim 64 + row-wise Adagrad: 66
   of a run write, whole chunks put with `MDB_APPEND` (commits `pwrite` heap pages, or a
   writable map), into a fresh file and into pages freed before. `--lsm-only` runs these and
   `log_append` alone.
+- `chunks_*` (issue 36's format 4, `tierstore/backends/chunkmerge.py`, not yet the store's): a
+  base of `--chunks-table` rows of page-sized chunks in ranges of `--chunks-range` rows
+  (`chunks_base_write`); `--chunks-cycles` times, `--chunks-run` uniform random rows of the table
+  appended to a log as the writer's sink does (`chunks_append`: `pack_log` and `MDB_APPEND`, no
+  index), read back as one sorted batch of each id's newest record, verified (`chunks_sort`), and
+  merged into the base by a sequential rewrite of every range the batch touches (`chunks_merge`,
+  the log's chunks deleted after it; `copied/fed`: rows written a row fed, T / N).
+  `chunks_steady` is the three on one core, per row fed, with the files' peak (base and log) and
+  the base's own pages after the last merge (a closed store's, compacted) against the raw rows.
+  `--chunks-only` runs them with the B-tree's page-write floor of the same merge
+  (`floor_<N>_into_<T>`) beside them.
 """
 
 from __future__ import annotations
@@ -61,9 +72,11 @@ import torch
 
 from tierstore import RowWiseAdagrad, TableSpec, TierStore
 from tierstore.backends import runs, wal
-from tierstore.backends.chunk_kernels import pack_log
+from tierstore.backends.chunk_kernels import gather_records, pack_log
+from tierstore.backends.chunkmerge import RANGE_ROWS, ChunkLevel
 from tierstore.backends.lmdb_backend import encode_keys
 from tierstore.backends.record import seal
+from tierstore.errors import StoreCorruptError
 
 from .common import OUT_DIR, bar_plot, save, table
 
@@ -300,6 +313,111 @@ def _log_to_run(log_env: lmdb.Environment, log_db: object, writer: runs.RunWrite
     return n
 
 
+def _log_to_batch(log_env: lmdb.Environment, log_db: object, w: int
+                  ) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    """The log's merged half as a sorted batch: its chunks read in place, each id's newest entry
+    found by one sort (`newest_order`), its record copied (verified) into one array; returns
+    (ids, records uint8 [n, record bytes], the log chunks' keys, deleted once merged)."""
+    with log_env.begin(db=log_db, buffers=True) as txn:
+        keys, chunks = [], []
+        for key, val in txn.cursor().iternext():
+            head = np.frombuffer(val[:16], dtype=np.uint32)
+            chunks.append(np.frombuffer(val, dtype=np.uint32)[4:].reshape(int(head[2]), int(head[1]) // 4))
+            keys.append(bytes(key))
+        counts = np.array([len(c) for c in chunks], dtype=np.int64)
+        rows = np.empty(int(counts.sum()), dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for c, ch in enumerate(chunks):  # the entries' row ids (words 2-3 of each entry)
+            rows[starts[c] : starts[c + 1]] = ch[:, 2:4].copy().view(np.int64).ravel()
+        ids, pos = runs.newest_order(rows)
+        of = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)[pos]
+        n = len(ids)
+        out_ids, recs = np.empty(n, dtype=np.int64), np.empty((n, w + 1), dtype=np.uint32)
+        base = np.array([c.ctypes.data for c in chunks], dtype=np.int64)
+        status, i = gather_records(ids, base, chunks[0].shape[1] if chunks else w + 1, of,
+                                   pos - starts[of], wal.HEADER // 4, 0, n, w, out_ids, recs, 0, -1)
+        if status:
+            raise StoreCorruptError(f"log entry of row {int(ids[i])} failed its check (status {status})")
+    return ids, recs.view(np.uint8), keys
+
+
+def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: int,
+                 writemap: bool = True, verify: bool = True, range_rows: int = RANGE_ROWS) -> list[dict]:
+    """Issue 36's steady state on format 4's page chunks (`backends/chunkmerge.py`, not yet the
+    store's): a base of `table_rows` rows written as page chunks in ranges (`chunks_base_write`);
+    `cycles` times, `run_rows` uniform random rows of the table appended to a log as the writer's
+    sink does (`chunks_append`), read back sorted with each id's newest record
+    (`chunks_sort`), merged into the base by rewriting every range they touch
+    (`chunks_merge`, the log's chunks deleted after it). `chunks_steady` is the three per row
+    fed on one core, with the files' peak (base and log, the log full) and the base's own pages
+    (what a closed, compacted store keeps) against the raw rows."""
+    rng = np.random.default_rng(seed)
+    w = DIM + 2
+    env = lmdb.open(str(work / "chunks"), map_size=max(1 << 30, (table_rows + 2 * range_rows) * 800),
+                    max_dbs=256, sync=False, metasync=False, readahead=False, writemap=writemap)
+    log_env = lmdb.open(str(work / "chunks_log"), map_size=max(1 << 30, run_rows * 1200), max_dbs=2,
+                        sync=False, metasync=False, readahead=False, meminit=False)
+    log_db = log_env.open_db(b"log")
+    piece = 1 << 18
+    tile = rng.standard_normal((piece, w), dtype=np.float32)  # payloads: their bits do not matter
+    level = ChunkLevel(env, "t", w, "t", range_rows=range_rows)
+    cpu = dict.fromkeys(("base", "append", "sort", "merge"), 0.0)
+    wall = dict.fromkeys(cpu, 0.0)
+    written = 0
+
+    def timed(what: str, fn, *args):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn(*args)
+        wall[what] += time.perf_counter() - t0
+        cpu[what] += time.process_time() - c0
+        return out
+
+    def base_write() -> None:
+        for lo in range(0, table_rows, 8 * piece):  # sorted batches appended past the last id
+            ids = np.arange(lo, min(lo + 8 * piece, table_rows), dtype=np.int64)
+            level.merge(ids, seal(ids, np.resize(tile, (len(ids), w))), verify=False)
+
+    def merge(ids: np.ndarray, recs: np.ndarray, keys: list[bytes]) -> int:
+        stats = level.merge(ids, recs, verify=verify)
+        with log_env.begin(write=True, db=log_db) as txn:  # the log's merged chunks go
+            deque(map(txn.delete, keys), maxlen=0)
+        return stats.rows_written
+
+    timed("base", base_write)
+    fed = seq = 0
+    for _ in range(cycles):
+        draw = rng.integers(0, table_rows, run_rows)
+        seq = timed("append", _log_append, log_env, log_db, draw, tile, seq)
+        fed += run_rows
+        ids, recs, keys = timed("sort", _log_to_batch, log_env, log_db, w)
+        written += timed("merge", merge, ids, recs, keys)
+    peak = sum((work / d / "data.mdb").stat().st_blocks * 512 for d in ("chunks", "chunks_log"))
+    used = 0
+    with env.begin() as txn:
+        for name in level.names:
+            st = txn.stat(env.open_db(name, txn=txn, create=False))
+            used += (st["leaf_pages"] + st["branch_pages"] + st["overflow_pages"]) * st["psize"]
+    stored = level.rows()
+    env.close()
+    log_env.close()
+    shutil.rmtree(work / "chunks", ignore_errors=True)
+    shutil.rmtree(work / "chunks_log", ignore_errors=True)
+    raw = stored * 4 * w
+    geo = {"table_rows": table_rows, "run_rows": run_rows, "cycles": cycles}
+
+    def rec(case: str, what: tuple[str, ...], rows: int, **extra) -> dict:
+        c, t = sum(cpu[x] for x in what), sum(wall[x] for x in what)
+        return {"case": case, "rows": rows, "rows_per_s": _rate(rows, t),
+                "cpu_us_per_row": c / max(rows, 1) * 1e6, "rows_per_cpu_s": _rate(rows, c), **geo, **extra}
+
+    return [rec("chunks_base_write", ("base",), table_rows),
+            rec("chunks_append", ("append",), fed),
+            rec("chunks_sort", ("sort",), fed),
+            rec("chunks_merge", ("merge",), fed, copied_per_fed=written / max(fed, 1)),
+            rec("chunks_steady", ("append", "sort", "merge"), fed, copied_per_fed=written / max(fed, 1),
+                disk_peak_over_raw=peak / raw, disk_after_over_raw=used / raw)]
+
+
 def chunk_put_cases(work: Path, rows: int, seed: int) -> list[dict]:
     """LMDB's own cost of writing a run: whole chunks of 4,096 records put with `MDB_APPEND`
     (a commit every 64), heap pages written with `pwrite` at commit against a writable map, into
@@ -437,6 +555,18 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
             rec("lsm_get", ("get",), got)]
 
 
+def chunks_main(work: Path, args: argparse.Namespace) -> list[dict]:
+    """The page-chunk steady state, and with `--chunks-only` the B-tree's page-write floor of
+    the same merge (`run` rows into `table` rows) beside it."""
+    out = chunks_cases(work, args.chunks_table, args.chunks_run, args.chunks_cycles, args.seed + 8,
+                       writemap=not args.chunks_pwrite, verify=not args.chunks_no_verify,
+                       range_rows=args.chunks_range)
+    if args.chunks_only:
+        out += floor_cases(work, [args.chunks_table], [min(args.chunks_run, args.chunks_table)],
+                           args.seed + 9)
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.writeback", description=__doc__.splitlines()[0])
     ap.add_argument("--tables", type=int, default=8)
@@ -463,6 +593,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="rows of the chunk-put cases (LMDB's cost of a run write; 0 skips them)")
     ap.add_argument("--lsm-cycles", type=int, default=3, help="merges into the base")
     ap.add_argument("--lsm-only", action="store_true", help="run the LSM cases (and log_append) alone")
+    ap.add_argument("--chunks-table", type=int, default=8_000_000,
+                    help="rows of the page-chunk base (format 4's merge; 0 skips those cases)")
+    ap.add_argument("--chunks-run", type=int, default=2_000_000,
+                    help="random rows appended to the log and merged into the base a cycle")
+    ap.add_argument("--chunks-cycles", type=int, default=3, help="merges into the page-chunk base")
+    ap.add_argument("--chunks-range", type=int, default=RANGE_ROWS, help="rows a range database")
+    ap.add_argument("--chunks-pwrite", action="store_true",
+                    help="the base's environment writes heap pages with pwrite at commit (else "
+                         "through a writable map)")
+    ap.add_argument("--chunks-no-verify", action="store_true",
+                    help="the merge copies records without checking them (reads still do)")
+    ap.add_argument("--chunks-only", action="store_true",
+                    help="run the page-chunk cases and the B-tree page-write floor of the same "
+                         "merge alone")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
@@ -474,7 +618,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.merge_sizes, args.floor_tables = "5000,20000", "50000"
         args.lsm_table, args.lsm_run, args.lsm_k, args.lsm_cycles = 60_000, 10_000, "2,4", 2
         args.lsm_put_rows = 20_000
+        args.chunks_table, args.chunks_run, args.chunks_range = 80_000, 20_000, 30_000
     return args
+
+
+def store_cases(work: Path, args: argparse.Namespace, full: bool) -> tuple[list[dict], str | None, int]:
+    """The store's cases (its sink, steady states, reads, merges, floors) and the LSM's; returns
+    (records, the floor case of the steady states, the log's capacity)."""
+    recs = raw_cases(work, args.rows, args.rows_per_case, args.seed) if full else []
+    sizes = [int(v) for v in args.merge_sizes.split(",") if v]
+    store_rows = args.tables * args.rows
+    floors = floor_cases(work, [int(v) for v in args.floor_tables.split(",") if v], sizes,
+                         args.seed + 4) if full else []
+    store = _store(work, args.tables, args.rows, args.seed)
+    try:
+        store.writeback.drain()
+        room = store.log.capacity * 3 // 4 - store.log.size - args.batch
+        recs.append(writer_case(store, "log_append", max(args.batch, min(args.rows_per_case, room)),
+                                args.batch, None, args.seed))
+        if full:
+            recs.append(writer_case(store, "steady_uniform", args.steady, args.batch, None,
+                                    args.seed + 1))
+            recs.append(writer_case(store, "steady_zipf", args.steady, args.batch, 1.05, args.seed + 2))
+            recs += read_cases(store, args.rows_per_case, args.seed)
+            recs += merge_cases(store, sizes, args.seed + 3)
+        log_capacity = store.log.capacity
+    finally:
+        store.close()
+    if full:  # the floor beside the steady state: the store's own merge (half its log into its tables)
+        recs += floors + floor_cases(work, [store_rows], [min(log_capacity // 2, store_rows)],
+                                     args.seed + 5)
+    own = recs[-1]["case"] if full else None
+    if args.lsm_table:
+        append = next(r for r in recs if r["case"] == "log_append")
+        for k in [int(v) for v in str(args.lsm_k).split(",") if v]:
+            lsm = lsm_cases(work, args.lsm_table, args.lsm_run, k, args.lsm_cycles,
+                            args.rows_per_case, args.seed + 6, writemap=args.lsm_writemap)
+            steady = next(r for r in lsm if r["case"] == f"lsm_steady_k{k}")
+            # the store's log append (its index too) and the merge side, one after the other
+            cpu = append["cpu_us_per_row"] + steady["cpu_us_per_row"]
+            lsm.append({"case": f"lsm_end_to_end_k{k}", "rows": steady["rows"], "k": k,
+                        "rows_per_s": 1 / (1 / append["rows_per_s"] + 1 / steady["rows_per_s"]),
+                        "projected": True, "cpu_us_per_row": cpu, "rows_per_cpu_s": 1e6 / cpu})
+            recs += lsm
+    if args.lsm_put_rows:
+        recs += chunk_put_cases(work, args.lsm_put_rows, args.seed + 7)
+    return recs, own, log_capacity
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -482,51 +671,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     work = Path(tempfile.mkdtemp(prefix="bench_writeback_", dir=args.workdir))
-    full = not args.lsm_only
+    full = not args.lsm_only and not args.chunks_only
+    log_capacity = None
     try:
-        recs = raw_cases(work, args.rows, args.rows_per_case, args.seed) if full else []
-        sizes = [int(v) for v in args.merge_sizes.split(",") if v]
-        store_rows = args.tables * args.rows
-        floors = floor_cases(work, [int(v) for v in args.floor_tables.split(",") if v], sizes,
-                             args.seed + 4) if full else []
-        store = _store(work, args.tables, args.rows, args.seed)
-        try:
-            store.writeback.drain()
-            room = store.log.capacity * 3 // 4 - store.log.size - args.batch
-            recs.append(writer_case(store, "log_append", max(args.batch, min(args.rows_per_case, room)),
-                                    args.batch, None, args.seed))
-            if full:
-                recs.append(writer_case(store, "steady_uniform", args.steady, args.batch, None,
-                                        args.seed + 1))
-                recs.append(writer_case(store, "steady_zipf", args.steady, args.batch, 1.05, args.seed + 2))
-                recs += read_cases(store, args.rows_per_case, args.seed)
-                recs += merge_cases(store, sizes, args.seed + 3)
-            log_capacity = store.log.capacity
-        finally:
-            store.close()
-        if full:  # the floor beside the steady state: the store's own merge (half its log into its tables)
-            recs += floors + floor_cases(work, [store_rows], [min(log_capacity // 2, store_rows)],
-                                         args.seed + 5)
-        own = recs[-1]["case"] if full else None
-        if args.lsm_table:
-            append = next(r for r in recs if r["case"] == "log_append")
-            for k in [int(v) for v in str(args.lsm_k).split(",") if v]:
-                lsm = lsm_cases(work, args.lsm_table, args.lsm_run, k, args.lsm_cycles,
-                                args.rows_per_case, args.seed + 6, writemap=args.lsm_writemap)
-                steady = next(r for r in lsm if r["case"] == f"lsm_steady_k{k}")
-                # the store's log append (its index too) and the merge side, one after the other
-                cpu = append["cpu_us_per_row"] + steady["cpu_us_per_row"]
-                lsm.append({"case": f"lsm_end_to_end_k{k}", "rows": steady["rows"], "k": k,
-                            "rows_per_s": 1 / (1 / append["rows_per_s"] + 1 / steady["rows_per_s"]),
-                            "projected": True, "cpu_us_per_row": cpu, "rows_per_cpu_s": 1e6 / cpu})
-                recs += lsm
-        if args.lsm_put_rows:
-            recs += chunk_put_cases(work, args.lsm_put_rows, args.seed + 7)
+        if args.chunks_only:
+            recs, own = chunks_main(work, args), None
+        else:
+            recs, own, log_capacity = store_cases(work, args, full)
+            if args.chunks_table:
+                recs += chunks_main(work, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = {r["case"]: r["rows_per_s"] for r in recs}
     for r in recs:
-        if r["case"].startswith(("floor", "lsm")) or r["case"] in ("raw_append", "raw_update") or \
+        if r["case"].startswith(("floor", "lsm", "chunks")) or r["case"] in ("raw_append", "raw_update") or \
                 (r["case"].startswith("steady") and own is None):
             r["vs_floor"] = r["floor"] = None
             continue
@@ -544,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("cpu_us_per_row", "cpu us/row", ".2f"), ("pages_per_row", "pages/row", ".3f"),
                        ("model_pages", "model pages", ",.0f"), ("pages_written", "pages", ",.0f"),
                        ("rows_per_cpu_s", "rows/cpu-s", ",.0f"),
+                       ("copied_per_fed", "copied/fed", ".2f"),
                        ("disk_peak_over_raw", "disk peak x raw", ".2f"),
                        ("disk_after_over_raw", "base x raw", ".2f")]))
     meta = {"bench": "writeback", "argv": sys.argv[1:] if argv is None else argv, "tables": args.tables,
