@@ -342,7 +342,7 @@ def _log_to_batch(log_env: lmdb.Environment, log_db: object, w: int
 
 
 def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: int,
-                 writemap: bool = True, verify: bool = True, range_rows: int = RANGE_ROWS) -> list[dict]:
+                 writemap: bool = False, verify: bool = True, range_rows: int = RANGE_ROWS) -> list[dict]:
     """Issue 36's steady state on format 4's page chunks (`backends/chunkmerge.py`, not yet the
     store's): a base of `table_rows` rows written as page chunks in ranges (`chunks_base_write`);
     `cycles` times, `run_rows` uniform random rows of the table appended to a log as the writer's
@@ -559,7 +559,7 @@ def chunks_main(work: Path, args: argparse.Namespace) -> list[dict]:
     """The page-chunk steady state, and with `--chunks-only` the B-tree's page-write floor of
     the same merge (`run` rows into `table` rows) beside it."""
     out = chunks_cases(work, args.chunks_table, args.chunks_run, args.chunks_cycles, args.seed + 8,
-                       writemap=not args.chunks_pwrite, verify=not args.chunks_no_verify,
+                       writemap=args.chunks_writemap, verify=not args.chunks_no_verify,
                        range_rows=args.chunks_range)
     if args.chunks_only:
         out += floor_cases(work, [args.chunks_table], [min(args.chunks_run, args.chunks_table)],
@@ -599,9 +599,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="random rows appended to the log and merged into the base a cycle")
     ap.add_argument("--chunks-cycles", type=int, default=3, help="merges into the page-chunk base")
     ap.add_argument("--chunks-range", type=int, default=RANGE_ROWS, help="rows a range database")
-    ap.add_argument("--chunks-pwrite", action="store_true",
-                    help="the base's environment writes heap pages with pwrite at commit (else "
-                         "through a writable map)")
+    ap.add_argument("--chunks-writemap", action="store_true",
+                    help="the base's environment writes through a writable map (else heap pages "
+                         "written with pwrite at commit, as the store's environments do)")
     ap.add_argument("--chunks-no-verify", action="store_true",
                     help="the merge copies records without checking them (reads still do)")
     ap.add_argument("--chunks-only", action="store_true",

@@ -440,6 +440,7 @@ class ChunkLevel:
         """`_rewrite`'s pass: the new databases' names and bounds go into `names` and `bounds`."""
         env, cap, vb = self.env, self.cap, self.vb
         out = np.empty(self.window * vb, dtype=np.uint8)
+        values = [memoryview(v) for v in out.reshape(self.window, vb)]  # made once: cheap puts
         state = np.array([0, 0, lo, -1, 0], dtype=np.int64)
         in_db = 0  # rows in the newest output database
         with env.begin() as rtxn:  # the old range's pages stay put while it is open
@@ -472,7 +473,7 @@ class ChunkLevel:
                         chunks = out[: full * vb].reshape(full, vb)
                         firsts = chunks[:, HEAD : HEAD + 8].copy().view(np.int64).ravel()
                         _, added = txn.cursor(db=db).putmulti(
-                            list(zip(encode_keys(firsts), chunks)), append=True)
+                            list(zip(encode_keys(firsts), values)), append=True)
                         if added != full:
                             raise StoreCorruptError(f"table {self.table!r}: a chunk was refused "
                                                     f"by its fresh range (out of id order)")
