@@ -30,10 +30,22 @@ def _rows(ids: np.ndarray, w: int, gen: int) -> np.ndarray:
     return (ids[:, None] % 100_003 * 10 + np.arange(w) + 1000 * gen).astype(np.float32)
 
 
-def _merge(level: ChunkLevel, ref: dict, ids, gen: int, verify: bool = True):
+def _merge(level: ChunkLevel, ref: dict, ids, gen: int, verify: bool = True, gather: bool = False):
     ids = np.array(sorted(set(ids)), dtype=np.int64)
     rows = _rows(ids, level.row_dim, gen)
-    stats = level.merge(ids, seal(ids, rows), verify=verify)
+    recs = seal(ids, rows)
+    if gather:  # the records in log-like entries (4 header words first), shuffled over 3 chunks
+        n, rw = len(ids), recs.shape[1] // 4
+        order = np.random.default_rng(gen).permutation(n)
+        entries = np.zeros((n, 4 + rw + 1), dtype=np.uint32)
+        entries[:, 4 : 4 + rw] = recs.view(np.uint32)[order]
+        chunks = np.array_split(entries, 3)
+        at = np.argsort(order)  # row i's entry, then its chunk and row
+        edges = np.cumsum([0] + [len(c) for c in chunks])
+        of = np.searchsorted(edges, at, side="right") - 1
+        stats = level.merge_gather(ids, chunks, of, at - edges[of], skip=4, verify=verify)
+    else:
+        stats = level.merge(ids, recs, verify=verify)
     ref.update(zip(ids.tolist(), rows))
     return stats
 
@@ -65,14 +77,16 @@ batch_st = st.lists(ids_st, max_size=400)
 @settings(max_examples=examples(0.5), deadline=None)
 @given(batches=st.lists(batch_st, min_size=1, max_size=6), w=st.sampled_from([1, 5, 65]),
        range_rows=st.sampled_from([1, 40, 150, 10_000]), window=st.sampled_from([1, 2, 5, 64]),
-       verify=st.booleans(), data=st.data())
+       verify=st.booleans(), gather=st.booleans(), data=st.data())
 @example(batches=[list(range(0, 62 * 3)), list(range(61, 62 * 4, 2)), [], [0, TOP]], w=5,
-         range_rows=62, window=1, verify=True, data=None)
+         range_rows=62, window=1, verify=True, gather=True, data=None)
 @example(batches=[list(range(7)), list(range(7, 14)), list(range(14)), list(range(6, 8))], w=65,
-         range_rows=7, window=1, verify=False, data=None)
-def test_merges_read_like_a_dict(tmp_path_factory, batches, w, range_rows, window, verify, data):
+         range_rows=7, window=1, verify=False, gather=False, data=None)
+def test_merges_read_like_a_dict(tmp_path_factory, batches, w, range_rows, window, verify, gather,
+                                 data):
     """Any sequence of merges (new ids, updated ids, ids at both ends, empty batches, batches
-    that fill chunks exactly) leaves a level that reads as a dict updated by each batch in turn."""
+    that fill chunks exactly; records in an array or gathered from log-like chunks) leaves a
+    level that reads as a dict updated by each batch in turn."""
     env = _env(tmp_path_factory.mktemp("cm"))
     level = ChunkLevel(env, "t", w, "t", range_rows=range_rows, window=window)
     published = []
@@ -80,7 +94,7 @@ def test_merges_read_like_a_dict(tmp_path_factory, batches, w, range_rows, windo
     ref: dict = {}
     for gen, batch in enumerate(batches):
         before = list(level.names)
-        stats = _merge(level, ref, batch, gen, verify)
+        stats = _merge(level, ref, batch, gen, verify, gather)
         assert stats.batch_rows == len(set(batch))
         assert stats.rows_written >= stats.batch_rows
         assert stats.ranges_rewritten + stats.ranges_kept == len(before)
@@ -229,6 +243,19 @@ def test_bad_input_is_refused_and_changes_nothing(tmp_path):
         level.merge(np.array([3, 4]), recs)
     with pytest.raises(TierstoreError):
         level.get(np.array([4, 3]))
+    chunk = np.zeros((4, 4 * w + 4), dtype=np.uint32)
+    for args in [([3], [chunk], [0], [4]),  # a row past its chunk
+                 ([3], [chunk], [1], [0]),  # a chunk that does not exist
+                 ([3], [chunk.astype(np.int64)], [0], [0]),  # not uint32 words
+                 ([3, 4], [chunk], [0], [0])]:  # lengths that do not match
+        with pytest.raises(TierstoreError):
+            level.merge_gather(np.array(args[0]), args[1], np.array(args[2]), np.array(args[3]),
+                               verify=False)
+    entries = np.zeros((1, 4 + w + 1), dtype=np.uint32)
+    entries[0, 4:] = seal(np.array([3]), _rows(np.array([3]), w, 1)).view(np.uint32)
+    entries[0, 5] ^= 1  # a gathered record that fails its checksum
+    with pytest.raises(TierstoreError, match="checksum"):
+        level.merge_gather(np.array([3]), [entries], np.array([0]), np.array([0]), skip=4)
     with pytest.raises(TierstoreError):
         ChunkLevel(env, "t", w, "u", range_rows=0)
     assert level.names == names

@@ -189,5 +189,7 @@ if HAVE_NUMBA:
             fill += 1
             last = x
         return 0, hi
+
+    words_at, prefetch_at = _words_at, _prefetch  # for chunkmerge.py's merge of log records
 else:  # pragma: no cover - numba is a hard dependency; callers check HAVE_NUMBA first
     pack_log = merge_step = gather_records = None

@@ -52,6 +52,7 @@ if HAVE_NUMBA:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
+    from .chunk_kernels import AHEAD, prefetch_at, words_at
     from .pages import check_page
     from .record import check_row
 
@@ -220,10 +221,12 @@ if HAVE_NUMBA:
         return count
 
     @numba.njit(nogil=True, cache=True)
-    def merge_into(mem, offs, lens, ids, recs, words, hi, cap, w, verify, out, state
+    def merge_into(mem, offs, lens, ids, src, hi, cap, w, verify, out, state
                    ):  # pragma: no cover - compiled
         """Merge the old chunks offs[state C:] (values in `mem`) with the batch rows
-        ids[state I : hi] (records recs, their words `words`) into whole chunks of `out` (flat,
+        ids[state I : hi] (row i's record at address src[i], in buffers the caller keeps in
+        place: an array, or the log's chunks in its open read transaction; asked from memory
+        `AHEAD` rows before its copy) into whole chunks of `out` (flat,
         `out.size // value bytes` chunks; the first holds state FILL rows already): each id's
         newest record, a batch row before an old one. Stops when `out` is full or both are
         used up; `state` says where it stopped. Returns (chunks sealed, status, at): status 0;
@@ -235,7 +238,7 @@ if HAVE_NUMBA:
         m = out.shape[0] // vb
         nc = offs.shape[0]
         c, cpos, i, last, fill = state[0], state[1], state[2], state[3], state[4]
-        m_at, o_at, r_at = mem.ctypes.data, out.ctypes.data, recs.ctypes.data
+        m_at, o_at = mem.ctypes.data, out.ctypes.data
         oc = 0
         count = 0
         if c < nc:
@@ -250,21 +253,26 @@ if HAVE_NUMBA:
                 oid = _i64_at(m_at + offs[c] + HEAD + 8 * cpos)
             if i < hi and (not has_old or ids[i] <= oid):
                 x = ids[i]
-                if verify and check_row(np.uint64(x), words[i, :w]) != words[i, w]:
-                    status, at = 3, i
-                    break
-                _copy(o_at + oc * vb + r0 + fill * rb, r_at + i * rb, rb)
+                if i + AHEAD < hi:  # batch records may lie anywhere (the log's order)
+                    for b in range(0, rb + 63, 64):
+                        prefetch_at(src[i + AHEAD] + b)
+                if verify:
+                    rec = numba.carray(words_at(src[i]), w + 1)
+                    if check_row(np.uint64(x), rec[:w]) != rec[w]:
+                        status, at = 3, i
+                        break
+                _copy(o_at + oc * vb + r0 + fill * rb, src[i], rb)
                 i += 1
                 skip = has_old and oid == x  # the batch's row replaces the old one
             elif has_old:
                 x = oid
-                src = offs[c] + r0 + cpos * rb
+                osrc = offs[c] + r0 + cpos * rb
                 if verify:
-                    rec = mem[src : src + rb].view(np.uint32)
+                    rec = mem[osrc : osrc + rb].view(np.uint32)
                     if check_row(np.uint64(x), rec[:w]) != rec[w]:
                         status, at = 2, x
                         break
-                _copy(o_at + oc * vb + r0 + fill * rb, m_at + src, rb)
+                _copy(o_at + oc * vb + r0 + fill * rb, m_at + osrc, rb)
                 skip = True
             else:
                 break
@@ -397,9 +405,38 @@ class ChunkLevel:
         if ids.ndim != 1 or records.dtype != np.uint8 or records.shape != (n, self.record_bytes):
             raise TierstoreError(f"a merge takes ids [n] and records uint8 [n, {self.record_bytes}], "
                                  f"got {ids.shape} and {records.dtype} {records.shape}")
-        if n and (int(ids[0]) < 0 or not bool(np.all(ids[1:] > ids[:-1]))):
+        src = records.ctypes.data + self.record_bytes * np.arange(n, dtype=np.int64)
+        return self._merge(ids, src, verify)
+
+    def merge_gather(self, ids: np.ndarray, chunks: list[np.ndarray], chunk_of: np.ndarray,
+                     row_of: np.ndarray, skip: int = 0, verify: bool = True) -> MergeStats:
+        """`merge` of rows whose records lie in other chunks (the log's, read in place inside the
+        caller's read transaction): row i's record is `chunks[chunk_of[i]][row_of[i], skip : skip
+        + record words]` (uint32 [count, stride] arrays), copied once, straight into the level."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        chunk_of = np.ascontiguousarray(chunk_of, dtype=np.int64)
+        row_of = np.ascontiguousarray(row_of, dtype=np.int64)
+        rw = self.record_bytes // 4
+        stride = chunks[0].shape[1] if chunks else rw
+        if any(c.ndim != 2 or c.dtype != np.uint32 or c.shape[1] != stride for c in chunks) or \
+                not 0 <= skip <= stride - rw or not len(chunk_of) == len(row_of) == len(ids):
+            raise TierstoreError(f"a merge gathers records of {rw} words from uint32 chunks of one "
+                                 f"row stride")
+        if len(ids):
+            counts = np.array([len(c) for c in chunks], dtype=np.int64)
+            if not chunks or int(chunk_of.min()) < 0 or int(chunk_of.max()) >= len(chunks) or \
+                    int(row_of.min()) < 0 or bool((row_of >= counts[chunk_of]).any()):
+                raise TierstoreError("a merge's gathered rows must lie inside their chunks")
+        chunks = [c if c.flags.c_contiguous else np.ascontiguousarray(c) for c in chunks]
+        base = np.array([c.ctypes.data for c in chunks] or [0], dtype=np.int64)
+        src = base[chunk_of] + 4 * (row_of * stride + skip)
+        return self._merge(ids, src, verify)
+
+    def _merge(self, ids: np.ndarray, src: np.ndarray, verify: bool) -> MergeStats:
+        """`merge`'s pass over the ranges; row i's record lies at address src[i]."""
+        n = len(ids)
+        if ids.ndim != 1 or (n and (int(ids[0]) < 0 or not bool(np.all(ids[1:] > ids[:-1])))):
             raise TierstoreError("a merge's ids must be non-negative, increasing and distinct")
-        words = records.view(np.uint32)
         cuts = np.searchsorted(ids, np.array(self.bounds[1:], dtype=np.int64)).tolist()
         cuts = [0, *cuts, n]
         totals = np.zeros(3, dtype=np.int64)  # old rows, rows written, chunks written
@@ -411,22 +448,21 @@ class ChunkLevel:
                 kept += 1
                 r += 1
                 continue
-            made = self._rewrite(r, ids, records, words, lo, hi, verify, totals)
+            made = self._rewrite(r, ids, src, lo, hi, verify, totals)
             cuts[r + 1 : r + 1] = [hi] * (len(made) - 1)  # new ranges take no more of the batch
             r += len(made)
             rewritten += 1
         return MergeStats(n, int(totals[0]), int(totals[1]), int(totals[2]), rewritten, kept)
 
-    def _rewrite(self, r: int, ids: np.ndarray, records: np.ndarray, words: np.ndarray,
-                 lo: int, hi: int, verify: bool, totals: np.ndarray) -> list[int]:
+    def _rewrite(self, r: int, ids: np.ndarray, src: np.ndarray, lo: int, hi: int, verify: bool,
+                 totals: np.ndarray) -> list[int]:
         """Range r merged with batch rows [lo, hi) into fresh databases (one a `range_rows`),
         the old one dropped in the last one's transaction; returns the new ranges' indexes."""
         env = self.env
         old = self.names[r]
         bounds, names = [self.bounds[r]], [None]  # None: opened by the next write transaction
         try:
-            return self._write_range(r, old, ids, records, words, lo, hi, verify, totals, bounds,
-                                     names)
+            return self._write_range(r, old, ids, src, lo, hi, verify, totals, bounds, names)
         except BaseException:  # the fresh databases of a merge cut short go: nothing changed
             with env.begin(write=True) as txn:
                 for name in names:
@@ -434,9 +470,9 @@ class ChunkLevel:
                         txn.drop(self._dbs.pop(name), delete=True)
             raise
 
-    def _write_range(self, r: int, old: bytes | None, ids: np.ndarray, records: np.ndarray,
-                     words: np.ndarray, lo: int, hi: int, verify: bool, totals: np.ndarray,
-                     bounds: list[int], names: list[bytes | None]) -> list[int]:
+    def _write_range(self, r: int, old: bytes | None, ids: np.ndarray, src: np.ndarray, lo: int,
+                     hi: int, verify: bool, totals: np.ndarray, bounds: list[int],
+                     names: list[bytes | None]) -> list[int]:
         """`_rewrite`'s pass: the new databases' names and bounds go into `names` and `bounds`."""
         env, cap, vb = self.env, self.cap, self.vb
         out = np.empty(self.window * vb, dtype=np.uint8)
@@ -453,8 +489,8 @@ class ChunkLevel:
             parts = -(-est // self.range_rows) if est > 2 * self.range_rows else 1
             target = -(-est // parts)
             while True:
-                made, status, at = merge_into(mem, offs, lens, ids, records, words, hi, cap,
-                                              self.row_dim, verify, out, state)
+                made, status, at = merge_into(mem, offs, lens, ids, src, hi, cap, self.row_dim,
+                                              verify, out, state)
                 if status:
                     self._fail(old, status, at, ids)
                 done = state[_C] == nc and state[_I] == hi
