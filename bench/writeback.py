@@ -46,9 +46,10 @@ One store of `--tables` x `--rows` populated rows (dim 64 + row-wise Adagrad: 66
   base of `--chunks-table` rows of page-sized chunks in ranges of `--chunks-range` rows
   (`chunks_base_write`); `--chunks-cycles` times, `--chunks-run` uniform random rows of the table
   appended to a log as the writer's sink does (`chunks_append`: `pack_log` and `MDB_APPEND`, no
-  index), read back as one sorted batch of each id's newest record, verified (`chunks_sort`), and
-  merged into the base by a sequential rewrite of every range the batch touches (`chunks_merge`,
-  the log's chunks deleted after it; `copied/fed`: rows written a row fed, T / N).
+  index), sorted for each id's newest entry (`chunks_sort`: the log's keys read in place, one
+  sort), and merged into the base by a sequential rewrite of every range the batch touches, each
+  record copied once from the log's map (`chunks_merge`, the log's chunks deleted after it;
+  `copied/fed`: rows written a row fed, T / N).
   `chunks_steady` is the three on one core, per row fed, with the files' peak (base and log) and
   the base's own pages after the last merge (a closed store's, compacted) against the raw rows.
   `--chunks-only` runs them with the B-tree's page-write floor of the same merge
@@ -72,11 +73,10 @@ import torch
 
 from tierstore import RowWiseAdagrad, TableSpec, TierStore
 from tierstore.backends import runs, wal
-from tierstore.backends.chunk_kernels import gather_records, pack_log
+from tierstore.backends.chunk_kernels import pack_log
 from tierstore.backends.chunkmerge import RANGE_ROWS, ChunkLevel
 from tierstore.backends.lmdb_backend import encode_keys
 from tierstore.backends.record import seal
-from tierstore.errors import StoreCorruptError
 
 from .common import OUT_DIR, bar_plot, save, table
 
@@ -313,12 +313,14 @@ def _log_to_run(log_env: lmdb.Environment, log_db: object, writer: runs.RunWrite
     return n
 
 
-def _log_to_batch(log_env: lmdb.Environment, log_db: object, w: int
-                  ) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
-    """The log's merged half as a sorted batch: its chunks read in place, each id's newest entry
-    found by one sort (`newest_order`), its record copied (verified) into one array; returns
-    (ids, records uint8 [n, record bytes], the log chunks' keys, deleted once merged)."""
-    with log_env.begin(db=log_db, buffers=True) as txn:
+def _log_merge(log_env: lmdb.Environment, log_db: object, level: ChunkLevel, verify: bool,
+               times: dict[str, float]) -> int:
+    """The log's merge into the page-chunk base: its chunks read in place, each id's newest
+    entry found by one sort (`newest_order`, CPU seconds into times["sort"]), the records
+    copied once from the log's map into the rewritten ranges (`merge_gather`), the log's chunks
+    deleted after (both into times["merge"]); returns the rows the merge wrote."""
+    c0 = time.process_time()
+    with log_env.begin(db=log_db, buffers=True) as txn:  # the log's chunks stay put inside it
         keys, chunks = [], []
         for key, val in txn.cursor().iternext():
             head = np.frombuffer(val[:16], dtype=np.uint32)
@@ -331,14 +333,13 @@ def _log_to_batch(log_env: lmdb.Environment, log_db: object, w: int
             rows[starts[c] : starts[c + 1]] = ch[:, 2:4].copy().view(np.int64).ravel()
         ids, pos = runs.newest_order(rows)
         of = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)[pos]
-        n = len(ids)
-        out_ids, recs = np.empty(n, dtype=np.int64), np.empty((n, w + 1), dtype=np.uint32)
-        base = np.array([c.ctypes.data for c in chunks], dtype=np.int64)
-        status, i = gather_records(ids, base, chunks[0].shape[1] if chunks else w + 1, of,
-                                   pos - starts[of], wal.HEADER // 4, 0, n, w, out_ids, recs, 0, -1)
-        if status:
-            raise StoreCorruptError(f"log entry of row {int(ids[i])} failed its check (status {status})")
-    return ids, recs.view(np.uint8), keys
+        c1 = time.process_time()
+        stats = level.merge_gather(ids, chunks, of, pos - starts[of], wal.HEADER // 4, verify=verify)
+    with log_env.begin(write=True, db=log_db) as txn:  # the log's merged chunks go
+        deque(map(txn.delete, keys), maxlen=0)
+    times["sort"] += c1 - c0
+    times["merge"] += time.process_time() - c1
+    return stats.rows_written
 
 
 def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: int,
@@ -346,8 +347,8 @@ def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: 
     """Issue 36's steady state on format 4's page chunks (`backends/chunkmerge.py`, not yet the
     store's): a base of `table_rows` rows written as page chunks in ranges (`chunks_base_write`);
     `cycles` times, `run_rows` uniform random rows of the table appended to a log as the writer's
-    sink does (`chunks_append`), read back sorted with each id's newest record
-    (`chunks_sort`), merged into the base by rewriting every range they touch
+    sink does (`chunks_append`), sorted for each id's newest entry (`chunks_sort`), merged into
+    the base by rewriting every range they touch, each record copied once from the log's map
     (`chunks_merge`, the log's chunks deleted after it). `chunks_steady` is the three per row
     fed on one core, with the files' peak (base and log, the log full) and the base's own pages
     (what a closed, compacted store keeps) against the raw rows."""
@@ -377,20 +378,18 @@ def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: 
             ids = np.arange(lo, min(lo + 8 * piece, table_rows), dtype=np.int64)
             level.merge(ids, seal(ids, np.resize(tile, (len(ids), w))), verify=False)
 
-    def merge(ids: np.ndarray, recs: np.ndarray, keys: list[bytes]) -> int:
-        stats = level.merge(ids, recs, verify=verify)
-        with log_env.begin(write=True, db=log_db) as txn:  # the log's merged chunks go
-            deque(map(txn.delete, keys), maxlen=0)
-        return stats.rows_written
-
     timed("base", base_write)
     fed = seq = 0
     for _ in range(cycles):
         draw = rng.integers(0, table_rows, run_rows)
         seq = timed("append", _log_append, log_env, log_db, draw, tile, seq)
         fed += run_rows
-        ids, recs, keys = timed("sort", _log_to_batch, log_env, log_db, w)
-        written += timed("merge", merge, ids, recs, keys)
+        t0 = time.perf_counter()
+        split = dict.fromkeys(("sort", "merge"), 0.0)
+        written += _log_merge(log_env, log_db, level, verify, split)
+        for what in split:  # wall time split as the CPU time is (one thread)
+            cpu[what] += split[what]
+            wall[what] += (time.perf_counter() - t0) * split[what] / max(sum(split.values()), 1e-9)
     peak = sum((work / d / "data.mdb").stat().st_blocks * 512 for d in ("chunks", "chunks_log"))
     used = 0
     with env.begin() as txn:
