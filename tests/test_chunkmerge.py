@@ -30,7 +30,8 @@ def _rows(ids: np.ndarray, w: int, gen: int) -> np.ndarray:
     return (ids[:, None] % 100_003 * 10 + np.arange(w) + 1000 * gen).astype(np.float32)
 
 
-def _merge(level: ChunkLevel, ref: dict, ids, gen: int, verify: bool = True, gather: bool = False):
+def _merge(level: ChunkLevel, ref: dict, ids, gen: int, verify: bool = True, gather: bool = False,
+           in_place: bool = False):
     ids = np.array(sorted(set(ids)), dtype=np.int64)
     rows = _rows(ids, level.row_dim, gen)
     recs = seal(ids, rows)
@@ -43,9 +44,10 @@ def _merge(level: ChunkLevel, ref: dict, ids, gen: int, verify: bool = True, gat
         at = np.argsort(order)  # row i's entry, then its chunk and row
         edges = np.cumsum([0] + [len(c) for c in chunks])
         of = np.searchsorted(edges, at, side="right") - 1
-        stats = level.merge_gather(ids, chunks, of, at - edges[of], skip=4, verify=verify)
+        stats = level.merge_gather(ids, chunks, of, at - edges[of], skip=4, verify=verify,
+                                   in_place=in_place)
     else:
-        stats = level.merge(ids, recs, verify=verify)
+        stats = level.merge(ids, recs, verify=verify, in_place=in_place)
     ref.update(zip(ids.tolist(), rows))
     return stats
 
@@ -77,16 +79,18 @@ batch_st = st.lists(ids_st, max_size=400)
 @settings(max_examples=examples(0.5), deadline=None)
 @given(batches=st.lists(batch_st, min_size=1, max_size=6), w=st.sampled_from([1, 5, 65]),
        range_rows=st.sampled_from([1, 40, 150, 10_000]), window=st.sampled_from([1, 2, 5, 64]),
-       verify=st.booleans(), gather=st.booleans(), data=st.data())
+       verify=st.booleans(), gather=st.booleans(),
+       in_place=st.lists(st.booleans(), min_size=6, max_size=6), data=st.data())
 @example(batches=[list(range(0, 62 * 3)), list(range(61, 62 * 4, 2)), [], [0, TOP]], w=5,
-         range_rows=62, window=1, verify=True, gather=True, data=None)
+         range_rows=62, window=1, verify=True, gather=True, in_place=[False, True] * 3, data=None)
 @example(batches=[list(range(7)), list(range(7, 14)), list(range(14)), list(range(6, 8))], w=65,
-         range_rows=7, window=1, verify=False, gather=False, data=None)
+         range_rows=7, window=1, verify=False, gather=False, in_place=[True] * 6, data=None)
 def test_merges_read_like_a_dict(tmp_path_factory, batches, w, range_rows, window, verify, gather,
-                                 data):
+                                 in_place, data):
     """Any sequence of merges (new ids, updated ids, ids at both ends, empty batches, batches
-    that fill chunks exactly; records in an array or gathered from log-like chunks) leaves a
-    level that reads as a dict updated by each batch in turn."""
+    that fill chunks exactly; records in an array or gathered from log-like chunks; ranges
+    rewritten or updated in place, mixed) leaves a level that reads as a dict updated by each
+    batch in turn."""
     env = _env(tmp_path_factory.mktemp("cm"))
     level = ChunkLevel(env, "t", w, "t", range_rows=range_rows, window=window)
     published = []
@@ -94,7 +98,7 @@ def test_merges_read_like_a_dict(tmp_path_factory, batches, w, range_rows, windo
     ref: dict = {}
     for gen, batch in enumerate(batches):
         before = list(level.names)
-        stats = _merge(level, ref, batch, gen, verify, gather)
+        stats = _merge(level, ref, batch, gen, verify, gather, in_place[gen])
         assert stats.batch_rows == len(set(batch))
         assert stats.rows_written >= stats.batch_rows
         assert stats.ranges_rewritten + stats.ranges_kept == len(before)
@@ -274,3 +278,50 @@ def test_keys_are_the_chunks_first_ids(tmp_path):
             for key, val in txn.cursor(db=db):
                 first = np.frombuffer(val[pagechunks.HEAD : pagechunks.HEAD + 8], dtype=np.int64)
                 assert key == encode_keys(first)[0]
+
+
+def _chunks(level: ChunkLevel) -> list[tuple[bytes, int]]:
+    """(key, count) of every chunk of the level, in id order."""
+    with level.env.begin() as txn:
+        return [(k, int(np.frombuffer(v[:4], dtype=np.uint32)[0])) for name in level.names
+                for k, v in txn.cursor(db=level.db(name))]
+
+
+def test_in_place_touches_only_its_chunks_and_splits_what_overflows(tmp_path):
+    """An in-place merge reads and writes only the chunks its rows fall into; a chunk that
+    overflows is split into chunks of near-equal counts, no other key moves; a rewrite packs
+    the level full again."""
+    env = _env(tmp_path)
+    w = 5
+    cap = pagechunks.capacity(4 * w + 4)
+    level = ChunkLevel(env, "t", w, "t", range_rows=100_000)
+    ref: dict = {}
+    _merge(level, ref, range(0, 100 * cap * 10, 10), 0)  # 100 full chunks, ids 10 apart
+    before = dict(_chunks(level))
+    stats = _merge(level, ref, [5, 10 * cap * 50 + 5], 1, in_place=True)  # chunks 0 and 50
+    assert stats.old_rows == 2 * cap and stats.rows_written == 2 * cap + 2
+    after = dict(_chunks(level))
+    changed = {k for k in after if k not in before or after[k] != before[k]}
+    assert len(after) == 102 and set(before) <= set(after) and len(changed) == 4
+    assert sorted(after[k] for k in changed) == sorted([(cap + 2) // 2, (cap + 1) // 2] * 2)
+    stats = _merge(level, ref, range(1, 10 * cap, 10), 2, in_place=True)  # cap more rows in chunk 0
+    assert all(c <= cap for _, c in _chunks(level))
+    _check(level, ref)
+    _merge(level, ref, [3], 3)  # the rewrite
+    counts = [c for _, c in _chunks(level)]
+    assert all(c == cap for c in counts[:-1])
+    _check(level, ref)
+
+
+def test_in_place_damage_is_a_store_corrupt_error(tmp_path):
+    env = _env(tmp_path)
+    w = 5
+    level = ChunkLevel(env, "t", w, "t")
+    ref: dict = {}
+    _merge(level, ref, range(0, 2000, 2), 0)
+    _damage(env, level, pagechunks.HEAD + 8 * 3)  # an id of the second chunk
+    with pytest.raises(StoreCorruptError):
+        _merge(level, {}, [2 * pagechunks.capacity(4 * w + 4) + 1], 1, in_place=True)
+    _merge(level, ref, [1], 1, in_place=True)  # the first chunk is whole: it updates
+    rows, found = level.get(np.array([0, 1]))
+    assert found.all() and np.array_equal(rows[1], ref[1])

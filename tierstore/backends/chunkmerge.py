@@ -57,7 +57,7 @@ if HAVE_NUMBA:
     from .record import check_row
 
     @intrinsic
-    def _copy(typingctx, dst, src, n):
+    def copy_at(typingctx, dst, src, n):
         """memcpy of `n` bytes between addresses (of buffers the caller keeps alive, apart)."""
         def codegen(context, builder, sig, args):
             i8p = ir.IntType(8).as_pointer()
@@ -68,7 +68,7 @@ if HAVE_NUMBA:
         return types.void(types.int64, types.int64, types.int64), codegen
 
     @intrinsic
-    def _i64_at(typingctx, addr):
+    def i64_at(typingctx, addr):
         """The int64 at an address (unaligned: chunk values sit on 2-byte node boundaries)."""
         def codegen(context, builder, sig, args):
             ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
@@ -181,6 +181,16 @@ if HAVE_NUMBA:
                 ub, hub = st_ub[t], st_hub[t]
 
     @numba.njit(nogil=True, cache=True)
+    def count_rows(mem, offs):  # pragma: no cover - compiled
+        """The rows of the chunks at offs (their counts; the merge checks each one it reads)."""
+        n = 0
+        for c in range(offs.shape[0]):
+            o = offs[c]
+            n += np.int64(mem[o]) | (np.int64(mem[o + 1]) << 8) | (np.int64(mem[o + 2]) << 16) | \
+                (np.int64(mem[o + 3]) << 24)
+        return n
+
+    @numba.njit(nogil=True, cache=True)
     def seal_chunk(out, at, fill, cap, rb):  # pragma: no cover - compiled
         """Close the chunk at out[at:] holding `fill` rows: unused slots zeroed, then its head
         (count, capacity, the check over its ids)."""
@@ -198,7 +208,7 @@ if HAVE_NUMBA:
             out[at + 12 + j] = 0
 
     @numba.njit(nogil=True, cache=True)
-    def _open_old(mem, offs, lens, c, cap, vb, last):  # pragma: no cover - compiled
+    def open_chunk(mem, offs, lens, c, cap, vb, last):  # pragma: no cover - compiled
         """Chunk c's row count after checking its size, count, ids' check and id order (all
         above `last`), or -1 when it is damaged."""
         off = offs[c]
@@ -242,7 +252,7 @@ if HAVE_NUMBA:
         oc = 0
         count = 0
         if c < nc:
-            count = _open_old(mem, offs, lens, c, cap, vb, last if cpos == 0 else np.int64(-1))
+            count = open_chunk(mem, offs, lens, c, cap, vb, last if cpos == 0 else np.int64(-1))
             if count < 0:
                 return 0, 1, c
         status, at = 0, 0
@@ -250,7 +260,7 @@ if HAVE_NUMBA:
             has_old = c < nc
             oid = np.int64(0)
             if has_old:
-                oid = _i64_at(m_at + offs[c] + HEAD + 8 * cpos)
+                oid = i64_at(m_at + offs[c] + HEAD + 8 * cpos)
             if i < hi and (not has_old or ids[i] <= oid):
                 x = ids[i]
                 if i + AHEAD < hi:  # batch records may lie anywhere (the log's order)
@@ -261,7 +271,7 @@ if HAVE_NUMBA:
                     if check_row(np.uint64(x), rec[:w]) != rec[w]:
                         status, at = 3, i
                         break
-                _copy(o_at + oc * vb + r0 + fill * rb, src[i], rb)
+                copy_at(o_at + oc * vb + r0 + fill * rb, src[i], rb)
                 i += 1
                 skip = has_old and oid == x  # the batch's row replaces the old one
             elif has_old:
@@ -272,7 +282,7 @@ if HAVE_NUMBA:
                     if check_row(np.uint64(x), rec[:w]) != rec[w]:
                         status, at = 2, x
                         break
-                _copy(o_at + oc * vb + r0 + fill * rb, m_at + osrc, rb)
+                copy_at(o_at + oc * vb + r0 + fill * rb, m_at + osrc, rb)
                 skip = True
             else:
                 break
@@ -283,7 +293,7 @@ if HAVE_NUMBA:
                     c += 1
                     cpos = 0
                     if c < nc:
-                        count = _open_old(mem, offs, lens, c, cap, vb, last)
+                        count = open_chunk(mem, offs, lens, c, cap, vb, last)
                         if count < 0:
                             status, at = 1, c
                             break
@@ -339,15 +349,13 @@ class ChunkLevel:
             return sum(self._count(txn, name) for name in self.names)
 
     def _count(self, txn: lmdb.Transaction, name: bytes | None) -> int:
-        """Rows of range `name`: every chunk is full but its last."""
-        if name is None:
-            return 0
-        entries, _ = self._record(txn, name)
-        if not entries:
-            return 0
-        cur = txn.cursor(db=self._dbs[name])
-        cur.last()
-        return (entries - 1) * self.cap + int(np.frombuffer(cur.value()[:4], dtype=np.uint32)[0])
+        """Rows of range `name` (its chunks' counts, walked in place)."""
+        mem, offs, _ = self._leaves(txn, name)
+        return int(count_rows(mem, offs)) if len(offs) else 0
+
+    def db(self, name: bytes) -> object:
+        """The open handle of range database `name`."""
+        return self._dbs[name]
 
     def _record(self, txn: lmdb.Transaction, name: bytes) -> tuple[int, int]:
         """(entries, root page) of database `name` in `txn`'s snapshot."""
@@ -388,7 +396,8 @@ class ChunkLevel:
         raise StoreCorruptError(f"{self.reader.path}: a page of chunk range {name!r} lies past "
                                 f"the file's end")
 
-    def _new_db(self, txn: lmdb.Transaction) -> bytes:
+    def new_db(self, txn: lmdb.Transaction) -> bytes:
+        """A fresh range database, created in the write transaction `txn`; returns its name."""
         while True:
             name = f"{self.prefix}.{self._seq}".encode()
             self._seq += 1
@@ -396,9 +405,11 @@ class ChunkLevel:
                 self._dbs[name] = self.env.open_db(name, txn=txn)
                 return name
 
-    def merge(self, ids: np.ndarray, records: np.ndarray, verify: bool = True) -> MergeStats:
+    def merge(self, ids: np.ndarray, records: np.ndarray, verify: bool = True,
+              in_place: bool = False) -> MergeStats:
         """Merge sorted distinct rows (ids int64 [n] >= 0, records uint8 [n, record bytes]) into
-        the level: every id's newest record, each touched range rewritten into a fresh database."""
+        the level: every id's newest record, each touched range rewritten into a fresh database
+        (or, `in_place`, each touched chunk read, merged and put back: `chunkupdate.py`)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         records = np.ascontiguousarray(records)
         n = len(ids)
@@ -406,10 +417,11 @@ class ChunkLevel:
             raise TierstoreError(f"a merge takes ids [n] and records uint8 [n, {self.record_bytes}], "
                                  f"got {ids.shape} and {records.dtype} {records.shape}")
         src = records.ctypes.data + self.record_bytes * np.arange(n, dtype=np.int64)
-        return self._merge(ids, src, verify)
+        return self._merge(ids, src, verify, in_place)
 
     def merge_gather(self, ids: np.ndarray, chunks: list[np.ndarray], chunk_of: np.ndarray,
-                     row_of: np.ndarray, skip: int = 0, verify: bool = True) -> MergeStats:
+                     row_of: np.ndarray, skip: int = 0, verify: bool = True,
+                     in_place: bool = False) -> MergeStats:
         """`merge` of rows whose records lie in other chunks (the log's, read in place inside the
         caller's read transaction): row i's record is `chunks[chunk_of[i]][row_of[i], skip : skip
         + record words]` (uint32 [count, stride] arrays), copied once, straight into the level."""
@@ -430,9 +442,9 @@ class ChunkLevel:
         chunks = [c if c.flags.c_contiguous else np.ascontiguousarray(c) for c in chunks]
         base = np.array([c.ctypes.data for c in chunks] or [0], dtype=np.int64)
         src = base[chunk_of] + 4 * (row_of * stride + skip)
-        return self._merge(ids, src, verify)
+        return self._merge(ids, src, verify, in_place)
 
-    def _merge(self, ids: np.ndarray, src: np.ndarray, verify: bool) -> MergeStats:
+    def _merge(self, ids: np.ndarray, src: np.ndarray, verify: bool, in_place: bool) -> MergeStats:
         """`merge`'s pass over the ranges; row i's record lies at address src[i]."""
         n = len(ids)
         if ids.ndim != 1 or (n and (int(ids[0]) < 0 or not bool(np.all(ids[1:] > ids[:-1])))):
@@ -448,7 +460,13 @@ class ChunkLevel:
                 kept += 1
                 r += 1
                 continue
-            made = self._rewrite(r, ids, src, lo, hi, verify, totals)
+            if in_place:
+                from .chunkupdate import update_range  # (it imports this module's kernels)
+
+                update_range(self, r, ids[lo:hi], src[lo:hi], verify, totals)
+                made = [r]
+            else:
+                made = self._rewrite(r, ids, src, lo, hi, verify, totals)
             cuts[r + 1 : r + 1] = [hi] * (len(made) - 1)  # new ranges take no more of the batch
             r += len(made)
             rewritten += 1
@@ -481,7 +499,7 @@ class ChunkLevel:
         in_db = 0  # rows in the newest output database
         with env.begin() as rtxn:  # the old range's pages stay put while it is open
             mem, offs, lens = self._leaves(rtxn, old)
-            had = self._count(rtxn, old)
+            had = int(count_rows(mem, offs)) if len(offs) else 0
             totals[0] += had
             nc = len(offs)
             # a range grown past twice its size is cut into parts of about `range_rows`
@@ -503,7 +521,7 @@ class ChunkLevel:
                     state[_FILL] = 0
                 with env.begin(write=True) as txn:
                     if names[-1] is None:
-                        names[-1] = self._new_db(txn)
+                        names[-1] = self.new_db(txn)
                     db = self._dbs[names[-1]]
                     if full:
                         chunks = out[: full * vb].reshape(full, vb)

@@ -1,0 +1,154 @@
+"""The in-place regime of a page-chunk level's merge (`ChunkLevel.merge(..., in_place=True)`).
+
+For a table far larger than the batch (T >> N: 10^9-10^11 rows against a log's few million),
+rewriting the base costs T / N rows copied a row fed. Instead each chunk a batch row falls into
+is read, merged with the batch rows of its id range, and put back (a read-modify-write: about
+one leaf page a row when the rows are sparse, the floor of any in-place layout). A chunk that
+overflows is split into chunks of near-equal counts, the first under the old chunk's key, the
+others under their own first ids, all inside the old chunk's id range, so no other chunk's key
+moves and nothing is deleted. Batch ids below a range's first chunk make chunks of their own.
+Split chunks are not full (a level updated in place settles near 3/4 full, as a B-tree does);
+the next sequential rewrite of a range packs it again.
+
+The batch is taken `WINDOW_ROWS` rows at a time: the chunks are found by the page walker's
+floor search (`PageReader.floor_spans`) in a read transaction, merged into new values by one
+compiled pass (every old chunk's size, count, ids' check and order verified; with `verify`,
+every record copied), and put in one write transaction, which the next window's search sees.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .._kernels import HAVE_NUMBA
+from ..errors import StoreCorruptError, TierstoreError
+from .lmdb_common import encode_keys
+from .pagechunks import HEAD
+
+if TYPE_CHECKING:
+    from .chunkmerge import ChunkLevel
+
+WINDOW_ROWS = 8192  # batch rows a read-modify-write transaction
+
+if HAVE_NUMBA:
+    import numba
+
+    from .chunk_kernels import words_at
+    from .chunkmerge import copy_at, i64_at, open_chunk, seal_chunk
+    from .record import check_row
+
+    @numba.njit(nogil=True, cache=True)
+    def update_chunks(mem, offs, lens, starts, ids, src, cap, w, verify, scratch_id, scratch_at,
+                      out, firsts):  # pragma: no cover - compiled
+        """New values for the chunks the batch rows ids[starts[g] : starts[g + 1]] fall into
+        (group g's old chunk at offs[starts[g]] in `mem`, -1: none; row i's record at address
+        src[i]): each group's old rows and batch rows merged (a batch row replaces the old one
+        of its id) and cut into chunks of near-equal counts, written back to back into `out`
+        with their first ids in `firsts`. Returns (chunks, old rows, rows written, status, at):
+        status 0; 1
+        the old chunk of row `at` is damaged; 2 the old record of id `at` failed its check; 3
+        batch row `at`'s record failed its check."""
+        rb = 4 * (w + 1)
+        vb = HEAD + cap * (8 + rb)
+        r0 = HEAD + 8 * cap
+        m_at, o_at = mem.ctypes.data, out.ctypes.data
+        oc = 0
+        old_rows = 0
+        written = 0
+        for g in range(starts.shape[0] - 1):
+            lo, hi = starts[g], starts[g + 1]
+            off = offs[lo]
+            count = 0
+            if off >= 0:
+                count = open_chunk(mem, offs, lens, lo, cap, vb, np.int64(-1))
+                if count < 0:
+                    return oc, old_rows, written, 1, lo
+            old_rows += count
+            a, i, k = 0, lo, 0
+            while a < count or i < hi:
+                oid = i64_at(m_at + off + HEAD + 8 * a) if a < count else np.int64(0)
+                if i < hi and (a >= count or ids[i] <= oid):
+                    if a < count and ids[i] == oid:  # the batch's row replaces the old one
+                        a += 1
+                    if verify:
+                        rec = numba.carray(words_at(src[i]), w + 1)
+                        if check_row(np.uint64(ids[i]), rec[:w]) != rec[w]:
+                            return oc, old_rows, written, 3, i
+                    scratch_id[k], scratch_at[k] = ids[i], src[i]
+                    i += 1
+                else:
+                    at = m_at + off + r0 + a * rb
+                    if verify:
+                        rec = numba.carray(words_at(at), w + 1)
+                        if check_row(np.uint64(oid), rec[:w]) != rec[w]:
+                            return oc, old_rows, written, 2, oid
+                    scratch_id[k], scratch_at[k] = oid, at
+                    a += 1
+                k += 1
+            written += k
+            parts = (k + cap - 1) // cap
+            j = 0
+            for p in range(parts):
+                size = k // parts + (1 if p < k % parts else 0)
+                for t in range(size):
+                    x = scratch_id[j + t]
+                    q = oc * vb + HEAD + 8 * t
+                    for b in range(8):
+                        out[q + b] = np.uint8((x >> (8 * b)) & 0xFF)
+                    copy_at(o_at + oc * vb + r0 + t * rb, scratch_at[j + t], rb)
+                seal_chunk(out, oc * vb, size, cap, rb)
+                firsts[oc] = scratch_id[j]
+                j += size
+                oc += 1
+        return oc, old_rows, written, 0, 0
+
+
+def update_range(level: ChunkLevel, r: int, ids: np.ndarray, src: np.ndarray, verify: bool,
+                 totals: np.ndarray, window: int = WINDOW_ROWS) -> None:
+    """Batch rows `ids` (sorted, inside range r; records at addresses `src`) merged into range r
+    in place, `window` rows a write transaction; adds old rows read, rows and chunks written to
+    `totals`."""
+    env, cap, vb = level.env, level.cap, level.vb
+    for lo in range(0, len(ids), window):
+        part, at = ids[lo : lo + window], src[lo : lo + window]
+        n = len(part)
+        name = level.names[r]
+        with env.begin() as rtxn:  # the old chunks stay put while it is open
+            if name is None:
+                mem, offs = np.zeros(0, dtype=np.uint8), np.full(n, -1, dtype=np.int64)
+                lens = np.zeros(n, dtype=np.int64)
+            else:
+                spans = level.reader.floor_spans(rtxn.get(name), part.astype(np.uint64))
+                if spans is None:
+                    raise StoreCorruptError(f"table {level.table!r}: chunk range {name!r} holds a "
+                                            f"layout chunks never use")
+                mem, offs, lens = spans
+            starts = np.concatenate([[0], np.flatnonzero(offs[1:] != offs[:-1]) + 1, [n]])
+            most = int(np.diff(starts).max()) + cap
+            out = np.empty((2 * (len(starts) - 1) + n // cap + 1) * vb, dtype=np.uint8)
+            firsts = np.empty(len(out) // vb, dtype=np.int64)
+            made, old, rows, status, bad = update_chunks(
+                mem, offs, lens, starts.astype(np.int64), part, at, cap, level.row_dim, verify,
+                np.empty(most, dtype=np.int64), np.empty(most, dtype=np.int64), out, firsts)
+        if status == 3:
+            raise TierstoreError(f"table {level.table!r}: the record of row {int(part[bad])} given "
+                                 f"to the merge fails its checksum")
+        if status:
+            raise StoreCorruptError(f"table {level.table!r}: chunk range {name!r} is damaged "
+                                    f"(a chunk's size, count or ids, or row {int(bad)}'s checksum)")
+        values = out[: made * vb].reshape(made, vb)
+        with env.begin(write=True) as txn:
+            fresh = level.new_db(txn) if name is None else name
+            txn.cursor(db=level.db(fresh)).putmulti(list(zip(encode_keys(firsts[:made]), values)))
+            if name is None and level.on_publish is not None:
+                names = level.names[:r] + [fresh] + level.names[r + 1 :]
+                level.on_publish(txn, list(level.bounds), names)
+        if name is None:
+            level.names[r] = fresh
+        totals += (old, rows, made)
+
+
+if not HAVE_NUMBA:  # pragma: no cover - numba is a hard dependency
+    update_chunks = None
