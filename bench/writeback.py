@@ -314,7 +314,7 @@ def _log_to_run(log_env: lmdb.Environment, log_db: object, writer: runs.RunWrite
 
 
 def _log_merge(log_env: lmdb.Environment, log_db: object, level: ChunkLevel, verify: bool,
-               times: dict[str, float]) -> int:
+               times: dict[str, float], in_place: bool = False) -> int:
     """The log's merge into the page-chunk base: its chunks read in place, each id's newest
     entry found by one sort (`newest_order`, CPU seconds into times["sort"]), the records
     copied once from the log's map into the rewritten ranges (`merge_gather`), the log's chunks
@@ -334,7 +334,8 @@ def _log_merge(log_env: lmdb.Environment, log_db: object, level: ChunkLevel, ver
         ids, pos = runs.newest_order(rows)
         of = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)[pos]
         c1 = time.process_time()
-        stats = level.merge_gather(ids, chunks, of, pos - starts[of], wal.HEADER // 4, verify=verify)
+        stats = level.merge_gather(ids, chunks, of, pos - starts[of], wal.HEADER // 4, verify=verify,
+                                   in_place=in_place)
     with log_env.begin(write=True, db=log_db) as txn:  # the log's merged chunks go
         deque(map(txn.delete, keys), maxlen=0)
     times["sort"] += c1 - c0
@@ -343,7 +344,8 @@ def _log_merge(log_env: lmdb.Environment, log_db: object, level: ChunkLevel, ver
 
 
 def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: int,
-                 writemap: bool = False, verify: bool = True, range_rows: int = RANGE_ROWS) -> list[dict]:
+                 writemap: bool = False, verify: bool = True, range_rows: int = RANGE_ROWS,
+                 in_place_rows: int = 0) -> list[dict]:
     """Issue 36's steady state on format 4's page chunks (`backends/chunkmerge.py`, not yet the
     store's): a base of `table_rows` rows written as page chunks in ranges (`chunks_base_write`);
     `cycles` times, `run_rows` uniform random rows of the table appended to a log as the writer's
@@ -351,7 +353,9 @@ def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: 
     the base by rewriting every range they touch, each record copied once from the log's map
     (`chunks_merge`, the log's chunks deleted after it). `chunks_steady` is the three per row
     fed on one core, with the files' peak (base and log, the log full) and the base's own pages
-    (what a closed, compacted store keeps) against the raw rows."""
+    (what a closed, compacted store keeps) against the raw rows. `chunks_in_place`: then
+    `cycles` batches of `in_place_rows` appended and merged in place (T >> N's regime), with the
+    bytes their commits wrote (`wchar`) in 4 KiB pages a row fed."""
     rng = np.random.default_rng(seed)
     w = DIM + 2
     env = lmdb.open(str(work / "chunks"), map_size=max(1 << 30, (table_rows + 2 * range_rows) * 800),
@@ -362,7 +366,7 @@ def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: 
     piece = 1 << 18
     tile = rng.standard_normal((piece, w), dtype=np.float32)  # payloads: their bits do not matter
     level = ChunkLevel(env, "t", w, "t", range_rows=range_rows)
-    cpu = dict.fromkeys(("base", "append", "sort", "merge"), 0.0)
+    cpu = dict.fromkeys(("base", "append", "sort", "merge", "ip_append", "ip_sort", "ip_merge"), 0.0)
     wall = dict.fromkeys(cpu, 0.0)
     written = 0
 
@@ -391,6 +395,18 @@ def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: 
             cpu[what] += split[what]
             wall[what] += (time.perf_counter() - t0) * split[what] / max(sum(split.values()), 1e-9)
     peak = sum((work / d / "data.mdb").stat().st_blocks * 512 for d in ("chunks", "chunks_log"))
+    ip_fed, ip_bytes = 0, 0
+    for _ in range(cycles if in_place_rows else 0):  # the in-place regime: small batches
+        draw = rng.integers(0, table_rows, in_place_rows)
+        seq = timed("ip_append", _log_append, log_env, log_db, draw, tile, seq)
+        ip_fed += in_place_rows
+        t0, b0 = time.perf_counter(), _wchar()
+        split = dict.fromkeys(("sort", "merge"), 0.0)
+        _log_merge(log_env, log_db, level, verify, split, in_place=True)
+        ip_bytes += _wchar() - b0
+        for what in split:
+            cpu["ip_" + what] += split[what]
+            wall["ip_" + what] += (time.perf_counter() - t0) * split[what] / max(sum(split.values()), 1e-9)
     used = 0
     with env.begin() as txn:
         for name in level.names:
@@ -414,7 +430,10 @@ def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: 
             rec("chunks_sort", ("sort",), fed),
             rec("chunks_merge", ("merge",), fed, copied_per_fed=written / max(fed, 1)),
             rec("chunks_steady", ("append", "sort", "merge"), fed, copied_per_fed=written / max(fed, 1),
-                disk_peak_over_raw=peak / raw, disk_after_over_raw=used / raw)]
+                disk_peak_over_raw=peak / raw, disk_after_over_raw=used / raw)] + ([
+            rec("chunks_in_place", ("ip_append", "ip_sort", "ip_merge"), ip_fed,
+                pages_per_row=ip_bytes / 4096 / max(ip_fed, 1), run_rows=in_place_rows)]
+            if ip_fed else [])
 
 
 def chunk_put_cases(work: Path, rows: int, seed: int) -> list[dict]:
@@ -559,7 +578,7 @@ def chunks_main(work: Path, args: argparse.Namespace) -> list[dict]:
     the same merge (`run` rows into `table` rows) beside it."""
     out = chunks_cases(work, args.chunks_table, args.chunks_run, args.chunks_cycles, args.seed + 8,
                        writemap=args.chunks_writemap, verify=not args.chunks_no_verify,
-                       range_rows=args.chunks_range)
+                       range_rows=args.chunks_range, in_place_rows=args.chunks_in_place)
     if args.chunks_only:
         out += floor_cases(work, [args.chunks_table], [min(args.chunks_run, args.chunks_table)],
                            args.seed + 9)
@@ -598,6 +617,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="random rows appended to the log and merged into the base a cycle")
     ap.add_argument("--chunks-cycles", type=int, default=3, help="merges into the page-chunk base")
     ap.add_argument("--chunks-range", type=int, default=RANGE_ROWS, help="rows a range database")
+    ap.add_argument("--chunks-in-place", type=int, default=250_000,
+                    help="rows of the in-place batches merged after the rewrites (0 skips them)")
     ap.add_argument("--chunks-writemap", action="store_true",
                     help="the base's environment writes through a writable map (else heap pages "
                          "written with pwrite at commit, as the store's environments do)")
@@ -618,6 +639,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.lsm_table, args.lsm_run, args.lsm_k, args.lsm_cycles = 60_000, 10_000, "2,4", 2
         args.lsm_put_rows = 20_000
         args.chunks_table, args.chunks_run, args.chunks_range = 80_000, 20_000, 30_000
+        args.chunks_in_place = 2_000
     return args
 
 
