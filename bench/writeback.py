@@ -52,7 +52,9 @@ One store of `--tables` x `--rows` populated rows (dim 64 + row-wise Adagrad: 66
   `copied/fed`: rows written a row fed, T / N).
   `chunks_steady` is the three on one core, per row fed, with the files' peak (base and log) and
   the base's own pages after the last merge (a closed store's, compacted) against the raw rows.
-  `--chunks-only` runs them with the B-tree's page-write floor of the same merge
+  `chunks_in_place`: then batches of `--chunks-in-place` rows merged in place (the regime for
+  T >> N: each chunk a row falls into read, merged and put back), with the pages their commits
+  wrote a row fed. `--chunks-only` runs them with the B-tree's page-write floor of the same merge
   (`floor_<N>_into_<T>`) beside them.
 """
 
