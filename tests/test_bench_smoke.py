@@ -98,7 +98,12 @@ def test_bench_writeback_smoke(tmp_path):
                                    "get2_pages", "merge_5000", "merge_20000"} | {
         f"lsm_put_{m}_{c}" for m in ("pwrite", "writemap") for c in ("fresh", "reused")} | {
         f"lsm_{c}_k{k}" for k in (2, 4) for c in ("base_write", "append", "runs", "merges", "steady",
-                                                  "one_process", "get", "end_to_end")}
+                                                  "one_process", "get", "end_to_end")} | {
+        f"chunks_{c}" for c in ("base_write", "append", "sort", "merge", "steady", "in_place")}
+    steady = cases["chunks_steady"]  # every range rewritten each merge: T / N rows a row fed
+    assert steady["copied_per_fed"] == pytest.approx(80_000 / 20_000, rel=0.01)
+    assert 1.0 < steady["disk_after_over_raw"] < 1.3 <= steady["disk_peak_over_raw"] < 3
+    assert 0 < cases["chunks_in_place"]["pages_per_row"] <= 1.2
     for case in floors:  # a merge rewrites at least one page a leaf it touches, at most one a row
         r = cases[case]
         assert 0 < r["pages_per_row"] <= 1.2 and r["pages_written"] >= 0.9 * r["model_pages"]
