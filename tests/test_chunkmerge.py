@@ -80,7 +80,8 @@ batch_st = st.lists(ids_st, max_size=400)
 @given(batches=st.lists(batch_st, min_size=1, max_size=6), w=st.sampled_from([1, 5, 65]),
        range_rows=st.sampled_from([1, 40, 150, 10_000]), window=st.sampled_from([1, 2, 5, 64]),
        verify=st.booleans(), gather=st.booleans(),
-       in_place=st.lists(st.booleans(), min_size=6, max_size=6), data=st.data())
+       in_place=st.lists(st.sampled_from([False, True, None]), min_size=6, max_size=6),
+       data=st.data())
 @example(batches=[list(range(0, 62 * 3)), list(range(61, 62 * 4, 2)), [], [0, TOP]], w=5,
          range_rows=62, window=1, verify=True, gather=True, in_place=[False, True] * 3, data=None)
 @example(batches=[list(range(7)), list(range(7, 14)), list(range(14)), list(range(6, 8))], w=65,
@@ -325,3 +326,19 @@ def test_in_place_damage_is_a_store_corrupt_error(tmp_path):
     _merge(level, ref, [1], 1, in_place=True)  # the first chunk is whole: it updates
     rows, found = level.get(np.array([0, 1]))
     assert found.all() and np.array_equal(rows[1], ref[1])
+
+
+def test_the_regime_follows_the_batch_share(tmp_path):
+    """`in_place=None`: a batch under 1 row in 4 of a range's updates it in place (reading only
+    the chunks it touches); a denser one rewrites the range (reading all of it)."""
+    env = _env(tmp_path)
+    w = 5
+    cap = pagechunks.capacity(4 * w + 4)
+    level = ChunkLevel(env, "t", w, "t", range_rows=1000)
+    ref: dict = {}
+    _merge(level, ref, range(0, 40_000, 10), 0)  # 4 ranges of 1,000 rows
+    stats = _merge(level, ref, [5, 15, 25_005], 1, in_place=None)  # ranges 0 and 2, sparsely
+    assert stats.old_rows == 2 * cap and stats.ranges_rewritten == 2
+    stats = _merge(level, ref, range(1, 10_000, 30), 2, in_place=None)  # 334 rows into range 0
+    assert stats.old_rows >= 1000 and stats.ranges_rewritten == 1
+    _check(level, ref)

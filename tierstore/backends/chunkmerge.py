@@ -5,13 +5,15 @@ LMDB databases holding the ids in `[bounds[r], bounds[r + 1])`, each of about `r
 rows (a range grown past twice that is cut into parts of about `range_rows` as it is written).
 `merge` takes a batch of sorted distinct (id, record) rows (the merged half of the log) and
 writes every range they touch again, sequentially: the range's old chunks are walked in
-place in the data file's map (`leaf_spans`, one compiled pass over its leaf pages, every page
-checked), merged with the batch's rows in a compiled two-way merge (`merge_into`: a batch row
+place in the data file's map (`chunkwalk.leaf_spans`, one compiled pass over its leaf pages,
+every page checked), merged with the batch's rows in a compiled two-way merge (`merge_into`: a batch row
 replaces the old one of its id), and the output is packed into full chunks appended with
 `MDB_APPEND` into a fresh database, a write transaction every `window` chunks. The range's last
 transaction also drops its old database: the file holds the old and the new copy of one range
-at a time (its pages go back to LMDB for the next range), so a merge of an 8 M-row table in
-1 M-row ranges peaks near `T + range_rows`, not `2 T`. A range no row touches is kept as it is.
+at a time (its pages go back to LMDB for the range after next: the range's own read
+transaction pins them until then), so a merge of an 8 M-row table in 1 M-row ranges peaks near
+`T + 2 range_rows`, not `2 T`. A range no row touches is kept as it is; with `in_place` (or
+None and a sparse batch) a range is updated chunk by chunk instead (`chunkupdate.py`).
 
 This is the regime the design chose for tables up to ~4x the batch (docs/design.md, "Format 4,
 corrected"): each merge copies every row of the ranges it touches. Every chunk's count and ids
@@ -40,6 +42,7 @@ from .pages import REASONS, PageReader
 
 RANGE_ROWS = 1 << 20  # rows a range database holds (about: a range is cut at a chunk boundary)
 WINDOW = 4096  # chunks a write transaction (~8 MB)
+REWRITE_SHARE = 4  # `in_place=None`: a range is rewritten when the batch holds >= 1 row in 4 of it
 _MDB_DB = struct.Struct("<IHHQQQQQ")  # a named database's record: ..., entries, root page
 _P_INVALID = (1 << 64) - 1
 # merge_into's state: old chunk, row in it, next batch row, last old id, rows in the open chunk
@@ -53,7 +56,7 @@ if HAVE_NUMBA:
     from numba.extending import intrinsic
 
     from .chunk_kernels import AHEAD, prefetch_at, words_at
-    from .pages import check_page
+    from .chunkwalk import count_rows, leaf_spans
     from .record import check_row
 
     @intrinsic
@@ -74,121 +77,6 @@ if HAVE_NUMBA:
             ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
             return builder.load(ptr, align=1)
         return types.int64(types.int64), codegen
-
-    @numba.njit(nogil=True, cache=True, inline="always")
-    def _u16(mem, pos):  # pragma: no cover - compiled
-        return np.int64(mem[pos]) | (np.int64(mem[pos + 1]) << 8)
-
-    @numba.njit(nogil=True, cache=True, inline="always")
-    def _key(mem, pos):  # pragma: no cover - compiled
-        v = np.uint64(0)
-        for j in range(8):
-            v = (v << np.uint64(8)) | np.uint64(mem[pos + j])
-        return v
-
-    @numba.njit(nogil=True, cache=True)
-    def leaf_spans(mem, psize, root, offs, lens, info):  # pragma: no cover - compiled
-        """Every value of the tree under page `root`, in key order: (status, values), their
-        offsets in `mem` in offs[:values] and sizes in lens. Status 0; 1 a page lies past the
-        mapping (remap, retry); 2 a layout chunks never use (a value in overflow pages, a page
-        of another kind); 3 damaged (info: the page and the reason, pages.REASONS; reason 8:
-        more values than the database counts). Every page is checked whole (`check_page`:
-        node pointers, node sizes, keys in order and inside the range its parent gives)."""
-        limit = mem.shape[0]
-        st_pg = np.zeros(64, dtype=np.int64)
-        st_slot = np.zeros(64, dtype=np.int64)
-        st_n = np.zeros(64, dtype=np.int64)
-        st_lb = np.zeros(64, dtype=np.uint64)
-        st_ub = np.zeros(64, dtype=np.uint64)
-        st_hlb = np.zeros(64, dtype=np.bool_)
-        st_hub = np.zeros(64, dtype=np.bool_)
-        depth = 0
-        count = 0
-        pg = root
-        lb, hlb, ub, hub = np.uint64(0), False, np.uint64(0), False
-        while True:
-            base = pg * psize
-            if base + psize > limit:
-                return 1, count
-            own = np.uint64(0)
-            for j in range(8):
-                own |= np.uint64(mem[base + j]) << np.uint64(8 * j)
-            if own != np.uint64(pg):
-                info[0], info[1] = pg, 1
-                return 3, count
-            flags = _u16(mem, base + 10) & 0x3FEF
-            lower = _u16(mem, base + 12)
-            upper = _u16(mem, base + 14)
-            if lower < 18 or lower > upper or upper > psize or (lower & 1):
-                info[0], info[1] = pg, 3
-                return 3, count
-            n = (lower - 16) >> 1
-            if flags == 1:  # a branch: checked whole, then its children in order
-                if psize - upper != 8 + 16 * (n - 1):
-                    info[0], info[1] = pg, 4
-                    return 3, count
-                st = check_page(mem, base, psize, upper, n, False, 0, lb, hlb, ub, hub, info, pg)
-                if st != 0:
-                    return st, count
-                if depth == 64:  # deeper than any tree of 2^64 keys: a cycle
-                    info[0], info[1] = pg, 5
-                    return 3, count
-                st_pg[depth], st_slot[depth], st_n[depth] = pg, 0, n
-                st_lb[depth], st_hlb[depth], st_ub[depth], st_hub[depth] = lb, hlb, ub, hub
-                depth += 1
-            elif flags == 2:  # a leaf: equal-sized nodes, values inline
-                first = base + _u16(mem, base + 16)
-                if first < base + upper or first + 16 > base + psize:
-                    info[0], info[1] = pg, 5
-                    return 3, count
-                if _u16(mem, first + 4) & 1:
-                    return 2, count
-                dsize = _u16(mem, first) | (_u16(mem, first + 2) << 16)
-                align = (8 + _u16(mem, first + 6) + dsize + 1) & ~1
-                if psize - upper != n * align:
-                    info[0], info[1] = pg, 4
-                    return 3, count
-                st = check_page(mem, base, psize, upper, n, True, align, lb, hlb, ub, hub, info, pg)
-                if st != 0:
-                    return st, count
-                if count + n > offs.shape[0]:
-                    info[0], info[1] = pg, 8
-                    return 3, count
-                for s in range(n):
-                    node = base + _u16(mem, base + 16 + 2 * s)
-                    offs[count] = node + 16
-                    lens[count] = _u16(mem, node) | (_u16(mem, node + 2) << 16)
-                    count += 1
-            else:
-                return 2, count
-            while depth > 0 and st_slot[depth - 1] == st_n[depth - 1]:
-                depth -= 1
-            if depth == 0:
-                return 0, count
-            t = depth - 1
-            s = st_slot[t]
-            st_slot[t] = s + 1
-            bb = st_pg[t] * psize
-            node = bb + _u16(mem, bb + 16 + 2 * s)
-            pg = _u16(mem, node) | (_u16(mem, node + 2) << 16) | (_u16(mem, node + 4) << 32)
-            if s > 0:  # the child's range: [its key, the next key)
-                lb, hlb = _key(mem, node + 8), True
-            else:
-                lb, hlb = st_lb[t], st_hlb[t]
-            if s + 1 < st_n[t]:
-                ub, hub = _key(mem, bb + _u16(mem, bb + 16 + 2 * (s + 1)) + 8), True
-            else:
-                ub, hub = st_ub[t], st_hub[t]
-
-    @numba.njit(nogil=True, cache=True)
-    def count_rows(mem, offs):  # pragma: no cover - compiled
-        """The rows of the chunks at offs (their counts; the merge checks each one it reads)."""
-        n = 0
-        for c in range(offs.shape[0]):
-            o = offs[c]
-            n += np.int64(mem[o]) | (np.int64(mem[o + 1]) << 8) | (np.int64(mem[o + 2]) << 16) | \
-                (np.int64(mem[o + 3]) << 24)
-        return n
 
     @numba.njit(nogil=True, cache=True)
     def seal_chunk(out, at, fill, cap, rb):  # pragma: no cover - compiled
@@ -406,10 +294,11 @@ class ChunkLevel:
                 return name
 
     def merge(self, ids: np.ndarray, records: np.ndarray, verify: bool = True,
-              in_place: bool = False) -> MergeStats:
+              in_place: bool | None = False) -> MergeStats:
         """Merge sorted distinct rows (ids int64 [n] >= 0, records uint8 [n, record bytes]) into
         the level: every id's newest record, each touched range rewritten into a fresh database
-        (or, `in_place`, each touched chunk read, merged and put back: `chunkupdate.py`)."""
+        (or, `in_place`, each touched chunk read, merged and put back: `chunkupdate.py`; None:
+        in place where the batch holds under 1 row in `REWRITE_SHARE` of the range's)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         records = np.ascontiguousarray(records)
         n = len(ids)
@@ -421,7 +310,7 @@ class ChunkLevel:
 
     def merge_gather(self, ids: np.ndarray, chunks: list[np.ndarray], chunk_of: np.ndarray,
                      row_of: np.ndarray, skip: int = 0, verify: bool = True,
-                     in_place: bool = False) -> MergeStats:
+                     in_place: bool | None = False) -> MergeStats:
         """`merge` of rows whose records lie in other chunks (the log's, read in place inside the
         caller's read transaction): row i's record is `chunks[chunk_of[i]][row_of[i], skip : skip
         + record words]` (uint32 [count, stride] arrays), copied once, straight into the level."""
@@ -444,7 +333,8 @@ class ChunkLevel:
         src = base[chunk_of] + 4 * (row_of * stride + skip)
         return self._merge(ids, src, verify, in_place)
 
-    def _merge(self, ids: np.ndarray, src: np.ndarray, verify: bool, in_place: bool) -> MergeStats:
+    def _merge(self, ids: np.ndarray, src: np.ndarray, verify: bool,
+               in_place: bool | None) -> MergeStats:
         """`merge`'s pass over the ranges; row i's record lies at address src[i]."""
         n = len(ids)
         if ids.ndim != 1 or (n and (int(ids[0]) < 0 or not bool(np.all(ids[1:] > ids[:-1])))):
@@ -460,7 +350,7 @@ class ChunkLevel:
                 kept += 1
                 r += 1
                 continue
-            if in_place:
+            if in_place or (in_place is None and self._sparse(r, hi - lo)):
                 from .chunkupdate import update_range  # (it imports this module's kernels)
 
                 update_range(self, r, ids[lo:hi], src[lo:hi], verify, totals)
@@ -471,6 +361,14 @@ class ChunkLevel:
             r += len(made)
             rewritten += 1
         return MergeStats(n, int(totals[0]), int(totals[1]), int(totals[2]), rewritten, kept)
+
+    def _sparse(self, r: int, rows: int) -> bool:
+        """Whether `rows` batch rows are under 1 in `REWRITE_SHARE` of range r's (by its chunks)."""
+        if self.names[r] is None:
+            return False
+        with self.env.begin() as txn:
+            entries, _ = self._record(txn, self.names[r])
+        return rows * REWRITE_SHARE < entries * self.cap
 
     def _rewrite(self, r: int, ids: np.ndarray, src: np.ndarray, lo: int, hi: int, verify: bool,
                  totals: np.ndarray) -> list[int]:
@@ -506,9 +404,10 @@ class ChunkLevel:
             est = had + hi - lo
             parts = -(-est // self.range_rows) if est > 2 * self.range_rows else 1
             target = -(-est // parts)
-            while True:
+            while True:  # a window stops where the output range reaches its target
+                room = min(self.window, max(1, -(-(target - in_db) // cap)))
                 made, status, at = merge_into(mem, offs, lens, ids, src, hi, cap, self.row_dim,
-                                              verify, out, state)
+                                              verify, out[: room * vb], state)
                 if status:
                     self._fail(old, status, at, ids)
                 done = state[_C] == nc and state[_I] == hi

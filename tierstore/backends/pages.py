@@ -371,7 +371,7 @@ if HAVE_NUMBA:
                     return -2 - nxt
         return 0
 
-    check_page = _whole_page  # every node of a page checked: the leaf walk of chunkmerge.py
+    check_page = _whole_page  # every node of a page checked: the leaf walk of chunkwalk.py
 
     _NONE = np.zeros(0, dtype=np.bool_)
     _NO_OUT = np.zeros((0, 0), dtype=np.uint8)  # find_spans copying nothing
