@@ -52,10 +52,11 @@ One store of `--tables` x `--rows` populated rows (dim 64 + row-wise Adagrad: 66
   `copied/fed`: rows written a row fed, T / N).
   `chunks_steady` is the three on one core, per row fed, with the files' peak (base and log) and
   the base's own pages after the last merge (a closed store's, compacted) against the raw rows.
-  `chunks_in_place`: then batches of `--chunks-in-place` rows merged in place (the regime for
-  T >> N: each chunk a row falls into read, merged and put back), with the pages their commits
-  wrote a row fed. `--chunks-only` runs them with the B-tree's page-write floor of the same merge
-  (`floor_<N>_into_<T>`) beside them.
+  `chunks_get`: sorted random reads (`--rows-per-case` draws) through the rewritten base
+  (page-cached, every record verified). `chunks_in_place`: then batches of `--chunks-in-place`
+  rows merged in place (the regime for T >> N: each chunk a row falls into read, merged and put
+  back), with the pages their commits wrote a row fed. `--chunks-only` runs them with the
+  B-tree's page-write floor of the same merge (`floor_<N>_into_<T>`) beside them.
 """
 
 from __future__ import annotations
@@ -347,7 +348,7 @@ def _log_merge(log_env: lmdb.Environment, log_db: object, level: ChunkLevel, ver
 
 def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: int,
                  writemap: bool = False, verify: bool = True, range_rows: int = RANGE_ROWS,
-                 in_place_rows: int = 0) -> list[dict]:
+                 in_place_rows: int = 0, get_rows: int = 300_000) -> list[dict]:
     """Issue 36's steady state on format 4's page chunks (`backends/chunkmerge.py`, not yet the
     store's): a base of `table_rows` rows written as page chunks in ranges (`chunks_base_write`);
     `cycles` times, `run_rows` uniform random rows of the table appended to a log as the writer's
@@ -357,7 +358,8 @@ def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: 
     fed on one core, with the files' peak (base and log, the log full) and the base's own pages
     (what a closed, compacted store keeps) against the raw rows. `chunks_in_place`: then
     `cycles` batches of `in_place_rows` appended and merged in place (T >> N's regime), with the
-    bytes their commits wrote (`wchar`) in 4 KiB pages a row fed."""
+    bytes their commits wrote (`wchar`) in 4 KiB pages a row fed. `chunks_get`: sorted random
+    reads of `get_rows` ids through the level after the rewrites (page-cached, verified)."""
     rng = np.random.default_rng(seed)
     w = DIM + 2
     env = lmdb.open(str(work / "chunks"), map_size=max(1 << 30, (table_rows + 2 * range_rows) * 800),
@@ -368,7 +370,8 @@ def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: 
     piece = 1 << 18
     tile = rng.standard_normal((piece, w), dtype=np.float32)  # payloads: their bits do not matter
     level = ChunkLevel(env, "t", w, "t", range_rows=range_rows)
-    cpu = dict.fromkeys(("base", "append", "sort", "merge", "ip_append", "ip_sort", "ip_merge"), 0.0)
+    cpu = dict.fromkeys(("base", "append", "sort", "merge", "get", "ip_append", "ip_sort", "ip_merge"),
+                        0.0)
     wall = dict.fromkeys(cpu, 0.0)
     written = 0
 
@@ -397,6 +400,8 @@ def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: 
             cpu[what] += split[what]
             wall[what] += (time.perf_counter() - t0) * split[what] / max(sum(split.values()), 1e-9)
     peak = sum((work / d / "data.mdb").stat().st_blocks * 512 for d in ("chunks", "chunks_log"))
+    get_ids = np.unique(rng.integers(0, table_rows, get_rows))  # reads after the merges, verified
+    _, found = timed("get", level.get, get_ids)
     ip_fed, ip_bytes = 0, 0
     for _ in range(cycles if in_place_rows else 0):  # the in-place regime: small batches
         draw = rng.integers(0, table_rows, in_place_rows)
@@ -432,7 +437,8 @@ def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: 
             rec("chunks_sort", ("sort",), fed),
             rec("chunks_merge", ("merge",), fed, copied_per_fed=written / max(fed, 1)),
             rec("chunks_steady", ("append", "sort", "merge"), fed, copied_per_fed=written / max(fed, 1),
-                disk_peak_over_raw=peak / raw, disk_after_over_raw=used / raw)] + ([
+                disk_peak_over_raw=peak / raw, disk_after_over_raw=used / raw),
+            rec("chunks_get", ("get",), len(get_ids), found=int(found.sum()))] + ([
             rec("chunks_in_place", ("ip_append", "ip_sort", "ip_merge"), ip_fed,
                 pages_per_row=ip_bytes / 4096 / max(ip_fed, 1), run_rows=in_place_rows)]
             if ip_fed else [])
@@ -580,7 +586,8 @@ def chunks_main(work: Path, args: argparse.Namespace) -> list[dict]:
     the same merge (`run` rows into `table` rows) beside it."""
     out = chunks_cases(work, args.chunks_table, args.chunks_run, args.chunks_cycles, args.seed + 8,
                        writemap=args.chunks_writemap, verify=not args.chunks_no_verify,
-                       range_rows=args.chunks_range, in_place_rows=args.chunks_in_place)
+                       range_rows=args.chunks_range, in_place_rows=args.chunks_in_place,
+                       get_rows=args.rows_per_case)
     if args.chunks_only:
         out += floor_cases(work, [args.chunks_table], [min(args.chunks_run, args.chunks_table)],
                            args.seed + 9)

@@ -99,7 +99,8 @@ def test_bench_writeback_smoke(tmp_path):
         f"lsm_put_{m}_{c}" for m in ("pwrite", "writemap") for c in ("fresh", "reused")} | {
         f"lsm_{c}_k{k}" for k in (2, 4) for c in ("base_write", "append", "runs", "merges", "steady",
                                                   "one_process", "get", "end_to_end")} | {
-        f"chunks_{c}" for c in ("base_write", "append", "sort", "merge", "steady", "in_place")}
+        f"chunks_{c}" for c in ("base_write", "append", "sort", "merge", "steady", "in_place", "get")}
+    assert cases["chunks_get"]["found"] == cases["chunks_get"]["rows"]  # every id of the table
     steady = cases["chunks_steady"]  # every range rewritten each merge: T / N rows a row fed
     assert steady["copied_per_fed"] == pytest.approx(80_000 / 20_000, rel=0.01)
     assert 1.0 < steady["disk_after_over_raw"] < 1.3 <= steady["disk_peak_over_raw"] < 3
