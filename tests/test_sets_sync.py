@@ -35,10 +35,12 @@ def _batches(n, batch=6, seed=2):
         yield (list(FEATS), torch.cat(parts), lengths), torch.randn(batch, 20, generator=g)
 
 
-def _staged_steps(store, steps, watch, mode="sum"):
-    """Train `steps` prefetched batches; each step after the warm-up runs inside `watch()`."""
+def _staged_steps(store, steps, watch, mode="sum", ahead=False):
+    """Train `steps` prefetched batches; each step after the warm-up runs inside `watch()`.
+    `ahead`: the pipeline over the collection (it makes a direct store's steps ahead)."""
     ebc = ts.TieredEmbeddingBagCollection(store, FEATS, mode=mode)
-    with Prefetcher(store, _batches(steps), depth=2, features=FEATS, extract=lambda b: b[0]) as pf:
+    with Prefetcher(ebc if ahead else store, _batches(steps), depth=2, features=FEATS,
+                    extract=lambda b: b[0]) as pf:
         for i, (sparse, weight) in enumerate(pf):
             weight = weight.to(store.device)
             with watch() if i >= 2 else contextlib.nullcontext():  # plan tensors cached by then
@@ -96,7 +98,7 @@ def test_a_non_finite_staged_gradient_changes_nothing_and_is_raised_at_the_next_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("direct", [False, True], ids=["evicting", "direct"])
+@pytest.mark.parametrize("direct", [False, True, "ahead"], ids=["evicting", "direct", "made-ahead"])
 def test_staged_step_on_cuda_sets_never_syncs(tmp_path, direct):
     def watch():
         @contextlib.contextmanager
@@ -114,9 +116,13 @@ def test_staged_step_on_cuda_sets_never_syncs(tmp_path, direct):
     specs = [dataclasses.replace(SPECS[0], num_rows=700), SPECS[1]] if direct else SPECS
     with ts.TierStore(tmp_path / "c", specs, device="cuda", kernels="triton", device_cache="sets",
                       device_capacity=2048, host_capacity=0 if direct else 64, policy="lru") as store:
-        assert (store.device_tier.held is not None) == direct
-        _staged_steps(store, 6, watch)
+        assert (store.device_tier.held is not None) == bool(direct)
+        if direct == "ahead":  # every row held first: the pipeline makes the steps ahead
+            for spec in specs:
+                store.read(spec.name, torch.arange(spec.num_rows))
+        _staged_steps(store, 6, watch, ahead=direct == "ahead")
         assert store.prefetch_stats.lock_free_bags == 6 * 2
+        assert (store.prefetch_stats.steps_made_ahead > 0) == (direct == "ahead")
         store.check()
 
 
