@@ -5,6 +5,7 @@ entry's header, its row's words copied once, and its checksum computed while the
 cache. `merge_step` is the k-way merge of sorted runs (runs.py) over chunks read in place from
 the map, and `gather_records` copies verified records from the log's mapped entries into a run's
 chunk. They exist only with numba; callers keep their numpy path for a build without it.
+`gather_args` checks a gather's arguments, for runs and page-chunk merges alike.
 """
 
 from __future__ import annotations
@@ -12,8 +13,30 @@ from __future__ import annotations
 import numpy as np
 
 from .._kernels import HAVE_NUMBA
+from ..errors import TierstoreError
 
 AHEAD = 8  # rows a gather asks the CPU for before it copies them (their records lie anywhere)
+
+
+def gather_args(ids: np.ndarray, chunks: list[np.ndarray], chunk_of: np.ndarray, row_of: np.ndarray,
+                skip: int, rw: int, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A gather's arguments checked (records of `rw` words at word `skip` of uint32 chunks of one
+    row stride, every row inside its chunk; `what` names the gatherer in the error): returns ids,
+    chunk_of and row_of as int64 arrays, and the stride."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    chunk_of = np.ascontiguousarray(chunk_of, dtype=np.int64)
+    row_of = np.ascontiguousarray(row_of, dtype=np.int64)
+    stride = chunks[0].shape[1] if chunks else rw
+    if any(c.ndim != 2 or c.dtype != np.uint32 or c.shape[1] != stride for c in chunks) or \
+            not 0 <= skip <= stride - rw or not len(chunk_of) == len(row_of) == len(ids):
+        raise TierstoreError(f"{what} gathers records of {rw} words from uint32 chunks of one row "
+                             f"stride")
+    if len(ids):
+        counts = np.array([len(c) for c in chunks], dtype=np.int64)
+        if not chunks or int(chunk_of.min()) < 0 or int(chunk_of.max()) >= len(chunks) or \
+                int(row_of.min()) < 0 or bool((row_of >= counts[chunk_of]).any()):
+            raise TierstoreError(f"{what}'s gathered rows must lie inside their chunks")
+    return ids, chunk_of, row_of, stride
 
 if HAVE_NUMBA:
     import numba

@@ -36,6 +36,7 @@ import numpy as np
 
 from .._kernels import HAVE_NUMBA
 from ..errors import StoreCorruptError, TierstoreError
+from .chunk_kernels import gather_args
 from .lmdb_common import encode_keys
 from .pagechunks import HEAD, capacity, lookup, value_bytes
 from .pages import REASONS, PageReader
@@ -314,20 +315,8 @@ class ChunkLevel:
         """`merge` of rows whose records lie in other chunks (the log's, read in place inside the
         caller's read transaction): row i's record is `chunks[chunk_of[i]][row_of[i], skip : skip
         + record words]` (uint32 [count, stride] arrays), copied once, straight into the level."""
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        chunk_of = np.ascontiguousarray(chunk_of, dtype=np.int64)
-        row_of = np.ascontiguousarray(row_of, dtype=np.int64)
-        rw = self.record_bytes // 4
-        stride = chunks[0].shape[1] if chunks else rw
-        if any(c.ndim != 2 or c.dtype != np.uint32 or c.shape[1] != stride for c in chunks) or \
-                not 0 <= skip <= stride - rw or not len(chunk_of) == len(row_of) == len(ids):
-            raise TierstoreError(f"a merge gathers records of {rw} words from uint32 chunks of one "
-                                 f"row stride")
-        if len(ids):
-            counts = np.array([len(c) for c in chunks], dtype=np.int64)
-            if not chunks or int(chunk_of.min()) < 0 or int(chunk_of.max()) >= len(chunks) or \
-                    int(row_of.min()) < 0 or bool((row_of >= counts[chunk_of]).any()):
-                raise TierstoreError("a merge's gathered rows must lie inside their chunks")
+        ids, chunk_of, row_of, stride = gather_args(ids, chunks, chunk_of, row_of, skip,
+                                                    self.record_bytes // 4, "a merge")
         chunks = [c if c.flags.c_contiguous else np.ascontiguousarray(c) for c in chunks]
         base = np.array([c.ctypes.data for c in chunks] or [0], dtype=np.int64)
         src = base[chunk_of] + 4 * (row_of * stride + skip)

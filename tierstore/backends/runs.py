@@ -28,7 +28,7 @@ import lmdb
 import numpy as np
 
 from ..errors import StoreCorruptError, TierstoreError
-from .chunk_kernels import HAVE_NUMBA, gather_records, merge_step
+from .chunk_kernels import HAVE_NUMBA, gather_args, gather_records, merge_step
 from .lmdb_common import decode_keys, encode_keys
 from .record import CHECK_BYTES, open_records, row_checks
 
@@ -141,21 +141,10 @@ class RunWriter:
         run's: row i is `chunks[chunk_of[i]][row_of[i], skip : skip + record words]` (uint32
         [count, stride] arrays: the row's words, then its check) under id `ids[i]` (increasing,
         above those added); each record is verified as it is copied (compiled)."""
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        chunk_of = np.ascontiguousarray(chunk_of, dtype=np.int64)
-        row_of = np.ascontiguousarray(row_of, dtype=np.int64)
         rw = self.record_bytes // 4
-        stride = chunks[0].shape[1] if chunks else rw
-        if any(c.ndim != 2 or c.dtype != np.uint32 or c.shape[1] != stride for c in chunks) or \
-                not 0 <= skip <= stride - rw or not len(chunk_of) == len(row_of) == len(ids):
-            raise TierstoreError(f"a run gathers records of {rw} words from uint32 chunks of one "
-                                 f"row stride")
+        ids, chunk_of, row_of, stride = gather_args(ids, chunks, chunk_of, row_of, skip, rw, "a run")
         if not len(ids):
             return
-        counts = np.array([len(c) for c in chunks], dtype=np.int64)
-        if int(chunk_of.min()) < 0 or int(chunk_of.max()) >= len(chunks) or \
-                int(row_of.min()) < 0 or bool((row_of >= counts[chunk_of]).any()):
-            raise TierstoreError("a run's gathered rows must lie inside their chunks")
         if not HAVE_NUMBA:  # pragma: no cover - numba is a hard dependency
             recs = np.empty((len(ids), rw), dtype=np.uint32)
             for c in np.unique(chunk_of).tolist():
