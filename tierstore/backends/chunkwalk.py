@@ -16,18 +16,7 @@ from .._kernels import HAVE_NUMBA
 if HAVE_NUMBA:
     import numba
 
-    from .pages import check_page
-
-    @numba.njit(nogil=True, cache=True, inline="always")
-    def _u16(mem, pos):  # pragma: no cover - compiled
-        return np.int64(mem[pos]) | (np.int64(mem[pos + 1]) << 8)
-
-    @numba.njit(nogil=True, cache=True, inline="always")
-    def _key(mem, pos):  # pragma: no cover - compiled
-        v = np.uint64(0)
-        for j in range(8):
-            v = (v << np.uint64(8)) | np.uint64(mem[pos + j])
-        return v
+    from .pages import check_page, key_at, u16
 
     @numba.njit(nogil=True, cache=True)
     def leaf_spans(mem, psize, root, offs, lens, info):  # pragma: no cover - compiled
@@ -59,9 +48,9 @@ if HAVE_NUMBA:
             if own != np.uint64(pg):
                 info[0], info[1] = pg, 1
                 return 3, count
-            flags = _u16(mem, base + 10) & 0x3FEF
-            lower = _u16(mem, base + 12)
-            upper = _u16(mem, base + 14)
+            flags = u16(mem, base + 10) & 0x3FEF
+            lower = u16(mem, base + 12)
+            upper = u16(mem, base + 14)
             if lower < 18 or lower > upper or upper > psize or (lower & 1):
                 info[0], info[1] = pg, 3
                 return 3, count
@@ -80,14 +69,14 @@ if HAVE_NUMBA:
                 st_lb[depth], st_hlb[depth], st_ub[depth], st_hub[depth] = lb, hlb, ub, hub
                 depth += 1
             elif flags == 2:  # a leaf: equal-sized nodes, values inline
-                first = base + _u16(mem, base + 16)
+                first = base + u16(mem, base + 16)
                 if first < base + upper or first + 16 > base + psize:
                     info[0], info[1] = pg, 5
                     return 3, count
-                if _u16(mem, first + 4) & 1:
+                if u16(mem, first + 4) & 1:
                     return 2, count
-                dsize = _u16(mem, first) | (_u16(mem, first + 2) << 16)
-                align = (8 + _u16(mem, first + 6) + dsize + 1) & ~1
+                dsize = u16(mem, first) | (u16(mem, first + 2) << 16)
+                align = (8 + u16(mem, first + 6) + dsize + 1) & ~1
                 if psize - upper != n * align:
                     info[0], info[1] = pg, 4
                     return 3, count
@@ -98,9 +87,9 @@ if HAVE_NUMBA:
                     info[0], info[1] = pg, 8
                     return 3, count
                 for s in range(n):
-                    node = base + _u16(mem, base + 16 + 2 * s)
+                    node = base + u16(mem, base + 16 + 2 * s)
                     offs[count] = node + 16
-                    lens[count] = _u16(mem, node) | (_u16(mem, node + 2) << 16)
+                    lens[count] = u16(mem, node) | (u16(mem, node + 2) << 16)
                     count += 1
             else:
                 return 2, count
@@ -112,14 +101,14 @@ if HAVE_NUMBA:
             s = st_slot[t]
             st_slot[t] = s + 1
             bb = st_pg[t] * psize
-            node = bb + _u16(mem, bb + 16 + 2 * s)
-            pg = _u16(mem, node) | (_u16(mem, node + 2) << 16) | (_u16(mem, node + 4) << 32)
+            node = bb + u16(mem, bb + 16 + 2 * s)
+            pg = u16(mem, node) | (u16(mem, node + 2) << 16) | (u16(mem, node + 4) << 32)
             if s > 0:  # the child's range: [its key, the next key)
-                lb, hlb = _key(mem, node + 8), True
+                lb, hlb = key_at(mem, node + 8), True
             else:
                 lb, hlb = st_lb[t], st_hlb[t]
             if s + 1 < st_n[t]:
-                ub, hub = _key(mem, bb + _u16(mem, bb + 16 + 2 * (s + 1)) + 8), True
+                ub, hub = key_at(mem, bb + u16(mem, bb + 16 + 2 * (s + 1)) + 8), True
             else:
                 ub, hub = st_ub[t], st_hub[t]
 

@@ -47,11 +47,13 @@ if HAVE_NUMBA:
     from .._kernels import prefetch
 
     @numba.njit(nogil=True, cache=True)
-    def _u16(mem, pos):  # pragma: no cover - compiled
+    def u16(mem, pos):  # pragma: no cover - compiled
+        """The little-endian uint16 at mem[pos], as int64."""
         return np.int64(mem[pos]) | (np.int64(mem[pos + 1]) << 8)
 
     @numba.njit(nogil=True, cache=True)
-    def _key(mem, pos):  # pragma: no cover - compiled
+    def key_at(mem, pos):  # pragma: no cover - compiled
+        """The 8-byte big-endian key at mem[pos], as uint64."""
         v = np.uint64(0)
         for j in range(8):
             v = (v << np.uint64(8)) | np.uint64(mem[pos + j])
@@ -61,12 +63,12 @@ if HAVE_NUMBA:
     def _node_key(mem, base, psize, upper, align, slot, info, pg):  # pragma: no cover - compiled
         """The 8-byte key of node `slot` of the page at `base`, or -1 (info set) when the node
         pointer or the node is out of place; `align` > 0: leaf nodes all `align` bytes long."""
-        node = base + _u16(mem, base + 16 + 2 * slot)
+        node = base + u16(mem, base + 16 + 2 * slot)
         if node < base + upper or node + 16 > base + psize or \
                 (align > 0 and (node - base - upper) % align != 0):
             info[0], info[1] = pg, 5
             return -1
-        if _u16(mem, node + 6) != 8:
+        if u16(mem, node + 6) != 8:
             info[0], info[1] = pg, 7
             return -1
         return node
@@ -80,26 +82,26 @@ if HAVE_NUMBA:
         pages = mem.shape[0] // psize
         prev, has_prev = np.uint64(0), False
         for slot in range(n):
-            node = base + _u16(mem, base + 16 + 2 * slot)
+            node = base + u16(mem, base + 16 + 2 * slot)
             if not leaf and slot == 0:  # a branch's key-less first node
-                if node < base + upper or node + 8 > base + psize or _u16(mem, node + 6) != 0:
+                if node < base + upper or node + 8 > base + psize or u16(mem, node + 6) != 0:
                     info[0], info[1] = pg, 5
                     return 3
             else:
                 node = _node_key(mem, base, psize, upper, align if leaf else 0, slot, info, pg)
                 if node < 0:
                     return 3
-                key = _key(mem, node + 8)
+                key = key_at(mem, node + 8)
                 if (has_prev and key <= prev) or (has_lb and key < lb) or (has_ub and key >= ub):
                     info[0], info[1] = pg, 6
                     return 3
                 prev, has_prev = key, True
             if leaf:
-                fl = _u16(mem, node + 4)
-                dsize = _u16(mem, node) | (_u16(mem, node + 2) << 16)
+                fl = u16(mem, node + 4)
+                dsize = u16(mem, node) | (u16(mem, node + 2) << 16)
                 if fl & 1:  # the value lies in overflow pages: their run must be in the file
-                    ov = _u16(mem, node + 16) | (_u16(mem, node + 18) << 16) | \
-                        (_u16(mem, node + 20) << 32)
+                    ov = u16(mem, node + 16) | (u16(mem, node + 18) << 16) | \
+                        (u16(mem, node + 20) << 32)
                     if ov < 2:
                         info[0], info[1] = pg, 5
                         return 3
@@ -109,7 +111,7 @@ if HAVE_NUMBA:
                     info[0], info[1] = pg, 4
                     return 3
             else:
-                child = _u16(mem, node) | (_u16(mem, node + 2) << 16) | (_u16(mem, node + 4) << 32)
+                child = u16(mem, node) | (u16(mem, node + 2) << 16) | (u16(mem, node + 4) << 32)
                 if child < 2:
                     info[0], info[1] = pg, 5
                     return 3
@@ -131,7 +133,7 @@ if HAVE_NUMBA:
         node = _node_key(mem, base, psize, upper, align, slot, info, pg)
         if node < 0:
             return -1, np.uint64(0)
-        key = _key(mem, node + 8)
+        key = key_at(mem, node + 8)
         if (has_lb and key < lb) or (has_ub and key >= ub):
             info[0], info[1] = pg, 6
             return -1, np.uint64(0)
@@ -157,9 +159,9 @@ if HAVE_NUMBA:
         if own != np.uint64(pg):
             info[0], info[1] = pg, 1
             return -5
-        flags = _u16(mem, base + 10) & 0x3FEF  # without P_DIRTY, P_LOOSE, P_KEEP
-        lower = _u16(mem, base + 12)
-        upper = _u16(mem, base + 14)
+        flags = u16(mem, base + 10) & 0x3FEF  # without P_DIRTY, P_LOOSE, P_KEEP
+        lower = u16(mem, base + 12)
+        upper = u16(mem, base + 14)
         if lower < 18 or lower > upper or upper > psize or (lower & 1):
             info[0], info[1] = pg, 3
             return -5
@@ -196,22 +198,22 @@ if HAVE_NUMBA:
                     hi = mid - 1
                     ub, has_ub = key, True
                     guess = mid - 1 if mid - 1 > lo else -1
-            node = base + _u16(mem, base + 16 + 2 * lo)
+            node = base + u16(mem, base + 16 + 2 * lo)
             if node < base + upper or node + 8 > base + psize:
                 info[0], info[1] = pg, 5
                 return -5
             # the child's range: [its key, the next key)
             bounds[i, 0], has[i, 0], bounds[i, 1], has[i, 1] = clb, has_clb, ub, has_ub
-            return _u16(mem, node) | (_u16(mem, node + 2) << 16) | (_u16(mem, node + 4) << 32)
+            return u16(mem, node) | (u16(mem, node + 2) << 16) | (u16(mem, node + 4) << 32)
         if flags != 2:  # not a leaf either (LEAF2, a sub-page): a layout we do not write
             return -4
-        first = base + _u16(mem, base + 16)  # a leaf page: equal-sized nodes
+        first = base + u16(mem, base + 16)  # a leaf page: equal-sized nodes
         if first < base + upper or first + 16 > base + psize:
             info[0], info[1] = pg, 5
             return -5
-        big = (_u16(mem, first + 4) & 1) != 0
-        body = 8 if big else (_u16(mem, first) | (_u16(mem, first + 2) << 16))
-        align = (8 + _u16(mem, first + 6) + body + 1) & ~1
+        big = (u16(mem, first + 4) & 1) != 0
+        body = 8 if big else (u16(mem, first) | (u16(mem, first + 2) << 16))
+        align = (8 + u16(mem, first + 6) + body + 1) & ~1
         if psize - upper != n * align:
             info[0], info[1] = pg, 4
             return -5
@@ -249,7 +251,7 @@ if HAVE_NUMBA:
             nb = _node_key(mem, base, psize, upper, align, b, info, pg)
             if na < 0 or nb < 0:
                 return -5
-            if _key(mem, na + 8) >= _key(mem, nb + 8):
+            if key_at(mem, na + 8) >= key_at(mem, nb + 8):
                 info[0], info[1] = pg, 6
                 return -5
         if floor and hi >= 0:  # the last key below k (checked in order just above)
@@ -263,9 +265,9 @@ if HAVE_NUMBA:
     def _take_value(mem, base, psize, node, i, offs, lens, info, pg, out):  # pragma: no cover
         """A leaf node's inline value as key i's (offs[i], lens[i], copied into out[i] when it
         has out's row size): -1, or -4 (a value not inline) / -5 (damaged, info set)."""
-        if _u16(mem, node + 4) != 0:  # overflow or sub-database data
+        if u16(mem, node + 4) != 0:  # overflow or sub-database data
             return -4
-        dsize = _u16(mem, node) | (_u16(mem, node + 2) << 16)
+        dsize = u16(mem, node) | (u16(mem, node + 2) << 16)
         if node + 16 + dsize > base + psize:
             info[0], info[1] = pg, 4
             return -5
@@ -334,7 +336,7 @@ if HAVE_NUMBA:
                 base = pg * psize
                 if base + psize > limit:
                     return 1
-                if _u16(mem, base + 10) & 0x3FEF != 1:  # not a branch: the leaf's pass checks it
+                if u16(mem, base + 10) & 0x3FEF != 1:  # not a branch: the leaf's pass checks it
                     break
                 nxt = _page_step(mem, psize, i, k, pg, bounds, has, offs, lens, info, full,
                                  verified, out, floor)
@@ -355,10 +357,10 @@ if HAVE_NUMBA:
             j = t - d  # the node the search probes first (its first lines)
             if 0 <= j < n:
                 base = leaf[j] * psize
-                lower = _u16(mem, base + 12)
+                lower = u16(mem, base + 12)
                 g = _spread(keys[j], bounds[j, 0], has[j, 0], bounds[j, 1], has[j, 1], (lower - 16) >> 1)
                 if 0 <= g and 16 + 2 * g + 2 <= psize:
-                    node = base + _u16(mem, base + 16 + 2 * g)
+                    node = base + u16(mem, base + 16 + 2 * g)
                     if node + 192 <= limit:
                         prefetch(m2, 0, node)
                         prefetch(m2, 0, node + 64)
