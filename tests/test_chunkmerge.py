@@ -186,15 +186,20 @@ def test_damage_is_found_by_the_merge_or_the_read(tmp_path, where):
             _merge(level, {}, [1, 3], 1, verify=False)
 
 
-def test_a_damaged_page_stops_the_walk(tmp_path):
-    """A leaf page whose node area no longer tiles (its mp_upper flipped) is a StoreCorruptError
-    naming the page, before any row is merged."""
+def _synced_range(tmp_path) -> tuple[ChunkLevel, int]:
+    """A level of one range (every third id below 5,000) synced to its file, and its root page."""
     env = _env(tmp_path)
     level = ChunkLevel(env, "t", 5, "t")
     _merge(level, {}, range(0, 5000, 3), 0)
     env.sync()
     with env.begin() as txn:
-        root = struct.unpack("<IHHQQQQQ", txn.get(level.names[0]))[-1]
+        return level, struct.unpack("<IHHQQQQQ", txn.get(level.names[0]))[-1]
+
+
+def test_a_damaged_page_stops_the_walk(tmp_path):
+    """A leaf page whose node area no longer tiles (its mp_upper flipped) is a StoreCorruptError
+    naming the page, before any row is merged."""
+    level, root = _synced_range(tmp_path)
     path = tmp_path / "data.mdb"
     with open(path, "r+b") as f:  # the range's root page: its mp_upper below its mp_lower
         f.seek(root * 4096 + 14)
@@ -206,12 +211,7 @@ def test_a_damaged_page_stops_the_walk(tmp_path):
 def test_a_leaf_out_of_order_stops_the_walk(tmp_path):
     """A leaf whose node pointers are swapped (its keys out of order) is found by the page check
     of the walk, naming the page, not later by a chunk's id order."""
-    env = _env(tmp_path)
-    level = ChunkLevel(env, "t", 5, "t")
-    _merge(level, {}, range(0, 5000, 3), 0)
-    env.sync()
-    with env.begin() as txn:
-        root = struct.unpack("<IHHQQQQQ", txn.get(level.names[0]))[-1]
+    level, root = _synced_range(tmp_path)
     path = tmp_path / "data.mdb"
     with open(path, "r+b") as f:
         f.seek(root * 4096)
