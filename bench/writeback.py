@@ -42,21 +42,10 @@ One store of `--tables` x `--rows` populated rows (dim 64 + row-wise Adagrad: 66
   of a run write, whole chunks put with `MDB_APPEND` (commits `pwrite` heap pages, or a
   writable map), into a fresh file and into pages freed before. `--lsm-only` runs these and
   `log_append` alone.
-- `chunks_*` (issue 36's format 4, `tierstore/backends/chunkmerge.py`, not yet the store's): a
-  base of `--chunks-table` rows of page-sized chunks in ranges of `--chunks-range` rows
-  (`chunks_base_write`); `--chunks-cycles` times, `--chunks-run` uniform random rows of the table
-  appended to a log as the writer's sink does (`chunks_append`: `pack_log` and `MDB_APPEND`, no
-  index), sorted for each id's newest entry (`chunks_sort`: the log's keys read in place, one
-  sort), and merged into the base by a sequential rewrite of every range the batch touches, each
-  record copied once from the log's map (`chunks_merge`, the log's chunks deleted after it;
-  `copied/fed`: rows written a row fed, T / N).
-  `chunks_steady` is the three on one core, per row fed, with the files' peak (base and log) and
-  the base's own pages after the last merge (a closed store's, compacted) against the raw rows.
-  `chunks_get`: sorted random reads (`--rows-per-case` draws) through the rewritten base
-  (page-cached, every record verified). `chunks_in_place`: then batches of `--chunks-in-place`
-  rows merged in place (the regime for T >> N: each chunk a row falls into read, merged and put
-  back), with the pages their commits wrote a row fed. `--chunks-only` runs them with the
-  B-tree's page-write floor of the same merge (`floor_<N>_into_<T>`) beside them.
+- `chunks_*` (issue 36's format 4's steady state: a page-chunk base that a log merges into by
+  range rewrites, then in place), in `bench/writeback_chunks.py`, whose docstring says what each
+  case measures. `--chunks-only` runs them with the B-tree's page-write floor of the same merge
+  (`floor_<N>_into_<T>`) beside them.
 """
 
 from __future__ import annotations
@@ -76,14 +65,13 @@ import torch
 
 from tierstore import RowWiseAdagrad, TableSpec, TierStore
 from tierstore.backends import runs, wal
-from tierstore.backends.chunk_kernels import pack_log
-from tierstore.backends.chunkmerge import RANGE_ROWS, ChunkLevel
 from tierstore.backends.lmdb_backend import encode_keys
 from tierstore.backends.record import seal
 
+from . import writeback_chunks
 from .common import OUT_DIR, bar_plot, save, table
+from .writeback_chunks import DIM, log_append, rate, wchar
 
-DIM = 64
 LEAF_ROWS = 14  # 272-byte records and 8-byte keys in a 4 KiB LMDB leaf page
 
 
@@ -98,10 +86,6 @@ def _store(work: Path, tables: int, rows: int, seed: int) -> TierStore:
             store.backend.put({s.name: (ids, rng.standard_normal((len(ids), w), dtype=np.float32))})
     store.backend.sync()
     return store
-
-
-def _rate(n: int, seconds: float) -> float:
-    return n / seconds if seconds > 0 else float("nan")
 
 
 def raw_cases(work: Path, rows: int, n: int, seed: int) -> list[dict]:
@@ -130,20 +114,8 @@ def raw_cases(work: Path, rows: int, n: int, seed: int) -> list[dict]:
         txn.cursor().putmulti(zip(encode_keys(ids), vals))
     t2 = time.perf_counter()
     env.close()
-    return [{"case": "raw_append", "rows": n, "rows_per_s": _rate(n, t1 - t0)},
-            {"case": "raw_update", "rows": n, "rows_per_s": _rate(n, t2 - t1)}]
-
-
-def _wchar() -> int:
-    """Bytes this process passed to write calls so far (/proc/self/io; 0 where absent)."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("wchar:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return [{"case": "raw_append", "rows": n, "rows_per_s": rate(n, t1 - t0)},
+            {"case": "raw_update", "rows": n, "rows_per_s": rate(n, t2 - t1)}]
 
 
 def floor_cases(work: Path, table_rows: list[int], sizes: list[int], seed: int) -> list[dict]:
@@ -170,12 +142,12 @@ def floor_cases(work: Path, table_rows: list[int], sizes: list[int], seed: int) 
             ids = np.sort(rng.choice(t, n, replace=False))
             vals = seal(ids, rng.standard_normal((n, w), dtype=np.float32))
             items = list(zip(encode_keys(ids), vals.view(f"V{vals.shape[1]}").ravel().tolist()))
-            b0, t0 = _wchar(), time.perf_counter()
+            b0, t0 = wchar(), time.perf_counter()
             with env.begin(write=True, db=table) as txn:
                 txn.cursor().putmulti(items)
-            sec, pages = time.perf_counter() - t0, (_wchar() - b0) / 4096
+            sec, pages = time.perf_counter() - t0, (wchar() - b0) / 4096
             model = leaves * (1 - np.exp(-n / leaves))
-            out.append({"case": f"floor_{n}_into_{t}", "rows": n, "rows_per_s": _rate(n, sec),
+            out.append({"case": f"floor_{n}_into_{t}", "rows": n, "rows_per_s": rate(n, sec),
                         "table_rows": t, "leaf_pages": leaves, "pages_written": pages,
                         "pages_per_row": pages / n, "model_pages": model,
                         "rows_per_leaf": n / leaves})
@@ -203,8 +175,8 @@ def writer_case(store: TierStore, name: str, n: int, batch: int, alpha: float | 
         t += time.perf_counter() - t0
         cpu += time.process_time() - c0
         done += len(ids)
-    return {"case": name, "rows": done, "rows_per_s": _rate(done, t),
-            "cpu_us_per_row": cpu / max(done, 1) * 1e6, "rows_per_cpu_s": _rate(done, cpu),
+    return {"case": name, "rows": done, "rows_per_s": rate(done, t),
+            "cpu_us_per_row": cpu / max(done, 1) * 1e6, "rows_per_cpu_s": rate(done, cpu),
             "appended": log.rows_appended - appended0, "merged": log.rows_merged - merged0}
 
 
@@ -229,7 +201,7 @@ def merge_cases(store: TierStore, sizes: list[int], seed: int) -> list[dict]:
         log.merge()
         t, c = time.perf_counter() - t0, time.process_time() - c0
         m = log.rows_merged - merged0
-        out.append({"case": f"merge_{n}", "rows": m, "rows_per_s": _rate(m, t), "merged": m,
+        out.append({"case": f"merge_{n}", "rows": m, "rows_per_s": rate(m, t), "merged": m,
                     "cpu_us_per_row": c / max(m, 1) * 1e6,
                     "rows_per_leaf": n / (tables * rows / LEAF_ROWS)})
     return out
@@ -250,7 +222,7 @@ def read_cases(store: TierStore, n: int, seed: int) -> list[dict]:
             be.get(spec.name, every[lo : lo + (1 << 18)], spec.row_dim)
         t0 = time.perf_counter()
         _, found = be.get(spec.name, ids, spec.row_dim)
-        out.append({"case": case, "rows": n, "rows_per_s": _rate(n, time.perf_counter() - t0),
+        out.append({"case": case, "rows": n, "rows_per_s": rate(n, time.perf_counter() - t0),
                     "found": int(found.sum())})
     with ThreadPoolExecutor(2) as pool:
         for case, reader in (("get2_pylmdb", None), ("get2_pages", pages)):
@@ -259,37 +231,10 @@ def read_cases(store: TierStore, n: int, seed: int) -> list[dict]:
             t0 = time.perf_counter()
             found = sum(int(f.sum()) for _, f in pool.map(
                 lambda q: be.get(spec.name, np.sort(q), spec.row_dim), halves))
-            out.append({"case": case, "rows": n, "rows_per_s": _rate(n, time.perf_counter() - t0),
+            out.append({"case": case, "rows": n, "rows_per_s": rate(n, time.perf_counter() - t0),
                         "found": found})
     be._pages = pages
     return out
-
-
-LOG_BATCH = 50_000  # rows a writer batch in the LSM cases' log (the steady cases' `--batch`)
-
-
-def _log_append(env: lmdb.Environment, db: object, ids: np.ndarray, tile: np.ndarray,
-                seq: int) -> int:
-    """Append rows to a log database as the writer's sink does (`pack_log`, one `MDB_APPEND`
-    transaction a batch; no in-memory index): the entries a log merge then writes into a run."""
-    w = tile.shape[1]
-    ew = wal.HEADER // 4 + w + 1
-    magic = int(np.frombuffer(b"TSLC", dtype=np.uint32)[0])
-    for lo in range(0, len(ids), LOG_BATCH):
-        part = ids[lo : lo + LOG_BATCH]
-        n = len(part)
-        out = np.empty(4 * (-(-n // runs.CHUNK_ROWS)) + n * ew, dtype=np.uint32)
-        pack_log(np.zeros(n, dtype=np.uint32), part, tile[:n].view(np.uint32), w, runs.CHUNK_ROWS,
-                 magic, out)
-        raw, items = out.view(np.uint8), []
-        for c in range(0, n, runs.CHUNK_ROWS):
-            start = 4 * (4 * (c // runs.CHUNK_ROWS) + c * ew)
-            count = min(runs.CHUNK_ROWS, n - c)
-            items.append(((seq + c).to_bytes(8, "big"), memoryview(raw[start : start + 16 + 4 * count * ew])))
-        with env.begin(write=True, db=db) as txn:
-            txn.cursor().putmulti(items, append=True)
-        seq += n
-    return seq
 
 
 def _log_to_run(log_env: lmdb.Environment, log_db: object, writer: runs.RunWriter) -> int:
@@ -316,134 +261,6 @@ def _log_to_run(log_env: lmdb.Environment, log_db: object, writer: runs.RunWrite
     return n
 
 
-def _log_merge(log_env: lmdb.Environment, log_db: object, level: ChunkLevel, verify: bool,
-               times: dict[str, float], in_place: bool = False) -> int:
-    """The log's merge into the page-chunk base: its chunks read in place, each id's newest
-    entry found by one sort (`newest_order`, CPU seconds into times["sort"]), the records
-    copied once from the log's map into the rewritten ranges (`merge_gather`), the log's chunks
-    deleted after (both into times["merge"]); returns the rows the merge wrote."""
-    c0 = time.process_time()
-    with log_env.begin(db=log_db, buffers=True) as txn:  # the log's chunks stay put inside it
-        keys, chunks = [], []
-        for key, val in txn.cursor().iternext():
-            head = np.frombuffer(val[:16], dtype=np.uint32)
-            chunks.append(np.frombuffer(val, dtype=np.uint32)[4:].reshape(int(head[2]), int(head[1]) // 4))
-            keys.append(bytes(key))
-        counts = np.array([len(c) for c in chunks], dtype=np.int64)
-        rows = np.empty(int(counts.sum()), dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(counts)])
-        for c, ch in enumerate(chunks):  # the entries' row ids (words 2-3 of each entry)
-            rows[starts[c] : starts[c + 1]] = ch[:, 2:4].copy().view(np.int64).ravel()
-        ids, pos = runs.newest_order(rows)
-        of = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)[pos]
-        c1 = time.process_time()
-        stats = level.merge_gather(ids, chunks, of, pos - starts[of], wal.HEADER // 4, verify=verify,
-                                   in_place=in_place)
-    with log_env.begin(write=True, db=log_db) as txn:  # the log's merged chunks go
-        deque(map(txn.delete, keys), maxlen=0)
-    times["sort"] += c1 - c0
-    times["merge"] += time.process_time() - c1
-    return stats.rows_written
-
-
-def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: int,
-                 writemap: bool = False, verify: bool = True, range_rows: int = RANGE_ROWS,
-                 in_place_rows: int = 0, get_rows: int = 300_000) -> list[dict]:
-    """Issue 36's steady state on format 4's page chunks (`backends/chunkmerge.py`, not yet the
-    store's): a base of `table_rows` rows written as page chunks in ranges (`chunks_base_write`);
-    `cycles` times, `run_rows` uniform random rows of the table appended to a log as the writer's
-    sink does (`chunks_append`), sorted for each id's newest entry (`chunks_sort`), merged into
-    the base by rewriting every range they touch, each record copied once from the log's map
-    (`chunks_merge`, the log's chunks deleted after it). `chunks_steady` is the three per row
-    fed on one core, with the files' peak (base and log, the log full) and the base's own pages
-    (what a closed, compacted store keeps) against the raw rows. `chunks_in_place`: then
-    `cycles` batches of `in_place_rows` appended and merged in place (T >> N's regime), with the
-    bytes their commits wrote (`wchar`) in 4 KiB pages a row fed. `chunks_get`: sorted random
-    reads of `get_rows` ids through the level after the rewrites (page-cached, verified)."""
-    rng = np.random.default_rng(seed)
-    w = DIM + 2
-    env = lmdb.open(str(work / "chunks"), map_size=max(1 << 30, (table_rows + 2 * range_rows) * 800),
-                    max_dbs=256, sync=False, metasync=False, readahead=False, writemap=writemap)
-    log_env = lmdb.open(str(work / "chunks_log"), map_size=max(1 << 30, run_rows * 1200), max_dbs=2,
-                        sync=False, metasync=False, readahead=False, meminit=False)
-    log_db = log_env.open_db(b"log")
-    piece = 1 << 18
-    tile = rng.standard_normal((piece, w), dtype=np.float32)  # payloads: their bits do not matter
-    level = ChunkLevel(env, "t", w, "t", range_rows=range_rows)
-    cpu = dict.fromkeys(("base", "append", "sort", "merge", "get", "ip_append", "ip_sort", "ip_merge"),
-                        0.0)
-    wall = dict.fromkeys(cpu, 0.0)
-    written = 0
-
-    def timed(what: str, fn, *args):
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = fn(*args)
-        wall[what] += time.perf_counter() - t0
-        cpu[what] += time.process_time() - c0
-        return out
-
-    def base_write() -> None:
-        for lo in range(0, table_rows, 8 * piece):  # sorted batches appended past the last id
-            ids = np.arange(lo, min(lo + 8 * piece, table_rows), dtype=np.int64)
-            level.merge(ids, seal(ids, np.resize(tile, (len(ids), w))), verify=False)
-
-    timed("base", base_write)
-    fed = seq = 0
-    for _ in range(cycles):
-        draw = rng.integers(0, table_rows, run_rows)
-        seq = timed("append", _log_append, log_env, log_db, draw, tile, seq)
-        fed += run_rows
-        t0 = time.perf_counter()
-        split = dict.fromkeys(("sort", "merge"), 0.0)
-        written += _log_merge(log_env, log_db, level, verify, split)
-        for what in split:  # wall time split as the CPU time is (one thread)
-            cpu[what] += split[what]
-            wall[what] += (time.perf_counter() - t0) * split[what] / max(sum(split.values()), 1e-9)
-    peak = sum((work / d / "data.mdb").stat().st_blocks * 512 for d in ("chunks", "chunks_log"))
-    get_ids = np.unique(rng.integers(0, table_rows, get_rows))  # reads after the merges, verified
-    _, found = timed("get", level.get, get_ids)
-    ip_fed, ip_bytes = 0, 0
-    for _ in range(cycles if in_place_rows else 0):  # the in-place regime: small batches
-        draw = rng.integers(0, table_rows, in_place_rows)
-        seq = timed("ip_append", _log_append, log_env, log_db, draw, tile, seq)
-        ip_fed += in_place_rows
-        t0, b0 = time.perf_counter(), _wchar()
-        split = dict.fromkeys(("sort", "merge"), 0.0)
-        _log_merge(log_env, log_db, level, verify, split, in_place=True)
-        ip_bytes += _wchar() - b0
-        for what in split:
-            cpu["ip_" + what] += split[what]
-            wall["ip_" + what] += (time.perf_counter() - t0) * split[what] / max(sum(split.values()), 1e-9)
-    used = 0
-    with env.begin() as txn:
-        for name in level.names:
-            st = txn.stat(env.open_db(name, txn=txn, create=False))
-            used += (st["leaf_pages"] + st["branch_pages"] + st["overflow_pages"]) * st["psize"]
-    stored = level.rows()
-    env.close()
-    log_env.close()
-    shutil.rmtree(work / "chunks", ignore_errors=True)
-    shutil.rmtree(work / "chunks_log", ignore_errors=True)
-    raw = stored * 4 * w
-    geo = {"table_rows": table_rows, "run_rows": run_rows, "cycles": cycles}
-
-    def rec(case: str, what: tuple[str, ...], rows: int, **extra) -> dict:
-        c, t = sum(cpu[x] for x in what), sum(wall[x] for x in what)
-        return {"case": case, "rows": rows, "rows_per_s": _rate(rows, t),
-                "cpu_us_per_row": c / max(rows, 1) * 1e6, "rows_per_cpu_s": _rate(rows, c), **geo, **extra}
-
-    return [rec("chunks_base_write", ("base",), table_rows),
-            rec("chunks_append", ("append",), fed),
-            rec("chunks_sort", ("sort",), fed),
-            rec("chunks_merge", ("merge",), fed, copied_per_fed=written / max(fed, 1)),
-            rec("chunks_steady", ("append", "sort", "merge"), fed, copied_per_fed=written / max(fed, 1),
-                disk_peak_over_raw=peak / raw, disk_after_over_raw=used / raw),
-            rec("chunks_get", ("get",), len(get_ids), found=int(found.sum()))] + ([
-            rec("chunks_in_place", ("ip_append", "ip_sort", "ip_merge"), ip_fed,
-                pages_per_row=ip_bytes / 4096 / max(ip_fed, 1), run_rows=in_place_rows)]
-            if ip_fed else [])
-
-
 def chunk_put_cases(work: Path, rows: int, seed: int) -> list[dict]:
     """LMDB's own cost of writing a run: whole chunks of 4,096 records put with `MDB_APPEND`
     (a commit every 64), heap pages written with `pwrite` at commit against a writable map, into
@@ -468,8 +285,8 @@ def chunk_put_cases(work: Path, rows: int, seed: int) -> list[dict]:
                         txn.put(c.to_bytes(8, "big"), one, append=True)
             cpu, sec = time.process_time() - c0, time.perf_counter() - t0
             out.append({"case": f"lsm_put_{mode}_{case}", "rows": chunks * k,
-                        "rows_per_s": _rate(chunks * k, sec), "cpu_us_per_row": cpu / (chunks * k) * 1e6,
-                        "rows_per_cpu_s": _rate(chunks * k, cpu)})
+                        "rows_per_s": rate(chunks * k, sec), "cpu_us_per_row": cpu / (chunks * k) * 1e6,
+                        "rows_per_cpu_s": rate(chunks * k, cpu)})
             with env.begin(write=True) as txn:  # its pages go to the free list for the next pass
                 txn.drop(db, delete=True)
         env.close()
@@ -526,7 +343,7 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
         levels = []
         for _ in range(k):
             draw = rng.integers(0, table_rows, run_rows)
-            seq = timed("append", _log_append, log_env, log_db, draw, tile, seq)
+            seq = timed("append", log_append, log_env, log_db, draw, tile, seq)
             db = fresh()
             timed("runs", _log_to_run, log_env, log_db, runs.RunWriter(env, db, rb))
             fed += run_rows
@@ -567,8 +384,8 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
 
     def rec(case: str, what: tuple[str, ...], rows: int, **extra) -> dict:
         c, t = sum(cpu[x] for x in what), sum(wall[x] for x in what)
-        return {"case": f"{case}_k{k}", "rows": rows, "rows_per_s": _rate(rows, t),
-                "cpu_us_per_row": c / max(rows, 1) * 1e6, "rows_per_cpu_s": _rate(rows, c),
+        return {"case": f"{case}_k{k}", "rows": rows, "rows_per_s": rate(rows, t),
+                "cpu_us_per_row": c / max(rows, 1) * 1e6, "rows_per_cpu_s": rate(rows, c),
                 **geo, **extra}
 
     return [rec("lsm_base_write", ("base",), table_rows),
@@ -584,10 +401,7 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
 def chunks_main(work: Path, args: argparse.Namespace) -> list[dict]:
     """The page-chunk steady state, and with `--chunks-only` the B-tree's page-write floor of
     the same merge (`run` rows into `table` rows) beside it."""
-    out = chunks_cases(work, args.chunks_table, args.chunks_run, args.chunks_cycles, args.seed + 8,
-                       writemap=args.chunks_writemap, verify=not args.chunks_no_verify,
-                       range_rows=args.chunks_range, in_place_rows=args.chunks_in_place,
-                       get_rows=args.rows_per_case)
+    out = writeback_chunks.run(work, args)
     if args.chunks_only:
         out += floor_cases(work, [args.chunks_table], [min(args.chunks_run, args.chunks_table)],
                            args.seed + 9)
@@ -620,22 +434,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="rows of the chunk-put cases (LMDB's cost of a run write; 0 skips them)")
     ap.add_argument("--lsm-cycles", type=int, default=3, help="merges into the base")
     ap.add_argument("--lsm-only", action="store_true", help="run the LSM cases (and log_append) alone")
-    ap.add_argument("--chunks-table", type=int, default=8_000_000,
-                    help="rows of the page-chunk base (format 4's merge; 0 skips those cases)")
-    ap.add_argument("--chunks-run", type=int, default=2_000_000,
-                    help="random rows appended to the log and merged into the base a cycle")
-    ap.add_argument("--chunks-cycles", type=int, default=3, help="merges into the page-chunk base")
-    ap.add_argument("--chunks-range", type=int, default=RANGE_ROWS, help="rows a range database")
-    ap.add_argument("--chunks-in-place", type=int, default=250_000,
-                    help="rows of the in-place batches merged after the rewrites (0 skips them)")
-    ap.add_argument("--chunks-writemap", action="store_true",
-                    help="the base's environment writes through a writable map (else heap pages "
-                         "written with pwrite at commit, as the store's environments do)")
-    ap.add_argument("--chunks-no-verify", action="store_true",
-                    help="the merge copies records without checking them (reads still do)")
-    ap.add_argument("--chunks-only", action="store_true",
-                    help="run the page-chunk cases and the B-tree page-write floor of the same "
-                         "merge alone")
+    writeback_chunks.add_options(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
@@ -647,8 +446,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.merge_sizes, args.floor_tables = "5000,20000", "50000"
         args.lsm_table, args.lsm_run, args.lsm_k, args.lsm_cycles = 60_000, 10_000, "2,4", 2
         args.lsm_put_rows = 20_000
-        args.chunks_table, args.chunks_run, args.chunks_range = 80_000, 20_000, 30_000
-        args.chunks_in_place = 2_000
+        writeback_chunks.quick(args)
     return args
 
 
