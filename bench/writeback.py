@@ -55,7 +55,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -70,7 +69,7 @@ from tierstore.backends.record import seal
 
 from . import writeback_chunks
 from .common import OUT_DIR, bar_plot, save, table
-from .writeback_chunks import DIM, log_append, rate, wchar
+from .writeback_chunks import DIM, Clock, drop_entries, log_append, newest_entries, rate, wchar
 
 LEAF_ROWS = 14  # 272-byte records and 8-byte keys in a 4 KiB LMDB leaf page
 
@@ -239,25 +238,13 @@ def read_cases(store: TierStore, n: int, seed: int) -> list[dict]:
 
 def _log_to_run(log_env: lmdb.Environment, log_db: object, writer: runs.RunWriter) -> int:
     """The log's merge into a run: its chunks read in place, each id's newest entry found by one
-    sort (`newest_order`), the records gathered straight into the run's chunks (verified), the
+    sort (`newest_entries`), the records gathered straight into the run's chunks (verified), the
     log's chunks deleted; returns the run's rows."""
     with log_env.begin(db=log_db, buffers=True) as txn:
-        keys, chunks = [], []
-        for key, val in txn.cursor().iternext():
-            head = np.frombuffer(val[:16], dtype=np.uint32)
-            chunks.append(np.frombuffer(val, dtype=np.uint32)[4:].reshape(int(head[2]), int(head[1]) // 4))
-            keys.append(bytes(key))
-        counts = np.array([len(c) for c in chunks], dtype=np.int64)
-        rows = np.empty(int(counts.sum()), dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(counts)])
-        for c, ch in enumerate(chunks):  # the entries' row ids (words 2-3 of each entry)
-            rows[starts[c] : starts[c + 1]] = ch[:, 2:4].copy().view(np.int64).ravel()
-        ids, pos = runs.newest_order(rows)
-        of = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)[pos]
-        writer.gather(ids, chunks, of, pos - starts[of], wal.HEADER // 4, "t")
+        keys, chunks, ids, of, at = newest_entries(txn)
+        writer.gather(ids, chunks, of, at, wal.HEADER // 4, "t")
     n = writer.finish()
-    with log_env.begin(write=True, db=log_db) as txn:
-        deque(map(txn.delete, keys), maxlen=0)
+    drop_entries(log_env, log_db, keys)
     return n
 
 
@@ -318,15 +305,8 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
     def fresh():
         return env.open_db(f"r{next(names)}".encode())
 
-    cpu = {"base": 0.0, "append": 0.0, "runs": 0.0, "merges": 0.0, "get": 0.0}
-    wall = dict.fromkeys(cpu, 0.0)
-
-    def timed(what: str, fn, *args):
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = fn(*args)
-        wall[what] += time.perf_counter() - t0
-        cpu[what] += time.process_time() - c0
-        return out
+    clock = Clock(("base", "append", "runs", "merges", "get"))
+    timed = clock.timed
 
     def base_write(ids: np.ndarray) -> object:
         db = fresh()
@@ -357,8 +337,8 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
                 todo = np.flatnonzero(~found)
                 _, hit = src.get(ids[todo])
                 found[todo[hit]] = True
-            wall["get"], got = time.perf_counter() - t0, len(ids)
-            cpu["get"] = time.process_time() - c0
+            clock.wall["get"], got = time.perf_counter() - t0, len(ids)
+            clock.cpu["get"] = time.process_time() - c0
 
         def merge(sources=sources):
             out = fresh()
@@ -383,10 +363,7 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
     geo = {"table_rows": table_rows, "run_rows": run_rows, "k": k, "cycles": cycles}
 
     def rec(case: str, what: tuple[str, ...], rows: int, **extra) -> dict:
-        c, t = sum(cpu[x] for x in what), sum(wall[x] for x in what)
-        return {"case": f"{case}_k{k}", "rows": rows, "rows_per_s": rate(rows, t),
-                "cpu_us_per_row": c / max(rows, 1) * 1e6, "rows_per_cpu_s": rate(rows, c),
-                **geo, **extra}
+        return clock.rec(f"{case}_k{k}", what, rows, geo, **extra)
 
     return [rec("lsm_base_write", ("base",), table_rows),
             rec("lsm_append", ("append",), fed),
