@@ -69,7 +69,7 @@ from tierstore.backends.record import seal
 
 from . import writeback_chunks
 from .common import OUT_DIR, bar_plot, save, table
-from .writeback_chunks import DIM, Clock, drop_entries, log_append, newest_entries, rate, wchar
+from .writeback_chunks import DIM, Clock, drop_entries, log_append, newest_entries, open_log, rate, wchar
 
 LEAF_ROWS = 14  # 272-byte records and 8-byte keys in a 4 KiB LMDB leaf page
 
@@ -295,9 +295,7 @@ def lsm_cases(work: Path, table_rows: int, run_rows: int, k: int, cycles: int, g
     rb = 4 * w + 4
     env = lmdb.open(str(work / "lsm"), map_size=max(1 << 30, (table_rows + k * run_rows) * 1200),
                     max_dbs=64, sync=False, metasync=False, readahead=readahead, writemap=writemap)
-    log_env = lmdb.open(str(work / "lsm_log"), map_size=max(1 << 30, run_rows * 1200), max_dbs=2,
-                        sync=False, metasync=False, readahead=False, meminit=False)
-    log_db = log_env.open_db(b"log")
+    log_env, log_db = open_log(work / "lsm_log", run_rows)
     piece = 1 << 18
     tile = rng.standard_normal((piece, w), dtype=np.float32)  # payloads: their bits do not matter
     names = iter(range(1 << 30))

@@ -1,7 +1,8 @@
 """The page-chunk cases of `python -m bench.writeback` (format 4's steady state), and what its
 other cases share with them: the records' width, rates, bytes written (`wchar`), CPU and wall
-clocks summed by step (`Clock`), and the write-behind log as the writer's sink fills it
-(`log_append`) and a merge reads it (`newest_entries`).
+clocks summed by step (`Clock`), and the write-behind log: opened (`open_log`), filled as the
+writer's sink fills it (`log_append`), read as a merge reads it (`newest_entries`) and emptied
+(`drop_entries`).
 
 - `chunks_*` (issue 36's format 4, `tierstore/backends/chunkmerge.py`, not yet the store's): a
   base of `--chunks-table` rows of page-sized chunks in ranges of `--chunks-range` rows
@@ -83,6 +84,14 @@ class Clock:
         c, t = sum(self.cpu[x] for x in what), sum(self.wall[x] for x in what)
         return {"case": case, "rows": rows, "rows_per_s": rate(rows, t),
                 "cpu_us_per_row": c / max(rows, 1) * 1e6, "rows_per_cpu_s": rate(rows, c), **geo, **extra}
+
+
+def open_log(path: Path, rows: int) -> tuple[lmdb.Environment, object]:
+    """A log's environment at `path`, mapped for `rows` rows of entries (no syncs, no readahead),
+    and its database."""
+    env = lmdb.open(str(path), map_size=max(1 << 30, rows * 1200), max_dbs=2, sync=False,
+                    metasync=False, readahead=False, meminit=False)
+    return env, env.open_db(b"log")
 
 
 def log_append(env: lmdb.Environment, db: object, ids: np.ndarray, tile: np.ndarray, seq: int) -> int:
@@ -170,9 +179,7 @@ def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: 
     w = DIM + 2
     env = lmdb.open(str(work / "chunks"), map_size=max(1 << 30, (table_rows + 2 * range_rows) * 800),
                     max_dbs=256, sync=False, metasync=False, readahead=False, writemap=writemap)
-    log_env = lmdb.open(str(work / "chunks_log"), map_size=max(1 << 30, run_rows * 1200), max_dbs=2,
-                        sync=False, metasync=False, readahead=False, meminit=False)
-    log_db = log_env.open_db(b"log")
+    log_env, log_db = open_log(work / "chunks_log", run_rows)
     piece = 1 << 18
     tile = rng.standard_normal((piece, w), dtype=np.float32)  # payloads: their bits do not matter
     level = ChunkLevel(env, "t", w, "t", range_rows=range_rows)
