@@ -21,6 +21,7 @@ if os.environ.get("TRITON_INTERPRET") in (None, "", "0") and not torch.cuda.is_a
 
 import tierstore as ts  # noqa: E402
 from tests.devtaint import DeviceTaint, watching_hostread  # noqa: E402
+from tests.feature_batches import feature_batches  # noqa: E402
 from tierstore.engine import interpreting  # noqa: E402
 from tierstore.prefetch import Prefetcher  # noqa: E402
 from tierstore.steps import EngineStep  # noqa: E402
@@ -33,12 +34,7 @@ HALF = [ts.TableSpec("a", 10**6, 8, optimizer=ts.Adagrad(0.1), dtype="bfloat16")
 
 
 def _batches(n, batch=6, seed=2, rows=500):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        lengths = torch.randint(0, 4, (3 * batch,), generator=g)
-        parts = [torch.randint(0, rows, (int(lengths[i * batch:(i + 1) * batch].sum()),), generator=g)
-                 for i in range(3)]
-        yield (list(FEATS), torch.cat(parts), lengths), torch.randn(batch, 20, generator=g)
+    return feature_batches(n, FEATS, batch=batch, seed=seed, rows=rows)
 
 
 def _pretend(mode, store):

@@ -20,6 +20,7 @@ from hypothesis import given, settings  # noqa: E402
 
 import tierstore as ts  # noqa: E402
 from tests.engine_cases import Case, cases, engine_step, keyed_engine_step  # noqa: E402
+from tests.feature_batches import feature_batches  # noqa: E402
 from tests.profiles import examples  # noqa: E402
 from tests.syncs import SyncCounter  # noqa: E402
 from tierstore.engine import interpreting  # noqa: E402
@@ -67,13 +68,8 @@ def test_a_keyed_step_refuses_16_bit_tables():
         plan.keyed_step(torch.tensor([1, 2]), [2], torch.tensor([2]))
 
 
-def _batches(n, batch=5, seed=3, high=190):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        lengths = torch.randint(0, 5, (3 * batch,), generator=g)
-        parts = [torch.randint(0, high, (int(lengths[i * batch:(i + 1) * batch].sum()),), generator=g)
-                 for i in range(3)]
-        yield (list(FEATS), torch.cat(parts), lengths), torch.randn(batch, 20, generator=g)
+def _batches(n):
+    return feature_batches(n, FEATS, batch=5, seed=3, rows=190, max_len=5)
 
 
 def _store(path, cache, kernels="auto", device="cpu"):

@@ -16,6 +16,7 @@ if os.environ.get("TRITON_INTERPRET") in (None, "", "0") and not torch.cuda.is_a
 triton = pytest.importorskip("triton")
 
 import tierstore as ts  # noqa: E402
+from tests.feature_batches import feature_batches  # noqa: E402
 from tests.syncs import SyncCounter  # noqa: E402
 from tierstore.engine import interpreting  # noqa: E402
 from tierstore.errors import InvalidGradientError  # noqa: E402
@@ -27,12 +28,7 @@ SPECS = [ts.TableSpec("a", 10**6, 8, optimizer=ts.RowWiseAdagrad(0.1)),
 
 
 def _batches(n, batch=6, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        lengths = torch.randint(0, 4, (3 * batch,), generator=g)
-        parts = [torch.randint(0, 500, (int(lengths[i * batch:(i + 1) * batch].sum()),), generator=g)
-                 for i in range(3)]
-        yield (list(FEATS), torch.cat(parts), lengths), torch.randn(batch, 20, generator=g)
+    return feature_batches(n, FEATS, batch=batch, seed=seed)
 
 
 def _staged_steps(store, steps, watch, mode="sum", ahead=False):
