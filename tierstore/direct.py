@@ -63,10 +63,21 @@ class AheadStep:
     removals: int
 
     def fits(self, owner: Any, items: Sequence[tuple[str, torch.Tensor]], lengths: torch.Tensor) -> bool:
-        """Whether a step of `owner` over this input is the one made ahead (memcmps on the host)."""
+        """Whether a step of `owner` over this input is the one made ahead (memcmps on the host,
+        or none for ids that are views of the very memory the pipeline read)."""
         return (owner is self.owner and len(items) == len(self.ids)
-                and all(i.dtype == a.dtype and torch.equal(i, a) for (_, i), a in zip(items, self.ids))
+                and all(_same(i, a) for (_, i), a in zip(items, self.ids))
                 and lengths.device.type == "cpu" and torch.equal(lengths, self.lengths))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two host tensors hold the same values now: the same memory seen the same way, or
+    equal by a compare."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    return torch.equal(a, b)
 
 
 class DirectSteps:
