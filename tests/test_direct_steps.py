@@ -166,6 +166,31 @@ def test_a_prefetched_step_trusts_the_pipelines_check_only_for_the_ids_it_checke
     _same(want, got)
 
 
+def test_a_step_made_ahead_checks_its_ids_once(tmp_path, monkeypatch):
+    from tierstore.backends.set_tier import SetTier
+
+    calls = []
+    keys = SetTier.direct_keys
+
+    def counted(self, table, rows, ids, out, check=True):
+        calls.append((threading.get_ident(), check))
+        return keys(self, table, rows, ids, out, check)
+
+    monkeypatch.setattr(SetTier, "direct_keys", counted)
+    with _store(tmp_path / "slab", "slab") as ref:
+        want = _train(ref, 6, "sum", "module")
+    calls.clear()
+    with _store(tmp_path / "sets", "sets") as store:
+        got = _train(store, 6, "sum", "module")
+        assert store.prefetch_stats.steps_made_ahead == 6
+    mine = [c for t, c in calls if t == threading.get_ident()]
+    staging = [c for t, c in calls if t != threading.get_ident()]
+    # the pipeline checks each table's ids once (`holds`); the step made ahead from them and
+    # the step itself check nothing again
+    assert mine == [] and staging.count(True) == 6 * 2 and staging.count(False) == 6 * 3
+    _same(want, got)
+
+
 def _other_ids(store, i, sparse):
     """Input the pipeline did not stage: step 2's first id of feature y moved to a row of b
     that no batch uses (not held yet)."""

@@ -104,9 +104,10 @@ class DirectSteps:
         return tabs
 
     def _slots(self, tabs: list[_Table], items: Sequence[tuple[str, torch.Tensor]], sizes: list[int],
-               trust: bool) -> torch.Tensor | None:
+               trust: bool, known: bool = False) -> torch.Tensor | None:
         """Every item's ids' slots one item after another, on the device; None if one is not
-        held or out of range. `trust`: ids the pipeline found held need no second look."""
+        held or out of range. `trust`: ids the pipeline found held need no second look;
+        `known`: every id is known held (the pipeline's check of this very batch)."""
         dev = self.device_tier
         flat = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=dev.device.type == "cuda")
         at = 0
@@ -115,22 +116,26 @@ class DirectSteps:
         for tab, (_, ids), n in zip(tabs, items, sizes):
             ids = ids.to(torch.int64)
             if dev.direct_keys(tab.index, tab.spec.num_rows, ids.numpy(), flat[at : at + n].numpy(),
-                               check=not (trust and self.staging.held_whole(tab, ids))) != 1:
+                               check=not (known or trust and self.staging.held_whole(tab, ids))) != 1:
                 return None
             at += n
         return hostread.to_device(flat, dev.device)
 
     def prepare(self, owner: Any, items: Sequence[tuple[str, torch.Tensor]], lengths: torch.Tensor,
-                make: Callable[[torch.Tensor, list[int]], Any]) -> AheadStep | None:
+                make: Callable[[torch.Tensor, list[int]], Any], held_at: int | None = None
+                ) -> AheadStep | None:
         """A step made ahead on the pipeline's thread: the items' ids checked and turned into
         slots on the device, and `make(slots, sizes)` (the keyed batch) run on them; None
-        when the step could not go the direct way (it then finds that out itself)."""
+        when the step could not go the direct way (it then finds that out itself). `held_at`:
+        the cache's removal count at which the pipeline found every one of these ids held
+        (`StagingArea.holds` over this batch): they are not checked again."""
         tabs = self._tables(items)
         if tabs is None:
             return None
-        removals = self.device_tier.removals  # before the check: a removal after it shows
+        # read before the check (or the pipeline's): a removal after it shows at the step
+        removals = self.device_tier.removals if held_at is None else held_at
         sizes = [int(i.numel()) for _, i in items]
-        slots = self._slots(tabs, items, sizes, trust=False)
+        slots = self._slots(tabs, items, sizes, trust=False, known=held_at is not None)
         if slots is None:
             return None
         return AheadStep(owner, [i for _, i in items], lengths, tabs, slots, sizes,

@@ -273,12 +273,13 @@ class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
                 wparts.append(weights[lo:hi])
         return ids, torch.cat(lens), torch.cat(wparts) if weights is not None else None
 
-    def prepare_step(self, sparse: Any) -> Any:
+    def prepare_step(self, sparse: Any, held_at: int | None = None) -> Any:
         """Make a batch's step ahead, for the prefetch pipeline's thread: on a store whose
         device cache holds every row (`device_direct`), its rows' slots on the device and its
         keyed batch; the forward of exactly this input then starts from them. Returns what was
         made, or None (a batch with per-sample weights, other stores, input the forward will
-        refuse: the forward does it all itself)."""
+        refuse: the forward does it all itself). `held_at`: the cache's removal count at which
+        the caller found every id of this batch held (its ids are then not checked again)."""
         if self.store.readonly or not self.store.device_tier.direct:
             return None
         try:
@@ -287,7 +288,7 @@ class TieredEmbeddingBagCollection(StoreBacked, nn.Module):
             return None
         if psw is not None:
             return None
-        return prepare_direct(self.store, engine_for(self.store, self._plan()), ids, lengths)
+        return prepare_direct(self.store, engine_for(self.store, self._plan()), ids, lengths, held_at)
 
     def extra_repr(self) -> str:
         """The store's path, tables, features, mode and output."""

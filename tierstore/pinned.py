@@ -102,14 +102,13 @@ class StagingArea:
                 self._compute.notify_all()
 
     # the batch handed to the consumer thread -----------------------------------------------
-    def use_batch(self, staged: tuple | None, warm: bool) -> None:
+    def use_batch(self, staged: tuple[dict[str, Staged], int, Any] | None, warm: bool) -> None:
         """Hand this (consumer) thread its batch: the slots the pipeline staged, their pin
         epoch and the step it made ahead (None: none), and whether it is warm-only (its misses
         stay where they are)."""
         ident = threading.get_ident()
         self.staged = (ident, staged[0], staged[1]) if staged else (0, {}, -1)
-        self.ahead = (ident, staged[2]) if staged and len(staged) > 2 and staged[2] is not None \
-            else (0, None)
+        self.ahead = (ident, staged[2]) if staged and staged[2] is not None else (0, None)
         self.deferring = ident if warm else 0
 
     def step_ahead(self) -> Any:

@@ -120,14 +120,17 @@ def direct_items(plan: Plan, ids: list[torch.Tensor]) -> list[tuple[str, torch.T
     return [(plan.tables[feat.table].name, ids[f]) for f, feat in enumerate(plan.features)]
 
 
-def prepare_direct(store: Any, engine: Engine, ids: list[torch.Tensor], lengths: torch.Tensor) -> Any:
+def prepare_direct(store: Any, engine: Engine, ids: list[torch.Tensor], lengths: torch.Tensor,
+                   held_at: int | None = None) -> Any:
     """A direct step of `engine`'s collection made ahead (the prefetch pipeline's thread): its
-    slots on the device and its keyed batch, or None (`DirectSteps.prepare`); the step takes it
-    when its input is this one. Not for 16-bit tables (no keyed batch)."""
+    slots on the device and its keyed batch, or None (`DirectSteps.prepare`, `held_at` as
+    there); the step takes it when its input is this one. Not for 16-bit tables (no keyed
+    batch)."""
     if engine.plan.packed:
         return None
     return store.paths.direct.prepare(engine, direct_items(engine.plan, ids), lengths,
-                                      lambda slots, sizes: engine.keyed_step(slots, sizes, lengths))
+                                      lambda slots, sizes: engine.keyed_step(slots, sizes, lengths),
+                                      held_at)
 
 
 def _table_ids(plan: Plan, of_table: list[list[int]], ids: list[torch.Tensor]

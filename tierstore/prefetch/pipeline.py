@@ -108,6 +108,9 @@ class Prefetcher:
         if features is None:  # feature names the store's collections registered, if any
             features = {f: t for f, t in store.feature_tables.items() if t is not None}
         self.features = dict(features)
+        # the batches' ids this pipeline checks are every one the module reads (same tables)
+        self._checks_module = self._module is not None and all(
+            self.features.get(f) == t for f, t in self._module.features.items())
         self.extract = extract or (lambda b: b)
         self.delay = delay  # test hook: seconds to sleep inside staging
         self._source = iter(batches)
@@ -308,8 +311,10 @@ class Prefetcher:
             # the step trusts this check while no row has left the cache (`Staged.held`)
             held = {t: Staged.held(i, removals) for t, i in ids.items()}
             nothing: dict = {}
-            # the module's step, made ahead on this thread (`prepare_step`: None if it cannot)
-            ahead = self._module.prepare_step(self.extract(batch)) if self._module is not None else None
+            # the module's step, made ahead on this thread (`prepare_step`: None if it cannot);
+            # its ids were just checked when this pipeline reads every table the module does
+            ahead = None if self._module is None else self._module.prepare_step(
+                self.extract(batch), removals if self._checks_module else None)
             return Prep({}, {}, None, False, {}, {}, StoredReads(store, nothing, self._pool.submit, 1),
                         held, ahead)
         # the step takes its indexes from staging (`Staged`): keep the ids, and on the slab
