@@ -74,14 +74,15 @@ from .writeback_chunks import DIM, Clock, drop_entries, log_append, newest_entri
 LEAF_ROWS = 14  # 272-byte records and 8-byte keys in a 4 KiB LMDB leaf page
 
 
-def _store(work: Path, tables: int, rows: int, seed: int) -> TierStore:
+def _store(work: Path, tables: int, rows: int, seed: int, table_format: str = "btree") -> TierStore:
     specs = [TableSpec(f"t{i}", rows, DIM, optimizer=RowWiseAdagrad(0.01)) for i in range(tables)]
-    store = TierStore(work / "store", specs, device_capacity=0, host_capacity=0)
+    store = TierStore(work / "store", specs, device_capacity=0, host_capacity=0,
+                      table_format=table_format)
     rng = np.random.default_rng(seed)
     w = specs[0].row_dim
     for s in specs:
-        for lo in range(0, rows, 1 << 18):
-            ids = np.arange(lo, min(lo + (1 << 18), rows), dtype=np.int64)
+        for lo in range(0, rows, 1 << 20):
+            ids = np.arange(lo, min(lo + (1 << 20), rows), dtype=np.int64)
             store.backend.put({s.name: (ids, rng.standard_normal((len(ids), w), dtype=np.float32))})
     store.backend.sync()
     return store
@@ -410,6 +411,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lsm-cycles", type=int, default=3, help="merges into the base")
     ap.add_argument("--lsm-only", action="store_true", help="run the LSM cases (and log_append) alone")
     writeback_chunks.add_options(ap)
+    ap.add_argument("--table-format", choices=("btree", "chunks"), default="btree",
+                    help="TierStore(table_format=...) of the store's cases: B-tree tables (format "
+                         "3) or page-chunk levels (format 4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
@@ -433,7 +437,7 @@ def store_cases(work: Path, args: argparse.Namespace, full: bool) -> tuple[list[
     store_rows = args.tables * args.rows
     floors = floor_cases(work, [int(v) for v in args.floor_tables.split(",") if v], sizes,
                          args.seed + 4) if full else []
-    store = _store(work, args.tables, args.rows, args.seed)
+    store = _store(work, args.tables, args.rows, args.seed, args.table_format)
     try:
         store.writeback.drain()
         room = store.log.capacity * 3 // 4 - store.log.size - args.batch
@@ -509,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("disk_peak_over_raw", "disk peak x raw", ".2f"),
                        ("disk_after_over_raw", "base x raw", ".2f")]))
     meta = {"bench": "writeback", "argv": sys.argv[1:] if argv is None else argv, "tables": args.tables,
+            "table_format": args.table_format,
             "torch_threads": torch.get_num_threads(),
             "rows": args.rows, "record_bytes": (DIM + 2) * 4 + 4, "log_capacity": log_capacity}
     path = save("writeback", recs, meta, args.out)

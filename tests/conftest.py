@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import as_cuda, profiles
+from tests import as_chunks, as_cuda, profiles
 
 PROFILE = profiles.load()
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -54,3 +54,10 @@ def _as_cuda_layout(monkeypatch):
     """TIERSTORE_TEST_AS_CUDA=1: stores opened without a device take CUDA's layout (tests/as_cuda.py)."""
     if as_cuda.wanted():
         as_cuda.patch(monkeypatch.setattr)
+
+
+@pytest.fixture(autouse=True)
+def _as_chunks_format(monkeypatch):
+    """TIERSTORE_TEST_TABLE_FORMAT=chunks: new stores keep their tables as page chunks (as_chunks.py)."""
+    if as_chunks.wanted():
+        as_chunks.patch(monkeypatch.setattr)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 import tierstore as ts
+from tests import as_chunks
 from tierstore.export import export_store, import_store
 
 SEED = 11
@@ -66,7 +67,8 @@ def batch(step: int, phase: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 def open_store(path: str | Path, phase: str) -> ts.TierStore:
     """The store a phase trains."""
     d, h, _ = caps(phase)
-    return ts.TierStore(path, SPECS, device_capacity=d, host_capacity=h, seed=SEED, device="cpu")
+    return ts.TierStore(path, SPECS, device_capacity=d, host_capacity=h, seed=SEED, device="cpu",
+                        table_format=as_chunks.wanted() or "btree")
 
 
 def train(store: ts.TierStore, step: int, phase: str) -> None:

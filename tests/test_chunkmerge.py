@@ -66,7 +66,9 @@ def _check(level: ChunkLevel, ref: dict, probes=()) -> None:
     for x, row in zip(q[found].tolist(), rows[found]):
         assert np.array_equal(row, ref[x])
     assert not rows[~found].any()
-    assert level.rows() == len(ref)
+    assert level.rows() == len(ref) == level.walked_rows()  # the counts kept match the chunks
+    assert len(level.counts) == len(level.names)
+    assert all(c == 0 for c, n in zip(level.counts, level.names) if n is None)
     # the level's databases are all that is left: every old range was dropped
     assert _named(level) == {n for n in level.names if n is not None}
     assert level.bounds[0] == 0 and all(a < b for a, b in zip(level.bounds, level.bounds[1:]))
@@ -95,7 +97,7 @@ def test_merges_read_like_a_dict(tmp_path_factory, batches, w, range_rows, windo
     env = _env(tmp_path_factory.mktemp("cm"))
     level = ChunkLevel(env, "t", w, "t", range_rows=range_rows, window=window)
     published = []
-    level.on_publish = lambda txn, bounds, names: published.append((bounds, names))
+    level.on_publish = lambda txn, bounds, names, counts: published.append((bounds, names, counts))
     ref: dict = {}
     for gen, batch in enumerate(batches):
         before = list(level.names)
@@ -106,7 +108,7 @@ def test_merges_read_like_a_dict(tmp_path_factory, batches, w, range_rows, windo
         if not batch:
             assert level.names == before and stats.rows_written == 0
         if published:
-            assert published[-1] == (level.bounds, level.names)
+            assert published[-1] == (level.bounds, level.names, level.counts)
         probes = data.draw(st.lists(ids_st, max_size=50)) if data is not None else [1, TOP - 1]
         _check(level, ref, probes)
 

@@ -126,6 +126,7 @@ class TableSpec:
 KERNELS = ("auto", "numba", "triton")
 DEVICE_CACHES = ("auto", "slab", "sets")  # StoreConfig.device_cache
 DAMAGED_LOG = ("raise", "last_flush")  # StoreConfig.damaged_log
+TABLE_FORMATS = ("btree", "chunks")  # StoreConfig.table_format
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,10 @@ class StoreConfig:
     (`tierstore.resolve`). `device_cache`: the device tier's structure: "slab" (a slab with a
     hash index and the policy registry), "sets" (a set-associative cache whose state is tensors
     on the device, LRU or LFU; docs/design.md), or "auto": "sets" on CUDA, "slab" on the CPU.
+    `table_format`: how a store created now keeps its rows on disk: "btree" (a B-tree entry a
+    row, format 3) or "chunks" (sorted page-sized chunks in ranges, format 4: dense on disk and
+    merged sequentially; no ttl expiry or read-only serving handles yet, docs/design.md "Format
+    4 in the store"). An existing store keeps the format it was created with.
     """
 
     device_capacity: int | str = "64MiB"
@@ -160,6 +165,7 @@ class StoreConfig:
     kernels: str = "auto"
     damaged_log: str = "raise"  # a damaged crash-left log: "raise", or "last_flush" (drop it)
     device_cache: str = "auto"  # the device tier: "slab", "sets", or "auto" (sets on CUDA)
+    table_format: str = "btree"  # a new store's tables on disk: "btree" (format 3) or "chunks" (4)
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -173,6 +179,8 @@ class StoreConfig:
         parse_map_limit(self.map_limit)  # None or a positive size
         if self.device_cache not in DEVICE_CACHES:
             raise ConfigError(f"device_cache must be one of {DEVICE_CACHES}, got {self.device_cache!r}")
+        if self.table_format not in TABLE_FORMATS:
+            raise ConfigError(f"table_format must be one of {TABLE_FORMATS}, got {self.table_format!r}")
         if self.damaged_log not in DAMAGED_LOG:
             raise ConfigError(f"damaged_log must be one of {DAMAGED_LOG}, got {self.damaged_log!r}")
 

@@ -168,6 +168,8 @@ def expire(store: TierStore, table: str | None, older_than: int) -> dict[str, in
     clock steps ago everywhere, delete them from LMDB; durable on return."""
     older_than = check_older_than(older_than)
     tabs = [store.table_record(table)] if table is not None else list(store.tables.values())
+    if store.backend.chunked:
+        raise ConfigError(_CHUNKS_REFUSE.format(what="expire()"))
     ex = store.expiry
     store.flush()  # every dirty row down and the log merged: stale rows are all in the tables
     ex.raise_cutoffs({t.index: store.clock - older_than for t in tabs})
@@ -184,6 +186,12 @@ def expire(store: TierStore, table: str | None, older_than: int) -> dict[str, in
 
 
 
+# format 4's chunk levels cannot delete rows yet (docs/design.md, "Format 4 in the store")
+_CHUNKS_REFUSE = ("{what} needs a store whose tables can delete rows; this store keeps its tables "
+                  "as page chunks (table_format='chunks'), which do not yet: create it with "
+                  "table_format='btree'")
+
+
 class Expiry:
     """A store's expiry state: cutoffs per table, the ttl's expiry points and its deleter thread."""
 
@@ -197,6 +205,8 @@ class Expiry:
         self.done: dict[int, int] = {}  # ttl tables: the cutoff of the last completed pass
         self._saved = dict(self.cutoffs)
         self.ttl = {t.index: t.spec.ttl for t in store.tables.values() if t.spec.ttl is not None}
+        if self.ttl and store.backend.chunked:
+            raise ConfigError(_CHUNKS_REFUSE.format(what="a table with a ttl"))
         self.expired_rows = 0  # deleted from LMDB
         self.expired_cached = 0  # dropped from the caches
         self.wake = threading.Condition()

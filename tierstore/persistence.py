@@ -178,7 +178,9 @@ def start_checkpoint(store: TierStore, dest: str | os.PathLike, *, step: int | N
                           if k.startswith("table:")]
                 counts = {t.name: backend.snapshot_count(txn, t.name) for t in tables}
                 head = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
-                        "store_format_version": FORMAT_VERSION, "tierstore_version": __version__,
+                        "store_format_version": (meta.get("store") or {}).get("format_version",
+                                                                              FORMAT_VERSION),
+                        "tierstore_version": __version__,
                         "created_unix": created, "step": step, "extra": extra,
                         "seed": (meta.get("store") or {}).get("seed", store.seed),
                         "tables": [{"spec": t.to_config(), "rows_stored": counts[t.name]}

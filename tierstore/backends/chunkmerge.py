@@ -226,20 +226,48 @@ class ChunkLevel:
         self.prefix, self.range_rows, self.window = prefix, int(range_rows), int(window)
         self.bounds: list[int] = [0]  # range r holds the ids in [bounds[r], bounds[r + 1])
         self.names: list[bytes | None] = [None]  # None: an empty range (no database yet)
+        self.counts: list[int] = [0]  # rows of each range
         self._dbs: dict[bytes, object] = {}
         self._seq = 0
         self.reader = PageReader(Path(env.path()) / "data.mdb", int(env.stat()["psize"]))
-        # called inside each range's publishing transaction with the bounds and names after it
-        self.on_publish: Callable[[lmdb.Transaction, list[int], list[bytes | None]], None] | None = None
+        # called inside every write transaction that changes the ranges, with the bounds, names
+        # and row counts they have once it commits (where the store writes its manifest)
+        self.on_publish: Callable[[lmdb.Transaction, list[int], list[bytes | None], list[int]],
+                                  None] | None = None
+
+    def restore(self, bounds: list[int], names: list[bytes | None], counts: list[int],
+                open_db: Callable[[bytes], object] | None = None) -> None:
+        """Take the ranges a manifest recorded (bounds, database names, row counts), and open
+        their databases (`open_db(name)`, else the environment's own `open_db`: never inside a
+        transaction of this thread); StoreCorruptError when they do not describe ranges."""
+        if not (len(bounds) == len(names) == len(counts)) or not bounds or bounds[0] != 0 or \
+                any(a >= b for a, b in zip(bounds, bounds[1:])) or min(counts) < 0:
+            raise StoreCorruptError(f"table {self.table!r}: its chunk manifest is damaged")
+        with self.env.begin() as txn:
+            for name in names:
+                if name is not None and txn.get(name) is None:
+                    raise StoreCorruptError(f"table {self.table!r}: the chunk range {name!r} "
+                                            f"its manifest names is missing")
+        for name in names:
+            if name is not None:
+                self._dbs[name] = open_db(name) if open_db is not None else \
+                    self.env.open_db(name, create=False)
+        self.bounds, self.names, self.counts = list(bounds), list(names), [int(c) for c in counts]
+        seqs = [int(n.rsplit(b".", 1)[1]) for n in names if n is not None]
+        self._seq = max(seqs, default=-1) + 1
 
     def rows(self) -> int:
-        """Rows stored in the level."""
+        """Rows stored in the level (the ranges' counts)."""
+        return sum(self.counts)
+
+    def walked_rows(self) -> int:
+        """Rows stored in the level, counted by walking every chunk (a check of `counts`)."""
         with self.env.begin() as txn:
             return sum(self._count(txn, name) for name in self.names)
 
     def _count(self, txn: lmdb.Transaction, name: bytes | None) -> int:
         """Rows of range `name` (its chunks' counts, walked in place)."""
-        mem, offs, _ = self._leaves(txn, name)
+        mem, offs, _ = self.leaves(txn, name)
         return int(count_rows(mem, offs)) if len(offs) else 0
 
     def db(self, name: bytes) -> object:
@@ -254,7 +282,7 @@ class ChunkLevel:
         fields = _MDB_DB.unpack(rec)
         return int(fields[6]), int(fields[7])
 
-    def _leaves(self, txn: lmdb.Transaction, name: bytes | None) -> tuple[np.ndarray, np.ndarray,
+    def leaves(self, txn: lmdb.Transaction, name: bytes | None) -> tuple[np.ndarray, np.ndarray,
                                                                            np.ndarray]:
         """(mapping, offsets, sizes) of every chunk of range `name`, in id order, in place."""
         empty = np.zeros(0, dtype=np.int64)
@@ -367,7 +395,7 @@ class ChunkLevel:
         old = self.names[r]
         bounds, names = [self.bounds[r]], [None]  # None: opened by the next write transaction
         try:
-            return self._write_range(r, old, ids, src, lo, hi, verify, totals, bounds, names)
+            return self._write_range(r, old, ids, src, lo, hi, verify, totals, bounds, names, [])
         except BaseException:  # the fresh databases of a merge cut short go: nothing changed
             with env.begin(write=True) as txn:
                 for name in names:
@@ -377,15 +405,16 @@ class ChunkLevel:
 
     def _write_range(self, r: int, old: bytes | None, ids: np.ndarray, src: np.ndarray, lo: int,
                      hi: int, verify: bool, totals: np.ndarray, bounds: list[int],
-                     names: list[bytes | None]) -> list[int]:
-        """`_rewrite`'s pass: the new databases' names and bounds go into `names` and `bounds`."""
+                     names: list[bytes | None], counts: list[int]) -> list[int]:
+        """`_rewrite`'s pass: the new databases' names, bounds and row counts go into `names`,
+        `bounds` and `counts`."""
         env, cap, vb = self.env, self.cap, self.vb
         out = np.empty(self.window * vb, dtype=np.uint8)
         values = [memoryview(v) for v in out.reshape(self.window, vb)]  # made once: cheap puts
         state = np.array([0, 0, lo, -1, 0], dtype=np.int64)
         in_db = 0  # rows in the newest output database
         with env.begin() as rtxn:  # the old range's pages stay put while it is open
-            mem, offs, lens = self._leaves(rtxn, old)
+            mem, offs, lens = self.leaves(rtxn, old)
             had = int(count_rows(mem, offs)) if len(offs) else 0
             totals[0] += had
             nc = len(offs)
@@ -407,6 +436,7 @@ class ChunkLevel:
                     seal_chunk(out, made * vb, fill, cap, self.record_bytes)
                     full = made + 1
                     state[_FILL] = 0
+                rows = made * cap + (fill if full > made else 0)
                 with env.begin(write=True) as txn:
                     if names[-1] is None:
                         names[-1] = self.new_db(txn)
@@ -422,14 +452,14 @@ class ChunkLevel:
                     if done:  # the range's new databases replace its old one, in one commit
                         new_bounds = self.bounds[:r] + bounds + self.bounds[r + 1 :]
                         new_names = self.names[:r] + names + self.names[r + 1 :]
+                        new_counts = self.counts[:r] + counts + [in_db + rows] + self.counts[r + 1 :]
                         if old is not None:
                             txn.drop(self._dbs[old], delete=True)
                         if self.on_publish is not None:
-                            self.on_publish(txn, list(new_bounds), list(new_names))
+                            self.on_publish(txn, list(new_bounds), list(new_names), list(new_counts))
                 if done:
-                    self.bounds, self.names = new_bounds, new_names
+                    self.bounds, self.names, self.counts = new_bounds, new_names, new_counts
                     self._dbs.pop(old, None)
-                rows = made * cap + (fill if full > made else 0)
                 totals[1] += rows
                 totals[2] += full
                 in_db += rows
@@ -440,6 +470,7 @@ class ChunkLevel:
                 if roll:  # the next rows go to a range of their own
                     bounds.append(self._next_id(mem, offs, ids, state, hi))
                     names.append(None)
+                    counts.append(in_db)
                     in_db = 0
 
     def _next_id(self, mem: np.ndarray, offs: np.ndarray, ids: np.ndarray, state: np.ndarray,

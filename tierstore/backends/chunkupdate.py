@@ -139,14 +139,16 @@ def update_range(level: ChunkLevel, r: int, ids: np.ndarray, src: np.ndarray, ve
             raise StoreCorruptError(f"table {level.table!r}: chunk range {name!r} is damaged "
                                     f"(a chunk's size, count or ids, or row {int(bad)}'s checksum)")
         values = out[: made * vb].reshape(made, vb)
+        counts = list(level.counts)
+        counts[r] += rows - old  # the touched chunks held `old` rows and now hold `rows`
         with env.begin(write=True) as txn:
             fresh = level.new_db(txn) if name is None else name
             txn.cursor(db=level.db(fresh)).putmulti(list(zip(encode_keys(firsts[:made]), values)))
-            if name is None and level.on_publish is not None:
+            if level.on_publish is not None:
                 names = level.names[:r] + [fresh] + level.names[r + 1 :]
-                level.on_publish(txn, list(level.bounds), names)
-        if name is None:
-            level.names[r] = fresh
+                level.on_publish(txn, list(level.bounds), names, counts)
+        level.names[r] = fresh
+        level.counts = counts
         totals += (old, rows, made)
 
 

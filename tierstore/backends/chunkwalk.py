@@ -123,3 +123,31 @@ if HAVE_NUMBA:
         return n
 else:  # pragma: no cover - numba is a hard dependency
     leaf_spans = count_rows = None
+
+
+if HAVE_NUMBA:
+    @numba.njit(nogil=True, cache=True)
+    def unpack_chunks(mem, offs, lens, cap, rb, vb, ids, recs):  # pragma: no cover - compiled
+        """The rows of the chunks at offs, in order, into ids[:rows] and recs[:rows]: (rows, 0),
+        or (0, 1 + the chunk) whose size, count or id order is wrong. Records are copied as
+        they are: the reader checks each one's checksum (over its id and words)."""
+        n = 0
+        for c in range(offs.shape[0]):
+            o = offs[c]
+            if lens[c] != vb:
+                return 0, 1 + c
+            count = np.int64(mem[o]) | (np.int64(mem[o + 1]) << 8) | (np.int64(mem[o + 2]) << 16) | \
+                (np.int64(mem[o + 3]) << 24)
+            if count < 1 or count > cap or n + count > ids.shape[0]:
+                return 0, 1 + c
+            cid = mem[o + 16 : o + 16 + 8 * cap].view(np.int64)
+            for i in range(count):
+                if i and cid[i] <= cid[i - 1] or (n and i == 0 and cid[0] <= ids[n - 1]):
+                    return 0, 1 + c
+                ids[n + i] = cid[i]
+            at = o + 16 + 8 * cap
+            recs[n : n + count, :] = mem[at : at + count * rb].reshape(count, rb)
+            n += count
+        return n, 0
+else:  # pragma: no cover - numba is a hard dependency
+    unpack_chunks = None

@@ -23,6 +23,8 @@ import lmdb
 
 from .._kernels import HAVE_NUMBA
 from ..errors import OutOfSpaceError, StoreCorruptError, StoreLockedError, TierstoreError
+from .format import CHUNK_FORMAT
+from .lmdb_chunked import ChunkTables
 from .lmdb_common import COMPACT_PREFIX, DATA_NAME, GET_CHUNK, META_DB  # noqa: F401 (re-exported)
 from .lmdb_common import decode_keys as decode_keys  # re-exported
 from .lmdb_common import encode_keys as encode_keys  # re-exported
@@ -139,7 +141,7 @@ def _stored_mark(text: bytes) -> bool:
     return STORE_MARK in text
 
 
-class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
+class LmdbBackend(TableRows, ChunkTables, LogIO, MemoryMap, Compaction, Snapshots):
     """Rows on disk in LMDB: batched reads, batched writes in one transaction, durable sync.
 
     The map grows automatically before it fills (up to `map_limit` bytes when given).
@@ -220,6 +222,7 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
             self._release_lock()
             raise StoreCorruptError(f"cannot open LMDB store at {self.path}: {exc}") from exc
         self._page_reads = PAGE_READS  # rows read by the page walker (else py-lmdb)
+        self.forget_levels()  # chunk levels hold the environment and a mapping of its file
         if HAVE_NUMBA:  # also checks the search paths of py-lmdb's misses (check_missing)
             self._pages = PageReader(self.path / DATA_NAME, self.env.stat()["psize"])
         try:
@@ -231,6 +234,13 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
                     f"it from a checkpoint (TierStore.restore) or remove the directory")
             if not self._marked and not self.readonly and self.meta_keys():
                 self.mark_stored()  # a store made before the mark existed
+            with self.env.begin(db=self._meta) as txn:  # (not get_meta: a reopen inside a
+                raw = txn.get(b"store")  # compaction holds the readers out)
+            try:
+                store = json.loads(raw) if raw is not None else {}
+            except ValueError as exc:
+                raise StoreCorruptError(f"store {self.path}: its store record is not valid JSON") from exc
+            self.chunked = store.get("format_version") == CHUNK_FORMAT  # format 4: chunk levels
             if not self.readonly:
                 if self.publisher is not None:
                     self.publisher.close()
@@ -324,8 +334,16 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
         raise lmdb_error(exc, self.path) from exc
 
     # misc ----------------------------------------------------------------------------------
+    def use_chunks(self) -> None:
+        """Store this new store's tables as page-chunk levels (format 4), before any table opens."""
+        if self._dbs:
+            raise TierstoreError(f"store {self.path}: the table format is chosen before tables open")
+        self.chunked = True
+
     def count(self, table: str) -> int:
         """Rows stored for a table."""
+        if self.chunked:
+            return self.chunk_count(table)
         with self.reading():
             db = self.table_db(table)
             if db is None:
@@ -336,6 +354,8 @@ class LmdbBackend(TableRows, LogIO, MemoryMap, Compaction, Snapshots):
     def tree_pages(self, tables: list[str]) -> dict[str, int]:
         """The tables' B-tree pages, and the leaf pages their rows would take packed full
         (`dense_leaf_pages`, what a compaction writes): their ratio is the leaves' fill."""
+        if self.chunked:
+            return self.chunk_tree_pages(tables)
         out = {"leaf_pages": 0, "branch_pages": 0, "dense_leaf_pages": 0}
         with self.reading():
             psize = self.env.stat()["psize"]

@@ -62,6 +62,10 @@ def read_meta(path: str | os.PathLike) -> dict:
             for key in meta:
                 if key.startswith("table:"):
                     table = key[len("table:"):]
+                    chunks = meta.get(f"chunks:{table}")  # format 4: the manifest's counts
+                    if (meta.get("store") or {}).get("format_version") == 4:
+                        rows[table] = sum(int(c) for c in (chunks or {}).get("counts", []))
+                        continue
                     try:
                         db = env.open_db(f"t:{table}".encode(), txn=txn, create=False)
                     except lmdb.NotFoundError:

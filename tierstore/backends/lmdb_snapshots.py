@@ -53,6 +53,8 @@ class Snapshots:
 
     def snapshot_count(self, txn: lmdb.Transaction, table: str) -> int:
         """Rows stored for a table as seen by the read transaction `txn`."""
+        if self.chunked:
+            return self.chunk_count(table, txn)
         db = self.table_db(table)
         return 0 if db is None else int(txn.stat(db)["entries"])
 
@@ -64,7 +66,9 @@ class Snapshots:
         1.3x the raw bytes of 68-byte rows); otherwise LMDB's page-by-page copy.
         """
         try:
-            if compact:
+            if compact and self.chunked:  # LMDB's compacting copy: no database handle to hold
+                self.env.copy(str(dest), compact=True, txn=txn)  # (a merge may drop a range's)
+            elif compact:
                 write_compact(txn, self.snap_dbs, Path(dest), progress=self._note_touch)
             else:
                 self.env.copy(str(dest), txn=txn)
@@ -88,6 +92,9 @@ class Snapshots:
     def iter_rows(self, table: str, width: int, txn: lmdb.Transaction, chunk: int = 65536
                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Stream a table's rows in id order from read txn `txn`: (ids [k], payload [k, width])."""
+        if self.chunked:
+            yield from self.chunk_iter(table, width, txn, chunk)
+            return
         db = self.table_db(table)
         if db is None:
             return

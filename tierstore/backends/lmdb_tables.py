@@ -39,7 +39,9 @@ class TableRows:
             return self.env.open_db(name, txn=txn, create=create, **flags)
 
     def open_tables(self, names: list[str]) -> None:
-        """Create (or open) the named databases of these tables."""
+        """Create (or open) the named databases of these tables (chunked ones have ranges)."""
+        if self.chunked:
+            return
         for table in names:
             if table not in self._dbs:
                 try:
@@ -66,6 +68,8 @@ class TableRows:
         reads will wait on the disk, so first ask it for all their pages at once, in page order
         (`PageReader.ask_ahead`), rather than one page fault at a time.
         """
+        if self.chunked:
+            return self.chunk_get(table, rows, width)
         n = len(rows)
         out = np.zeros((n, width), dtype=np.float32)
         found = np.zeros(n, dtype=bool)
@@ -129,6 +133,9 @@ class TableRows:
         rows is one transaction; larger ones are not atomic (flush() syncs after all of them).
         Rows beyond a table's last key are appended (`MDB_APPEND`: full pages).
         """
+        if self.chunked:  # merges into the tables' chunk levels
+            return sum(self.chunk_put(t, r, p, sealed, (p.shape[1] * p.itemsize - CHECK_BYTES) // 4
+                                      if sealed else p.shape[1]) for t, (r, p) in batches.items())
         total = sum(len(r) * (8 + (p.shape[1] * p.itemsize if sealed else p.shape[1] * 4 + CHECK_BYTES))
                     for r, p in batches.values())
         if total == 0:

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..config import TableSpec
 from ..errors import ConfigMismatchError, TierstoreError
-from .format import FORMAT_VERSION
+from .format import CHUNK_FORMAT, FORMAT_VERSION
 from .lmdb_backend import DATA_NAME, META_DB, LmdbBackend, decode_keys, fsync_path
 from .record import seal
 from .wal import replay_stored
@@ -28,7 +28,7 @@ def upgrade_store(path: str | os.PathLike) -> dict:
     checksum; the new file is written beside the old one, synced, and renamed over it, so a
     crash leaves the old store or the new one, whole. Format 2 (the write-behind log inside the
     tables' file): its log is merged into the tables and dropped, then the version is bumped
-    (a writable `TierStore` open does the same). A store already at format 3 is left as it is.
+    (a writable `TierStore` open does the same). A store already at format 3 or 4 is left as it is.
     """
     path = Path(path)
     backend = LmdbBackend(path)  # the writer lock: nobody else has the store open
@@ -37,7 +37,7 @@ def upgrade_store(path: str | os.PathLike) -> dict:
         if store is None:
             raise TierstoreError(f"{path} holds no tierstore store")
         version = store.get("format_version")
-        if version == FORMAT_VERSION:
+        if version in (FORMAT_VERSION, CHUNK_FORMAT):
             return {"path": str(path), "upgraded": False, "rows": 0}
         if version == 2:
             return {"path": str(path), "upgraded": True, "rows": replay_and_convert(backend)}

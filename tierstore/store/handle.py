@@ -126,6 +126,8 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics):
         try:
             self._check_config(tables, cfg.add_tables)
             self.backend.open_tables(names)
+            if self.backend.chunked:  # a range rewrite cut short by a kill left its fresh copy
+                self.backend.drop_unnamed_ranges(names)
             if self.device_cache == "sets":
                 self.device_tier = SetTier("device", dcap, width, policy, self.device,
                                            kernels="triton" if self.kernels == "triton" else "torch",

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..backends.format import CHUNK_FORMAT
 from ..backends.lmdb_backend import DATA_NAME, LmdbBackend, check_unlocked
 from ..config import StoreConfig, TableSpec
 from ..errors import ConfigMismatchError, StoreCorruptError, StoreNotFoundError, UnknownTableError
@@ -56,7 +57,11 @@ class StoreOpening:
                     f"table {spec.name!r} in {self.path} was stored with another config: "
                     + "; ".join(problems))
         if store is None:
-            new["store"] = {"format_version": FORMAT_VERSION, "seed": self.seed}
+            chunks = self.config.table_format == "chunks"
+            if chunks:
+                self.backend.use_chunks()
+            new["store"] = {"format_version": CHUNK_FORMAT if chunks else FORMAT_VERSION,
+                            "seed": self.seed}
         old = self.backend.get_meta(LAST_OPEN) or {}  # each table's specs at its latest open
         last = {**old, **{t.name: t.to_config() for t in tables}}
         if last != old:

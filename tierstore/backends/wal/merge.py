@@ -39,6 +39,10 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
     tabs, rows, seqs = backend.log_chunks(db, keys, headers, env)
     keep, extra = newest(tabs, rows, seqs)
     sel = np.flatnonzero(keep)
+    if getattr(backend, "chunked", False):  # format 4: each table's rows in one merge
+        written = _fold_into_chunks(backend, db, chunks, names, row_dims, tabs[sel], rows[sel],
+                                    seqs[sel], env)
+        return written, len(sel), (extra[sel], seqs[sel])
     # key order: by table, then row (row ids are < 2**63; one argsort per table present)
     by_tab = sel[np.argsort(tabs[sel], kind="stable")]
     tcuts = np.flatnonzero(np.diff(tabs[by_tab])) + 1
@@ -56,6 +60,36 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
             open_records(names[t], rows[part], recs, row_dims[t], f"store {path}, ")  # verified
             written += backend.put({names[t]: (rows[part], recs)}, sealed=True)
     return written, len(sel), (extra[sel], seqs[sel])
+
+
+def _fold_into_chunks(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
+                      tabs: np.ndarray, rows: np.ndarray, seqs: np.ndarray, env=None) -> int:
+    """`fold` into chunked tables: per table, its newest entries sorted by row and merged in
+    one `chunk_merge_gather`, the records copied once from the log's map (inside one read of
+    the log) into the rewritten ranges; returns bytes written (records and ids)."""
+    path = backend.path
+    at = np.searchsorted(chunks[:, 0], seqs, side="right") - 1  # each entry's chunk
+    row_in = seqs - chunks[at, 0]  # and its row there
+    present = np.unique(tabs).tolist()
+    for t in present:  # the map grows first: growing waits for readers, and the merge is one
+        backend.chunk_room(names[t], row_dims[t], int(np.count_nonzero(tabs == t)))
+
+    def merge(vals):
+        arrays = []
+        for v, (_, count, size) in zip(vals, chunks.tolist()):
+            arrays.append(_chunk_entries(v, count, size, path).view(np.uint32))
+        for t in present:
+            mine = np.flatnonzero(tabs == t)
+            mine = mine[np.argsort(rows[mine], kind="stable")]
+            # the chunks of this table's entry size (a chunk holds entries of one size)
+            same = np.flatnonzero(chunks[:, 2] == HEADER + 4 * row_dims[t] + 4)
+            renum = np.full(len(chunks), -1, dtype=np.int64)
+            renum[same] = np.arange(len(same))
+            backend.chunk_merge_gather(names[t], row_dims[t], rows[mine], [arrays[c] for c in same],
+                                       renum[at[mine]], row_in[mine], HEADER // 4)
+
+    backend.log_chunks(db, _seq_keys(chunks[:, 0]), merge, env)
+    return int(sum((4 * row_dims[t] + 4 + 8) * int(np.count_nonzero(tabs == t)) for t in present))
 
 
 def _gather(backend, db, chunks: np.ndarray, seqs: np.ndarray, size: int, path: object,

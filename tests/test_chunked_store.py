@@ -1,0 +1,286 @@
+"""Format 4 in the store: tables kept as page-chunk levels (`table_format="chunks"`), real LMDB.
+
+A chunked store must hold exactly the rows a B-tree store holds under any sequence of writes,
+flushes, merges and reopens; its manifest must always name the ranges that hold the rows; a
+kill at any point of a merge must leave a store that opens with every acknowledged row; and the
+features it does not offer yet must refuse with a clear error and change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tierstore as ts
+import tierstore.backends.chunkmerge as chunkmerge
+from tests.profiles import examples
+from tierstore.backends.lmdb_chunked import MANIFEST, RANGE_PREFIX
+from tierstore.cli import main as cli_main
+from tierstore.errors import ConfigError
+from tierstore.export import export_store, import_store
+from tierstore.persistence import compact
+
+REPO = Path(__file__).resolve().parents[1]
+SPECS = [ts.TableSpec("a", 5000, 8, optimizer=ts.Adagrad(0.1)), ts.TableSpec("b", 3000, 4)]
+
+
+def _open(path: Path, fmt: str, **kw) -> ts.TierStore:
+    kw.setdefault("device_capacity", 64)
+    kw.setdefault("host_capacity", 64)
+    kw.setdefault("write_log", 300)  # a small log: merges into the tables happen often
+    return ts.TierStore(path, SPECS, device="cpu", table_format=fmt, **kw)
+
+
+def _all_rows(store: ts.TierStore) -> dict[str, np.ndarray]:
+    """Every row of every table as the store reads it (rows never written read their init)."""
+    out = {}
+    for spec in SPECS:
+        ids = torch.arange(spec.num_rows)
+        out[spec.name] = store.gather(spec.name, ids).weights.numpy().copy()
+    return out
+
+
+def _stored(store: ts.TierStore) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The rows in the tables' file, through `iter_rows` on a snapshot (the export's path)."""
+    backend = store.backend
+    txn = backend.snapshot()
+    try:
+        out = {}
+        for spec in SPECS:
+            parts = list(backend.iter_rows(spec.name, spec.row_dim, txn, chunk=97))
+            ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+            rows = np.concatenate([p[1] for p in parts]) if parts else np.zeros((0, spec.row_dim))
+            out[spec.name] = (ids, rows)
+        return out
+    finally:
+        txn.abort()
+
+
+def _write(store: ts.TierStore, rng: np.random.Generator, n: int) -> None:
+    for spec in SPECS:
+        ids = torch.from_numpy(np.unique(rng.integers(0, spec.num_rows, n)))
+        store.apply_unique(spec.name, ids, torch.from_numpy(
+            rng.standard_normal((len(ids), spec.dim)).astype(np.float32)))
+
+
+def _check_manifests(store: ts.TierStore) -> None:
+    """Each table's manifest names live ranges whose chunks hold as many rows as it counts,
+    and no other range database exists."""
+    backend = store.backend
+    with backend.env.begin() as txn:
+        present = {k for k, _ in txn.cursor() if k.startswith(RANGE_PREFIX.encode())}
+    named = set()
+    for spec in SPECS:
+        level = backend.chunk_level(spec.name, spec.row_dim)
+        man = backend.get_meta(f"{MANIFEST}{spec.name}")
+        if man is None:
+            assert level.rows() == 0
+            continue
+        assert man["counts"] == level.counts and sum(man["counts"]) == level.walked_rows()
+        named |= {n.encode() for n in man["names"] if n is not None}
+        assert backend.count(spec.name) == sum(man["counts"])
+    assert present == named
+
+
+@settings(max_examples=examples(0.3), deadline=None)
+@given(plan=st.lists(st.tuples(st.integers(1, 400), st.sampled_from(["none", "flush", "reopen"])),
+                     min_size=1, max_size=5),
+       range_rows=st.sampled_from([60, 500, 100_000]), seed=st.integers(0, 2**16))
+def test_a_chunked_store_holds_what_a_btree_store_holds(tmp_path_factory, plan, range_rows, seed):
+    """Any sequence of writes (small caches: rows go down to the log and into the tables),
+    flushes and reopens leaves the chunked store's rows bit for bit the B-tree store's, through
+    reads, counts and the snapshot's iteration; the manifests stay true (ranges rewritten and
+    updated in place, several ranges a table)."""
+    base = tmp_path_factory.mktemp("cs")
+    old = chunkmerge.RANGE_ROWS
+    chunkmerge.RANGE_ROWS = range_rows
+    try:
+        stores = {f: _open(base / f, f) for f in ("btree", "chunks")}
+        assert stores["chunks"].backend.chunked and not stores["btree"].backend.chunked
+        for f, store in stores.items():
+            rng = np.random.default_rng(seed)
+            for n, then in plan:
+                _write(store, rng, n)
+                if then == "flush":
+                    store.flush()
+                elif then == "reopen":
+                    store.close()
+                    stores[f] = store = _open(base / f, f)
+        for store in stores.values():
+            store.flush()
+        a, b = (_all_rows(stores[f]) for f in ("btree", "chunks"))
+        for name in a:
+            assert np.array_equal(a[name], b[name])
+        sa, sb = (_stored(stores[f]) for f in ("btree", "chunks"))
+        for name in sa:
+            assert np.array_equal(sa[name][0], sb[name][0]) and np.array_equal(sa[name][1], sb[name][1])
+            assert stores["chunks"].backend.count(name) == len(sa[name][0])
+        _check_manifests(stores["chunks"])
+        for store in stores.values():
+            store.close()
+    finally:
+        chunkmerge.RANGE_ROWS = old
+
+
+def test_the_format_is_the_stores_own_and_survives_reopen_and_info(tmp_path, capsys):
+    """A chunked store records format 4; reopening without `table_format` keeps it; `tierstore
+    info` counts its rows from the manifests; a B-tree store stays format 3."""
+    with _open(tmp_path / "c", "chunks") as s:
+        _write(s, np.random.default_rng(1), 300)
+    with ts.TierStore.open(tmp_path / "c", device="cpu") as s:
+        assert s.backend.chunked and s.backend.get_meta("store")["format_version"] == 4
+        rows = {n: s.backend.count(n) for n in ("a", "b")}
+        assert all(rows.values())
+        stored = s.stats()["ssd"]["rows_stored"]
+        assert stored == sum(rows.values())
+    assert cli_main(["info", str(tmp_path / "c"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["format_version"] == 4
+    assert {t["name"]: t["rows_stored"] for t in report["tables"]} == rows
+    with _open(tmp_path / "b", "btree") as s:
+        assert s.backend.get_meta("store")["format_version"] == 3 and not s.backend.chunked
+
+
+def test_checkpoint_restore_export_import_and_compact(tmp_path):
+    """A chunked store's checkpoint restores to the same rows (still chunked), its export
+    imports to the same rows, and compaction keeps them."""
+    with _open(tmp_path / "c", "chunks") as s:
+        _write(s, np.random.default_rng(2), 500)
+        s.flush()
+        want = _all_rows(s)
+        s.backend.compact()  # an open handle's compaction reopens the file: levels reopen too
+        got = _all_rows(s)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+        _write(s, np.random.default_rng(3), 100)
+        s.flush()
+        want = _all_rows(s)
+        man = s.checkpoint(tmp_path / "ck")
+        assert man["store_format_version"] == 4
+        export_store(s, tmp_path / "ex")
+    with ts.TierStore.restore(tmp_path / "ck", tmp_path / "r", device="cpu") as r:
+        assert r.backend.chunked
+        got = _all_rows(r)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+        _check_manifests(r)
+    import_store(tmp_path / "ex", tmp_path / "i")
+    with ts.TierStore.open(tmp_path / "i", device="cpu") as i:
+        got = _all_rows(i)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+    compact(tmp_path / "c")
+    with ts.TierStore.open(tmp_path / "c", device="cpu") as c:
+        got = _all_rows(c)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+        _check_manifests(c)
+
+
+def test_chunks_are_dense_on_disk(tmp_path):
+    """The tables' pages are about the raw rows: stats report chunk leaves, no half-full B-tree."""
+    specs = [ts.TableSpec("a", 200_000, 16)]
+    with ts.TierStore(tmp_path / "c", specs, device="cpu", device_capacity=0, host_capacity=0,
+                      table_format="chunks") as s:
+        rng = np.random.default_rng(3)
+        for _ in range(4):
+            ids = torch.from_numpy(np.unique(rng.integers(0, 200_000, 40_000)))
+            s.apply_unique("a", ids, torch.ones(len(ids), 16))
+        s.flush()
+        ssd = s.stats()["ssd"]
+        raw = ssd["rows_stored"] * (4 * specs[0].row_dim + 4)
+        assert ssd["leaf_pages"] * 4096 < 1.3 * raw  # chunks fill their pages
+        assert ssd["leaf_pages"] == ssd["dense_leaf_pages"]
+
+
+def test_unsupported_features_refuse_and_change_nothing(tmp_path):
+    """ttl tables, expire() and read-only handles refuse a chunked store with ConfigError; a
+    bad table_format is refused before any file is made."""
+    with pytest.raises(ConfigError, match="table_format"):
+        ts.TierStore(tmp_path / "x", SPECS, table_format="lsm")
+    assert not (tmp_path / "x").exists()
+    ttl = [ts.TableSpec("t", 100, 4, ttl=10)]
+    with pytest.raises(ConfigError, match="page chunks"):
+        ts.TierStore(tmp_path / "t", ttl, device="cpu", table_format="chunks")
+    with _open(tmp_path / "c", "chunks") as s:
+        _write(s, np.random.default_rng(4), 200)
+        s.flush()
+        before = _all_rows(s)
+        with pytest.raises(ConfigError, match="page chunks"):
+            s.expire(older_than=0)
+        assert all(np.array_equal(a, b) for a, b in
+                                        zip(before.values(), _all_rows(s).values()))
+    with pytest.raises(ConfigError, match="page chunks"):
+        ts.TierStore.open(tmp_path / "c", readonly=True)
+
+
+_KILL = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import tierstore as ts
+    import tierstore.backends.chunkmerge as cm
+    import tierstore.backends.chunkupdate as cu
+    from tests.test_chunked_store import SPECS, _write
+    path, kill_at, where, second = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    cm.RANGE_ROWS, cm.WINDOW = 200, 2  # many ranges, several windows a range
+    seen = {"passes": 0, "commits": 0}
+    armed = [False]
+    def hook(kind, orig):
+        def wrapped(*a, **k):
+            if armed[0]:
+                seen[kind] += 1
+                if kind == where and seen[kind] == kill_at:
+                    os._exit(9)  # a kill: no cleanup, no commit
+            return orig(*a, **k)
+        return wrapped
+    cm.merge_into = hook("passes", cm.merge_into)  # a window of a range's rewrite
+    cu.update_chunks = hook("passes", cu.update_chunks)  # a window of an in-place update
+    s = ts.TierStore(path, SPECS, device="cpu", device_capacity=64, host_capacity=64,
+                     write_log=100_000, table_format="chunks")
+    for spec in SPECS:  # inside a range's publishing commit
+        level = s.backend.chunk_level(spec.name, spec.row_dim)
+        level.on_publish = hook("commits", level.on_publish)
+    rng = np.random.default_rng(7)
+    _write(s, rng, 3000)
+    s.flush()  # the tables now in many ranges
+    armed[0] = True
+    _write(s, rng, second)
+    s.flush()  # every row durable in the log, then merged: the kill lands in the merge
+    print("done", seen, flush=True)
+""")
+
+
+@pytest.mark.parametrize("where,kill_at,second", [
+    ("passes", 1, 3000), ("passes", 7, 3000), ("commits", 1, 3000), ("commits", 5, 3000),
+    ("passes", 2, 60), ("commits", 3, 60), ("passes", 10**6, 3000)])
+def test_a_kill_during_a_merge_loses_nothing(tmp_path, where, kill_at, second):
+    """kill -9 inside a range's rewrite (after some of its windows committed into a fresh
+    database no manifest names), inside a publishing commit, or inside an in-place update of a
+    sparse batch: the store opens, drops the orphan ranges, replays the log, and reads every row
+    as the uninterrupted run does."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    path = tmp_path / "s"
+    proc = subprocess.run([sys.executable, "-c", _KILL, str(path), str(kill_at), where, str(second)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    if kill_at < 10**6:  # the kill happened where it was asked (the merge reached it)
+        assert proc.returncode == 9, proc.stdout + proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]
+    with ts.TierStore(tmp_path / "ref", SPECS, device="cpu", device_capacity=64, host_capacity=64,
+                      write_log=100_000, table_format="chunks") as ref:
+        rng = np.random.default_rng(7)
+        _write(ref, rng, 3000)
+        ref.flush()
+        _write(ref, rng, second)
+        ref.flush()
+        want = _all_rows(ref)
+    with ts.TierStore.open(path, device="cpu") as s:
+        got = _all_rows(s)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+        _check_manifests(s)
