@@ -27,6 +27,7 @@ def run_one(rows: int, args: argparse.Namespace, admission: str = "none") -> dic
            "--alpha", str(args.alpha), "--device-capacity", args.device_capacity,
            "--host-capacity", args.host_capacity, "--policy", args.policy,
            "--prefetch", str(args.prefetch), "--threads", str(args.threads),
+           "--table-format", args.table_format,
            "--checkpoint-interval", str(args.steps),
            "--eval-batches", str(args.eval_batches), "--run-dir", str(run_dir), "--json", str(out),
            "--no-progress"] + ([] if admission == "none" else ["--admission", admission])
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-capacity", default="128MiB")
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--prefetch", type=int, default=0)
+    ap.add_argument("--table-format", choices=("btree", "chunks"), default="btree",
+                    help="the store's tables on disk (TierStore(table_format=...))")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="runs/bench_scale", help="where the run directories go")
     ap.add_argument("--admission", default="none",

@@ -41,6 +41,7 @@ class TrainConfig:
     device: str = "cpu"
     admission: str | None = None  # e.g. "count:2": feature admission of every table
     ttl: int | None = None  # expire rows not updated for this many steps (every table)
+    table_format: str = "btree"  # the store's tables on disk: "btree" or "chunks" (format 4)
 
     def validate(self) -> None:
         """Raise ConfigError on inconsistent options."""

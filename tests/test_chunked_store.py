@@ -172,10 +172,14 @@ def test_checkpoint_restore_export_import_and_compact(tmp_path):
         got = _all_rows(r)
         assert all(np.array_equal(got[n], want[n]) for n in want)
         _check_manifests(r)
-    import_store(tmp_path / "ex", tmp_path / "i")
-    with ts.TierStore.open(tmp_path / "i", device="cpu") as i:
-        got = _all_rows(i)
-        assert all(np.array_equal(got[n], want[n]) for n in want)
+    import_store(tmp_path / "ex", tmp_path / "i")  # chunks -> B-trees
+    assert cli_main(["import", str(tmp_path / "ex"), str(tmp_path / "i2"), "--table-format",
+                     "chunks", "--no-progress"]) == 0  # and into chunks again
+    for where, chunked in (("i", False), ("i2", True)):
+        with ts.TierStore.open(tmp_path / where, device="cpu") as i:
+            assert i.backend.chunked == chunked
+            got = _all_rows(i)
+            assert all(np.array_equal(got[n], want[n]) for n in want)
     compact(tmp_path / "c")
     with ts.TierStore.open(tmp_path / "c", device="cpu") as c:
         got = _all_rows(c)
@@ -205,6 +209,9 @@ def test_unsupported_features_refuse_and_change_nothing(tmp_path):
     with pytest.raises(ConfigError, match="table_format"):
         ts.TierStore(tmp_path / "x", SPECS, table_format="lsm")
     assert not (tmp_path / "x").exists()
+    wide = [ts.TableSpec("w", 100, 600)]  # a row wider than a page chunk
+    with pytest.raises(ConfigError, match="page\\s+chunks"):
+        ts.TierStore(tmp_path / "w", wide, device="cpu", table_format="chunks")
     ttl = [ts.TableSpec("t", 100, 4, ttl=10)]
     with pytest.raises(ConfigError, match="page chunks"):
         ts.TierStore(tmp_path / "t", ttl, device="cpu", table_format="chunks")
@@ -284,3 +291,67 @@ def test_a_kill_during_a_merge_loses_nothing(tmp_path, where, kill_at, second):
         got = _all_rows(s)
         assert all(np.array_equal(got[n], want[n]) for n in want)
         _check_manifests(s)
+
+
+def test_a_damaged_record_fails_its_read_and_keeps_failing_after_merges(tmp_path):
+    """A record damaged on disk fails the read of its row (StoreCorruptError naming the store),
+    other rows read fine, and merges that copy its chunk keep it damaged rather than sealing it
+    under a fresh checksum or stopping: it still fails its read."""
+    specs = [ts.TableSpec("a", 1000, 4)]
+    with ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=0, host_capacity=0,
+                      table_format="chunks") as s:
+        ids = torch.arange(0, 1000, 3)
+        s.apply_unique("a", ids, torch.ones(len(ids), 4))
+        s.flush()
+        backend = s.backend
+        level = backend.chunk_level("a", specs[0].row_dim)
+        name = next(n for n in level.names if n is not None)
+        db = level.db(name)
+        with backend.env.begin(write=True, db=db) as txn:  # flip a byte of the first record
+            key, val = next(iter(txn.cursor()))
+            val = bytearray(val)
+            cap = level.cap
+            val[16 + 8 * cap + 2] ^= 0xFF
+            txn.put(key, bytes(val))
+        w = specs[0].row_dim
+        with pytest.raises(ts.StoreCorruptError, match="checksum"):
+            backend.get("a", np.array([0]), w)  # (the tables' own read: the caches may hold it)
+        rows, found = backend.get("a", np.array([3, 999, 5]), w)
+        assert found.tolist() == [True, True, False] and (rows[:2, :4] != 0).all()
+        more = torch.arange(1, 1000, 3)  # rows beside it: the merge rewrites its range
+        s.apply_unique("a", more, torch.ones(len(more), 4))
+        s.flush()
+        assert s.backend.count("a") == 334 + 333
+        with pytest.raises(ts.StoreCorruptError, match="checksum"):
+            backend.get("a", np.array([0]), w)
+        assert backend.get("a", np.array([1, 3]), w)[1].all()
+
+
+def test_the_log_of_chunked_tables_merges_at_half_the_rows_stored(tmp_path, monkeypatch):
+    """With chunked tables the background merge starts once the log holds half as many rows as
+    the tables store (at least CHUNK_MERGE_MIN) and takes the whole log; B-tree tables keep the
+    capacity's 3/4 trigger and merge its older half."""
+    import time
+
+    from tierstore.backends.wal import writelog
+
+    monkeypatch.setattr(writelog, "CHUNK_MERGE_MIN", 200)
+    with _open(tmp_path / "b", "btree", write_log=100_000) as b:
+        assert b.log.stored is None and b.log.merge_at() == b.log.capacity * 3 // 4
+    with _open(tmp_path / "c", "chunks", write_log=100_000) as s:
+        assert s.log.stored == 0 and s.log.merge_at() == 200
+        rng = np.random.default_rng(5)
+        _write(s, rng, 2000)
+        s.flush()
+        stored = sum(s.backend.count(n) for n in ("a", "b"))
+        assert s.log.stored == stored and s.log.merge_at() == stored // 2
+        merges = s.log.background_merges
+        _write(s, rng, 4000)  # more than half the rows stored: the merger runs by itself
+        s.writeback.drain()
+        deadline = time.monotonic() + 30
+        while s.log.background_merges == merges and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.log.background_merges > merges
+        while s.log.wants_merge() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.log.size < s.log.merge_at()  # the whole log went: it is below its trigger

@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.profiles import examples
-from tierstore.backends import pagechunks
+from tierstore.backends import chunkmerge, pagechunks
 from tierstore.backends.chunkmerge import ChunkLevel
 from tierstore.backends.lmdb_common import encode_keys
 from tierstore.backends.record import seal
@@ -343,4 +343,23 @@ def test_the_regime_follows_the_batch_share(tmp_path):
     assert stats.old_rows == 2 * cap and stats.ranges_rewritten == 2
     stats = _merge(level, ref, range(1, 10_000, 30), 2, in_place=None)  # 334 rows into range 0
     assert stats.old_rows >= 1000 and stats.ranges_rewritten == 1
+    _check(level, ref)
+    # sparse inserts split the full chunks they land in; once the range's chunks are under
+    # REFILL full on average, the next sparse batch rewrites it packed instead
+    def fill() -> float:
+        with env.begin() as txn:
+            entries = txn.stat(level.db(level.names[0]))["entries"]
+        return level.counts[0] / (entries * cap)
+
+    gen, seen_thin = 3, False
+    for k in range(2, 9):
+        thin = fill() < chunkmerge.REFILL
+        stats = _merge(level, ref, range(k, 10_000, 997), gen, in_place=None)
+        gen += 1
+        if thin:  # rewritten whole, and packed again
+            seen_thin = True
+            assert stats.old_rows >= level.counts[0] - 11 and fill() > 0.95
+        else:  # updated in place: only the touched chunks read
+            assert stats.old_rows < level.counts[0] // 2
+    assert seen_thin
     _check(level, ref)

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import __version__
 from .backends.lmdb_meta import LAST_LAYOUT, LAST_OPEN, read_meta
-from .errors import TierstoreError
+from .errors import ConfigError, TierstoreError
 
 # library keyword arguments named in error messages -> this command's flags
 _FLAG_NAMES = {"overwrite=True": "--overwrite", "map_limit": "--map-limit"}
@@ -156,6 +156,10 @@ def _import(args: argparse.Namespace) -> int:
     if args.world_size is not None:  # re-partitioned into one shard store per rank
         from .distributed.repartition import import_sharded
 
+        if args.table_format != "btree":
+            raise ConfigError("--table-format chunks builds one store: a sharded import "
+                              "(--world-size) builds B-tree stores")
+
         m = import_sharded(args.src, args.path, args.world_size, sharding=args.sharding,
                            map_limit=args.map_limit)
     else:
@@ -164,7 +168,8 @@ def _import(args: argparse.Namespace) -> int:
         except (TierstoreError, KeyError, TypeError, ValueError):
             total = None  # import_store reports what is wrong with the export
         with _bar(args, "import", total) as progress:
-            m = import_store(args.src, args.path, map_limit=args.map_limit, progress=progress)
+            m = import_store(args.src, args.path, map_limit=args.map_limit, progress=progress,
+                             table_format=args.table_format)
     rows = sum(t["rows"] for t in m["tables"])
     print(f"imported {rows} rows of {len(m['tables'])} tables into {args.path} "
           f"in {m['import_seconds']:.1f} s")
@@ -290,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a new (or empty) directory for the store")
     p.add_argument("--map-limit", default=None, help="cap on the store's size, e.g. 100GiB "
                    "(default: no cap)")
+    p.add_argument("--table-format", choices=("btree", "chunks"), default="btree",
+                   help="the new store's tables on disk: B-trees (format 3) or page-chunk levels "
+                        "(format 4, docs/persistence.md)")
     p.add_argument("--world-size", type=int, default=None,
                    help="build a sharded store for N ranks (re-partitioned by the new plan)")
     p.add_argument("--sharding", choices=("row", "table"), default=None,

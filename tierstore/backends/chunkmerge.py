@@ -44,6 +44,7 @@ from .pages import REASONS, PageReader
 RANGE_ROWS = 1 << 20  # rows a range database holds (about: a range is cut at a chunk boundary)
 WINDOW = 4096  # chunks a write transaction (~8 MB)
 REWRITE_SHARE = 4  # `in_place=None`: a range is rewritten when the batch holds >= 1 row in 4 of it
+REFILL = 0.85  # `in_place=None`: ... or when its chunks are on average under this full
 _MDB_DB = struct.Struct("<IHHQQQQQ")  # a named database's record: ..., entries, root page
 _P_INVALID = (1 << 64) - 1
 # merge_into's state: old chunk, row in it, next batch row, last old id, rows in the open chunk
@@ -380,12 +381,15 @@ class ChunkLevel:
         return MergeStats(n, int(totals[0]), int(totals[1]), int(totals[2]), rewritten, kept)
 
     def _sparse(self, r: int, rows: int) -> bool:
-        """Whether `rows` batch rows are under 1 in `REWRITE_SHARE` of range r's (by its chunks)."""
+        """Whether `rows` batch rows are under 1 in `REWRITE_SHARE` of range r's (by its chunks)
+        and the range's chunks are still `REFILL` full on average: in-place updates split the
+        chunks they overflow (a B-tree's fill), so a range they thinned is rewritten, packed."""
         if self.names[r] is None:
             return False
         with self.env.begin() as txn:
             entries, _ = self._record(txn, self.names[r])
-        return rows * REWRITE_SHARE < entries * self.cap
+        return rows * REWRITE_SHARE < entries * self.cap and \
+            self.counts[r] >= REFILL * entries * self.cap
 
     def _rewrite(self, r: int, ids: np.ndarray, src: np.ndarray, lo: int, hi: int, verify: bool,
                  totals: np.ndarray) -> list[int]:

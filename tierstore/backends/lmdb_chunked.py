@@ -37,6 +37,10 @@ from .record import CHECK_BYTES, open_records, seal
 _MDB_DB = struct.Struct("<IHHQQQQQ")  # a named database's record in the main database
 MANIFEST = "chunks:"  # metadata record of a table's ranges: "chunks:<table>"
 RANGE_PREFIX = "c:"  # range databases: "c:<table>.<n>"
+# merges check every chunk's head and ids, but copy records with the checksum they came with: a
+# damaged record stays damaged (its read fails, naming it) instead of stopping every later merge;
+# True checks each record copied too (~20% of a merge's CPU)
+VERIFY_MERGES = False
 
 
 class ChunkTables:
@@ -166,15 +170,18 @@ class ChunkTables:
             recs = seal(srt, np.ascontiguousarray(np.asarray(payload, dtype=np.float32)[order]))
         recs = recs.reshape(len(srt), 4 * row_dim + CHECK_BYTES)
         level = self.chunk_level(table, row_dim)
-        self._chunk_merge(level, len(srt), lambda: level.merge(srt, recs))
+        self._chunk_merge(level, len(srt), lambda: level.merge(srt, recs, verify=VERIFY_MERGES,
+                                                               in_place=None))
         return int(recs.nbytes + 8 * len(srt))
 
     def chunk_room(self, table: str, row_dim: int, rows: int) -> None:
         """Grow the map ahead of a merge of `rows` rows into a chunked table (call it outside any
         read of this backend: growing waits for the readers)."""
         level = self.chunk_level(table, row_dim)
-        # a range being rewritten exists twice: room for the level, again, and the batch
-        self.ensure_room((level.rows() + rows) * (level.vb // level.cap + 1) + (8 << 20))
+        # one range at a time exists twice (its pages are reused a range later): room for two
+        # ranges' rows and the batch's (ensure_room doubles it again)
+        again = min(level.rows(), 2 * level.range_rows) + rows
+        self.ensure_room(again * (level.vb // level.cap + 1) + 8 * level.vb)
 
     def chunk_merge_gather(self, table: str, row_dim: int, ids: np.ndarray, chunks: list,
                            chunk_of: np.ndarray, row_of: np.ndarray, skip: int) -> None:
@@ -183,7 +190,7 @@ class ChunkTables:
         `chunk_room`): `ChunkLevel.merge_gather`, each range rewritten or updated in place."""
         self.wrote = True
         self.chunk_level(table, row_dim).merge_gather(ids, chunks, chunk_of, row_of, skip,
-                                                      in_place=None)
+                                                      verify=VERIFY_MERGES, in_place=None)
 
     def _chunk_merge(self, level: ChunkLevel, rows: int, merge) -> None:
         """Run a merge into `level` with room in the map for it (grown first, and again if the
@@ -196,7 +203,7 @@ class ChunkTables:
                     merge()
                 return
             except lmdb.MapFullError:
-                self._grow((level.rows() + rows) * level.vb)
+                self._grow((min(level.rows(), 2 * level.range_rows) + rows) * level.vb // level.cap)
             except lmdb.Error as exc:
                 self._raise_io(exc)
 

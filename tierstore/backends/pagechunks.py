@@ -39,6 +39,14 @@ HEAD = 16
 TXN_CHUNKS = 8192  # chunks a write transaction (~16 MB)
 
 
+ROW_WORDS_MAX = (VALUE_MAX - HEAD - 8 - 4) // 4  # the widest row (float32 words) a chunk holds
+
+
+def fits(record_bytes: int) -> bool:
+    """Whether a chunk holds at least one record of `record_bytes` bytes."""
+    return (VALUE_MAX - HEAD) // (8 + int(record_bytes)) >= 1
+
+
 def capacity(record_bytes: int) -> int:
     """Rows a chunk holds for records of `record_bytes` bytes."""
     cap = (VALUE_MAX - HEAD) // (8 + int(record_bytes))

@@ -11,8 +11,16 @@ import torch
 
 from ..backends.format import CHUNK_FORMAT
 from ..backends.lmdb_backend import DATA_NAME, LmdbBackend, check_unlocked
+from ..backends.pagechunks import ROW_WORDS_MAX as CHUNK_ROW_WORDS
+from ..backends.pagechunks import fits as chunk_fits
 from ..config import StoreConfig, TableSpec
-from ..errors import ConfigMismatchError, StoreCorruptError, StoreNotFoundError, UnknownTableError
+from ..errors import (
+    ConfigError,
+    ConfigMismatchError,
+    StoreCorruptError,
+    StoreNotFoundError,
+    UnknownTableError,
+)
 from ..resolve import DEFAULT_POLICY
 from ..serving import ReadOnlyStore
 from .core import FORMAT_VERSION, LAST_LAYOUT, LAST_OPEN, ROW_FORMATS
@@ -39,6 +47,13 @@ class StoreOpening:
             if store.get("seed") != self.seed:
                 raise ConfigMismatchError(
                     f"store {self.path} was created with seed {store.get('seed')}, given {self.seed}")
+        if self.backend.chunked or (store is None and self.config.table_format == "chunks"):
+            for spec in tables:  # a row must fit a page-sized chunk
+                if not chunk_fits(4 * spec.row_dim + 4):
+                    raise ConfigError(
+                        f"table {spec.name!r}: rows of {spec.row_dim} words do not fit the page "
+                        f"chunks of table_format='chunks' (at most {CHUNK_ROW_WORDS} words with "
+                        f"the optimizer's state): use table_format='btree'")
         new: dict[str, dict] = {}
         for spec in tables:
             cfg = self.backend.get_meta(f"table:{spec.name}")

@@ -32,6 +32,7 @@ if HAVE_NUMBA:
 
 CHUNK_ROWS = 4096  # rows per log value: ~1.1 MB of 66-word rows, a few hundred overflow pages
 FIND_ROWS = 16384  # log index lookups per hold of the ring's lock during a merge (a few ms)
+CHUNK_MERGE_MIN = 1 << 16  # chunked tables: the smallest log a background merge starts at
 
 _MAGIC = np.frombuffer(CHUNK_MAGIC, dtype=np.uint8)  # a chunk's first 4 bytes (compiled pick)
 _MAGIC_WORD = int(_MAGIC.view(np.uint32)[0])  # the same as one word (compiled append)
@@ -77,6 +78,11 @@ class WriteLog:
         self.rows_merged = 0
         self.merge_seconds = 0.0
         self.append_seconds = 0.0
+        # chunked tables (format 4): the log is merged whole once it holds half as many rows as
+        # the tables store (at least CHUNK_MERGE_MIN): its file stays near half the tables
+        # (disk <= 2x raw) and each merge rewrites about two rows a row fed (tables / merged = 2)
+        self.stored = sum(backend.count(n) for n in names) if getattr(backend, "chunked", False) \
+            else None
 
     @property
     def db(self) -> object:
@@ -223,7 +229,20 @@ class WriteLog:
         """Whether the log is full enough for its older half to be merged (and a snapshot's
         hold leaves something to merge)."""
         ceiling = self._ceiling
-        return self.size >= self.capacity * 3 // 4 and (ceiling is None or ceiling > self.merged)
+        return self.size >= self.merge_at() and (ceiling is None or ceiling > self.merged)
+
+    def merge_at(self) -> int:
+        """The log's size that starts a background merge: 3/4 of its capacity, or for chunked
+        tables half the rows they store when that is less (at least `CHUNK_MERGE_MIN`)."""
+        full = self.capacity * 3 // 4
+        if self.stored is None:
+            return full
+        return min(full, max(CHUNK_MERGE_MIN, self.stored // 2))
+
+    def merge_rows(self) -> int:
+        """Rows a background merge takes: the older half of the capacity, or for chunked tables
+        the whole log (so the tables' rows are about twice the merge's)."""
+        return self.capacity // 2 if self.stored is None else self.size
 
     def freeze(self) -> int:
         """Hold every merge below the log's end as it is now (a snapshot's point, taken while
@@ -275,7 +294,7 @@ class WriteLog:
                 if sink is None:  # the store is gone
                     return
                 try:
-                    written = self.merge(self.capacity // 2)
+                    written = self.merge(self.merge_rows())
                 except BaseException as exc:  # kept; the writer's own merge raises it to callers
                     self.merge_error = exc
                     time.sleep(0.2)
@@ -328,6 +347,8 @@ class WriteLog:
                 self.seq_of[slots[still]] = -1
             self._chunks = self._chunks[take:]
             self.merged = hi
+        if self.stored is not None:
+            self.stored = sum(self.backend.count(n) for n in self.names)
         self.rows_merged += merged
         return written
 
