@@ -355,3 +355,45 @@ def test_the_log_of_chunked_tables_merges_at_half_the_rows_stored(tmp_path, monk
         while s.log.wants_merge() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.log.size < s.log.merge_at()  # the whole log went: it is below its trigger
+
+
+def test_in_place_updates_keep_ranges_full_and_close_packs_them(tmp_path, monkeypatch):
+    """Sparse merges update ranges in place only while their chunks stay REFILL full even if
+    every batch row splits one; closing the store rewrites, packed, every range under
+    REPACK_FILL; the rows read the same before and after."""
+    monkeypatch.setattr(chunkmerge, "RANGE_ROWS", 2000)
+    specs = [ts.TableSpec("a", 10**6, 4)]
+    path = tmp_path / "s"
+
+    def fills(store) -> list[float]:
+        level = store.backend.chunk_level("a", specs[0].row_dim)
+        out = []
+        with store.backend.env.begin() as txn:
+            for name, count in zip(level.names, level.counts):
+                if name is not None:
+                    entries = txn.stat(level.db(name))["entries"]
+                    out.append(count / (entries * level.cap))
+        return out
+
+    rng = np.random.default_rng(9)
+    with ts.TierStore(path, specs, device="cpu", device_capacity=0, host_capacity=0,
+                      table_format="chunks") as s:
+        s.apply_unique("a", torch.arange(0, 10**6, 50), torch.ones(20_000, 4))
+        s.flush()
+        for _ in range(6):  # sparse batches: a few rows a range
+            ids = torch.from_numpy(np.unique(rng.integers(0, 10**6, 25)))
+            s.apply_unique("a", ids, torch.ones(len(ids), 4))
+            s.flush()
+            assert min(fills(s)) >= chunkmerge.REFILL - 0.02  # (a range's last chunk is short)
+        want = s.gather("a", torch.arange(0, 10**6, 7)).weights.clone()
+        thin = sum(f < 0.97 for f in fills(s))
+        assert thin  # in-place splits left some ranges below the close's bar
+    with ts.TierStore.open(path, device="cpu") as s:
+        assert all(f >= 0.97 for f in fills(s))
+        assert torch.equal(s.gather("a", torch.arange(0, 10**6, 7)).weights, want)
+        _check_manifests_of(s, "a", specs[0].row_dim)
+
+
+def _check_manifests_of(store: ts.TierStore, table: str, row_dim: int) -> None:
+    level = store.backend.chunk_level(table, row_dim)
+    assert sum(level.counts) == level.walked_rows() == store.backend.count(table)

@@ -344,22 +344,24 @@ def test_the_regime_follows_the_batch_share(tmp_path):
     stats = _merge(level, ref, range(1, 10_000, 30), 2, in_place=None)  # 334 rows into range 0
     assert stats.old_rows >= 1000 and stats.ranges_rewritten == 1
     _check(level, ref)
-    # sparse inserts split the full chunks they land in; once the range's chunks are under
-    # REFILL full on average, the next sparse batch rewrites it packed instead
-    def fill() -> float:
+    # sparse inserts split the full chunks they land in: a range is updated in place only while
+    # its chunks would stay REFILL full if every batch row split one, else rewritten, packed
+    def chunks_of_range() -> int:
         with env.begin() as txn:
-            entries = txn.stat(level.db(level.names[0]))["entries"]
-        return level.counts[0] / (entries * cap)
+            return txn.stat(level.db(level.names[0]))["entries"]
 
-    gen, seen_thin = 3, False
-    for k in range(2, 9):
-        thin = fill() < chunkmerge.REFILL
-        stats = _merge(level, ref, range(k, 10_000, 997), gen, in_place=None)
+    gen, kinds = 3, set()
+    for k in range(2, 12):
+        batch = list(range(k, 10_000, 3400))  # 3 rows into range 0
+        entries, count = chunks_of_range(), level.counts[0]
+        in_place = count + 3 >= chunkmerge.REFILL * (entries + 3) * cap
+        stats = _merge(level, ref, batch, gen, in_place=None)
         gen += 1
-        if thin:  # rewritten whole, and packed again
-            seen_thin = True
-            assert stats.old_rows >= level.counts[0] - 11 and fill() > 0.95
-        else:  # updated in place: only the touched chunks read
-            assert stats.old_rows < level.counts[0] // 2
-    assert seen_thin
+        kinds.add(in_place)
+        if in_place:  # only the touched chunks read
+            assert stats.old_rows <= 3 * cap
+        else:  # rewritten whole, and packed again
+            assert stats.old_rows == count and level.counts[0] > 0.97 * chunks_of_range() * cap
+        assert level.counts[0] >= chunkmerge.REFILL * chunks_of_range() * cap
+    assert kinds == {True, False}
     _check(level, ref)

@@ -380,16 +380,36 @@ class ChunkLevel:
             rewritten += 1
         return MergeStats(n, int(totals[0]), int(totals[1]), int(totals[2]), rewritten, kept)
 
+    def repack(self, min_fill: float = 0.97) -> int:
+        """Rewrite, packed, every range whose chunks are under `min_fill` full on average (the
+        splits of in-place updates thin them); returns the ranges rewritten."""
+        done = 0
+        r = 0
+        empty_ids = np.zeros(0, dtype=np.int64)
+        while r < len(self.names):
+            name = self.names[r]
+            if name is not None:
+                with self.env.begin() as txn:
+                    entries, _ = self._record(txn, name)
+                if entries > 1 and self.counts[r] < min_fill * entries * self.cap:
+                    made = self._rewrite(r, empty_ids, empty_ids, 0, 0, False, np.zeros(3, np.int64))
+                    done += 1
+                    r += len(made)
+                    continue
+            r += 1
+        return done
+
     def _sparse(self, r: int, rows: int) -> bool:
         """Whether `rows` batch rows are under 1 in `REWRITE_SHARE` of range r's (by its chunks)
-        and the range's chunks are still `REFILL` full on average: in-place updates split the
-        chunks they overflow (a B-tree's fill), so a range they thinned is rewritten, packed."""
+        and the range's chunks stay `REFILL` full on average even if every batch row splits the
+        chunk it lands in (a B-tree's fill otherwise): else the range is rewritten, packed."""
         if self.names[r] is None:
             return False
         with self.env.begin() as txn:
             entries, _ = self._record(txn, self.names[r])
+        # each batch row may split the chunk it lands in: the fill after, at worst
         return rows * REWRITE_SHARE < entries * self.cap and \
-            self.counts[r] >= REFILL * entries * self.cap
+            self.counts[r] + rows >= REFILL * (entries + rows) * self.cap
 
     def _rewrite(self, r: int, ids: np.ndarray, src: np.ndarray, lo: int, hi: int, verify: bool,
                  totals: np.ndarray) -> list[int]:

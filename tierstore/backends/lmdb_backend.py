@@ -412,6 +412,12 @@ class LmdbBackend(TableRows, ChunkTables, LogIO, MemoryMap, Compaction, Snapshot
                 except (lmdb.Error, TierstoreError, OSError):
                     pass
                 self.close_log_env()  # a log not merged stays for the next open's replay
+                if self.wrote and self.chunked:  # in-place updates thinned some ranges
+                    try:
+                        if self.repack_levels():
+                            env.sync(True)
+                    except (TierstoreError, OSError, lmdb.Error):
+                        pass  # best effort: the ranges stay as they are, readable
                 if self.wrote and self.compact_on_close is not None:
                     try:
                         disk = self.data_bytes()

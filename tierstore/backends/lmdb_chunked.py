@@ -41,6 +41,7 @@ RANGE_PREFIX = "c:"  # range databases: "c:<table>.<n>"
 # damaged record stays damaged (its read fails, naming it) instead of stopping every later merge;
 # True checks each record copied too (~20% of a merge's CPU)
 VERIFY_MERGES = False
+REPACK_FILL = 0.97  # on close, ranges whose chunks are under this full on average are rewritten
 
 
 class ChunkTables:
@@ -115,14 +116,18 @@ class ChunkTables:
         found = np.zeros(n, dtype=bool)
         if n == 0:
             return out, found
-        order = np.argsort(rows, kind="stable")
-        srt = np.ascontiguousarray(rows[order], dtype=np.int64)
-        distinct = n < 2 or bool(np.all(srt[1:] > srt[:-1]))
-        ids, inv = (srt, None) if distinct else np.unique(srt, return_inverse=True)
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if n < 2 or bool(np.all(rows[1:] > rows[:-1])):  # sorted and distinct (the loader's)
+            order, ids, inv, got, hit = None, rows, None, out, found
+        else:
+            order = np.argsort(rows, kind="stable")
+            srt = rows[order]
+            distinct = bool(np.all(srt[1:] > srt[:-1]))
+            ids, inv = (srt, None) if distinct else np.unique(srt, return_inverse=True)
+            got = np.zeros((len(ids), width), dtype=np.float32)
+            hit = np.zeros(len(ids), dtype=bool)
         if int(ids[0]) < 0:
             raise TierstoreError(f"table {table!r}: row ids must be non-negative")
-        got = np.zeros((len(ids), width), dtype=np.float32)
-        hit = np.zeros(len(ids), dtype=bool)
         with self.reading():
             try:
                 with self.env.begin() as txn:  # the manifest and the ranges it names, together
@@ -144,6 +149,8 @@ class ChunkTables:
                         got[lo:hi], hit[lo:hi] = part
             except lmdb.Error as exc:
                 self._raise_io(exc)
+        if order is None:  # read in place into `out`
+            return out, found
         if inv is not None:
             got, hit = got[inv], hit[inv]
         out[order], found[order] = got, hit
@@ -206,6 +213,16 @@ class ChunkTables:
                 self._grow((min(level.rows(), 2 * level.range_rows) + rows) * level.vb // level.cap)
             except lmdb.Error as exc:
                 self._raise_io(exc)
+
+    def repack_levels(self, min_fill: float = REPACK_FILL) -> int:
+        """Rewrite, packed, the ranges of the levels written through this handle that in-place
+        updates left under `min_fill` full (on close: a closed store is dense); returns how many."""
+        done = 0
+        for level in list(self.__dict__.get("_levels", {}).values()):
+            self.chunk_room(level.table, level.row_dim, 0)
+            with self.reading():
+                done += level.repack(min_fill)
+        return done
 
     def chunk_count(self, table: str, txn: lmdb.Transaction | None = None) -> int:
         """Rows stored in a chunked table (its manifest's counts), in `txn`'s snapshot or now."""

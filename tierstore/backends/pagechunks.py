@@ -175,6 +175,8 @@ def lookup(reader: PageReader, txn: lmdb.Transaction, db_name: bytes, table: str
     if bad:
         raise StoreCorruptError(f"table {table!r}: the chunk holding row {int(ids[bad - 1])} is "
                                 f"damaged (its size, count or ids)")
+    if found.all():  # (the common case: no masked copies)
+        return open_records(table, ids, recs.ravel(), int(row_dim), "chunk, "), found
     rows = np.zeros((n, int(row_dim)), dtype=np.float32)
     if found.any():
         rows[found] = open_records(table, ids[found], recs[found], int(row_dim), "chunk, ")
