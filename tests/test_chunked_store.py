@@ -327,10 +327,10 @@ def test_a_damaged_record_fails_its_read_and_keeps_failing_after_merges(tmp_path
         assert backend.get("a", np.array([1, 3]), w)[1].all()
 
 
-def test_the_log_of_chunked_tables_merges_at_half_the_rows_stored(tmp_path, monkeypatch):
-    """With chunked tables the background merge starts once the log holds half as many rows as
-    the tables store (at least CHUNK_MERGE_MIN) and takes the whole log; B-tree tables keep the
-    capacity's 3/4 trigger and merge its older half."""
+def test_the_log_of_chunked_tables_merges_at_a_share_of_the_rows_stored(tmp_path, monkeypatch):
+    """With chunked tables the background merge starts once the log holds 1 row for every
+    CHUNK_MERGE_SHARE the tables store (at least CHUNK_MERGE_MIN) and takes the whole log;
+    B-tree tables keep the capacity's 3/4 trigger and merge its older half."""
     import time
 
     from tierstore.backends.wal import writelog
@@ -344,7 +344,7 @@ def test_the_log_of_chunked_tables_merges_at_half_the_rows_stored(tmp_path, monk
         _write(s, rng, 2000)
         s.flush()
         stored = sum(s.backend.count(n) for n in ("a", "b"))
-        assert s.log.stored == stored and s.log.merge_at() == stored // 2
+        assert s.log.stored == stored and s.log.merge_at() == stored // writelog.CHUNK_MERGE_SHARE
         merges = s.log.background_merges
         _write(s, rng, 4000)  # more than half the rows stored: the merger runs by itself
         s.writeback.drain()

@@ -33,6 +33,7 @@ if HAVE_NUMBA:
 CHUNK_ROWS = 4096  # rows per log value: ~1.1 MB of 66-word rows, a few hundred overflow pages
 FIND_ROWS = 16384  # log index lookups per hold of the ring's lock during a merge (a few ms)
 CHUNK_MERGE_MIN = 1 << 16  # chunked tables: the smallest log a background merge starts at
+CHUNK_MERGE_SHARE = 2  # chunked tables: a merge starts at 1 log row for this many rows stored
 
 _MAGIC = np.frombuffer(CHUNK_MAGIC, dtype=np.uint8)  # a chunk's first 4 bytes (compiled pick)
 _MAGIC_WORD = int(_MAGIC.view(np.uint32)[0])  # the same as one word (compiled append)
@@ -78,9 +79,10 @@ class WriteLog:
         self.rows_merged = 0
         self.merge_seconds = 0.0
         self.append_seconds = 0.0
-        # chunked tables (format 4): the log is merged whole once it holds half as many rows as
-        # the tables store (at least CHUNK_MERGE_MIN): its file stays near half the tables
-        # (disk <= 2x raw) and each merge rewrites about two rows a row fed (tables / merged = 2)
+        # chunked tables (format 4): the log is merged whole once it holds 1 row for every
+        # CHUNK_MERGE_SHARE the tables store (at least CHUNK_MERGE_MIN): between flushes its file
+        # stays near half the tables, and each merge rewrites about two rows a row fed (a share
+        # of 3 did not lower the log's peak in `bench.scale`: a flush's dirty cached rows set it)
         self.stored = sum(backend.count(n) for n in names) if getattr(backend, "chunked", False) \
             else None
 
@@ -233,11 +235,12 @@ class WriteLog:
 
     def merge_at(self) -> int:
         """The log's size that starts a background merge: 3/4 of its capacity, or for chunked
-        tables half the rows they store when that is less (at least `CHUNK_MERGE_MIN`)."""
+        tables 1 in `CHUNK_MERGE_SHARE` of the rows they store when that is less (at least
+        `CHUNK_MERGE_MIN`)."""
         full = self.capacity * 3 // 4
         if self.stored is None:
             return full
-        return min(full, max(CHUNK_MERGE_MIN, self.stored // 2))
+        return min(full, max(CHUNK_MERGE_MIN, self.stored // CHUNK_MERGE_SHARE))
 
     def merge_rows(self) -> int:
         """Rows a background merge takes: the older half of the capacity, or for chunked tables
