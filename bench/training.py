@@ -110,7 +110,8 @@ class TierstoreRunner(Runner):
                  depth: int = 2, log=print, write_log: int | str | None = None,
                  split: str = "even", policy: str | None = None,
                  staging: float | None = None, device: str = "cpu", kernels: str = "auto",
-                 pipeline: dict | None = None, device_cache: str = "auto") -> None:
+                 pipeline: dict | None = None, device_cache: str = "auto",
+                 table_format: str = "btree") -> None:
         self.name, self.wl = name, wl
         self.depth = depth
         total = wl.tables * wl.rows
@@ -127,7 +128,8 @@ class TierstoreRunner(Runner):
         self.path = work / name
         self.store = TierStore(self.path, specs, device_capacity=dcap, host_capacity=hcap,
                                write_log=write_log, policy=policy, staging_capacity=scap,
-                               device=device, kernels=kernels, device_cache=device_cache)
+                               device=device, kernels=kernels, device_cache=device_cache,
+                               table_format=table_format)
         # the capacities as given; the staging slots the store has (named, or its reserve)
         self.capacity = {"device": dcap, "host": hcap, "staging": self.store.layout.staging_rows}
         self.init = "lazy (touched rows preloaded into the device tier)" if frac is None else init
@@ -138,7 +140,7 @@ class TierstoreRunner(Runner):
         elif init == "populated":
             width = specs[0].row_dim
             rng = np.random.default_rng(3)
-            chunk = 1 << 18
+            chunk = 1 << 20  # (a chunked table merges each piece: fewer, larger pieces)
             for n in wl.names:
                 for lo in range(0, wl.rows, chunk):
                     ids = np.arange(lo, min(lo + chunk, wl.rows), dtype=np.int64)
@@ -448,6 +450,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="TierStore(kernels=...): the step engine's backend")
     p.add_argument("--device-cache", default="auto", choices=("auto", "slab", "sets"),
                    help="TierStore(device_cache=...): the device tier's structure (auto: sets on CUDA)")
+    p.add_argument("--table-format", default="btree", choices=("btree", "chunks"),
+                   help="TierStore(table_format=...): the stores' tables on disk, B-trees (format "
+                        "3) or page-chunk levels (format 4)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--profile", action="store_true", help="also cProfile one block per config")
@@ -536,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                                                staging=args.staging, device=args.device,
                                                kernels=args.kernels,
                                                pipeline=pipeline_options(args),
-                                               device_cache=args.device_cache))
+                                               device_cache=args.device_cache,
+                                               table_format=args.table_format))
             else:
                 raise SystemExit(f"unknown config {name!r}")
         cold_runners = [r for r in runners if isinstance(r, TierstoreRunner) and r.capacity["device"]
@@ -552,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
             for runner, rec in zip(runners, recs):
                 if isinstance(runner, TierstoreRunner):
                     rec.update(capacity=runner.capacity, policy=runner.store.layout.policy,
+                               table_format=args.table_format,
                                device_cache=runner.store.device_cache,
                                layout=runner.store.layout.as_dict(),
                                init=runner.init, setup_s=runner.setup_s,
