@@ -116,13 +116,22 @@ def write(env: lmdb.Environment, db: object, ids: np.ndarray, records: np.ndarra
 if HAVE_NUMBA:
     import numba
 
+    from .chunk_kernels import prefetch_at
     from .record import check_row
+
+    SEARCH_AHEAD = 8  # keys ahead whose chunk head and ids a search asks for
 
     @numba.njit(nogil=True, cache=True)
     def _search(mem, offs, lens, keys, cap, rb, vb, out, found):  # pragma: no cover - compiled
         """Each key's record out of its chunk (at offs[i]) into out[i]: 0, or 1 + the index of
         the key whose chunk is damaged (its size, count or ids' check)."""
-        for i in range(keys.shape[0]):
+        base = mem.ctypes.data
+        n = keys.shape[0]
+        for i in range(n):
+            if i + SEARCH_AHEAD < n and offs[i + SEARCH_AHEAD] >= 0:  # a later key's head and ids
+                ahead = base + offs[i + SEARCH_AHEAD]
+                prefetch_at(ahead)
+                prefetch_at(ahead + 64)
             off = offs[i]
             if off < 0:
                 continue
