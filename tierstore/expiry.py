@@ -90,6 +90,9 @@ def purge_caches(store: TierStore, cutoffs: dict[int, int]) -> int:
 def stale_ids(backend: Any, spec: TableSpec, cutoff: int, start: int = 0
               ) -> tuple[np.ndarray, int | None]:
     """Ids of one scan chunk's stale rows from id `start` on; and where the next chunk starts."""
+    if getattr(backend, "chunked", False):  # format 4: whole page chunks, one snapshot a scan
+        return backend.chunk_stale_ids(spec.name, spec.row_dim, spec.stamp_col, cutoff, start,
+                                       SCAN_CHUNK)
     size = spec.row_dim * 4 + CHECK_BYTES
     with backend.reading():
         db = backend.table_db(spec.name)
@@ -113,6 +116,8 @@ def delete_stale(backend: Any, spec: TableSpec, ids: np.ndarray, cutoff: int) ->
     """Delete these rows if their stored stamp is still below `cutoff` (one write transaction)."""
     if len(ids) == 0:
         return 0
+    if getattr(backend, "chunked", False):  # each touched chunk rewritten without its stale rows
+        return backend.chunk_delete_stale(spec.name, spec.row_dim, ids, spec.stamp_col, cutoff)
     db = backend.table_db(spec.name)
     col = spec.stamp_col * 4
     keys = encode_keys(ids)
@@ -168,8 +173,6 @@ def expire(store: TierStore, table: str | None, older_than: int) -> dict[str, in
     clock steps ago everywhere, delete them from LMDB; durable on return."""
     older_than = check_older_than(older_than)
     tabs = [store.table_record(table)] if table is not None else list(store.tables.values())
-    if store.backend.chunked:
-        raise ConfigError(_CHUNKS_REFUSE.format(what="expire()"))
     ex = store.expiry
     store.flush()  # every dirty row down and the log merged: stale rows are all in the tables
     ex.raise_cutoffs({t.index: store.clock - older_than for t in tabs})
@@ -186,12 +189,6 @@ def expire(store: TierStore, table: str | None, older_than: int) -> dict[str, in
 
 
 
-# format 4's chunk levels cannot delete rows yet (docs/design.md, "Format 4 in the store")
-_CHUNKS_REFUSE = ("{what} needs a store whose tables can delete rows; this store keeps its tables "
-                  "as page chunks (table_format='chunks'), which do not yet: create it with "
-                  "table_format='btree'")
-
-
 class Expiry:
     """A store's expiry state: cutoffs per table, the ttl's expiry points and its deleter thread."""
 
@@ -205,8 +202,6 @@ class Expiry:
         self.done: dict[int, int] = {}  # ttl tables: the cutoff of the last completed pass
         self._saved = dict(self.cutoffs)
         self.ttl = {t.index: t.spec.ttl for t in store.tables.values() if t.spec.ttl is not None}
-        if self.ttl and store.backend.chunked:
-            raise ConfigError(_CHUNKS_REFUSE.format(what="a table with a ttl"))
         self.expired_rows = 0  # deleted from LMDB
         self.expired_cached = 0  # dropped from the caches
         self.wake = threading.Condition()

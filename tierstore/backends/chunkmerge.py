@@ -26,7 +26,9 @@ publishing transaction, where a manifest record would be written.
 
 from __future__ import annotations
 
+import bisect
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,6 +233,9 @@ class ChunkLevel:
         self._dbs: dict[bytes, object] = {}
         self._seq = 0
         self.reader = PageReader(Path(env.path()) / "data.mdb", int(env.stat()["psize"]))
+        # held a range at a time by merges and deletes (a merge and expiry's deleter run on
+        # different threads); deletes never move bounds, so a merge's cuts stay valid between
+        self.lock = threading.RLock()
         # called inside every write transaction that changes the ranges, with the bounds, names
         # and row counts they have once it commits (where the store writes its manifest)
         self.on_publish: Callable[[lmdb.Transaction, list[int], list[bytes | None], list[int]],
@@ -274,6 +279,10 @@ class ChunkLevel:
     def db(self, name: bytes) -> object:
         """The open handle of range database `name`."""
         return self._dbs[name]
+
+    def forget_db(self, name: bytes) -> None:
+        """Forget the handle of range database `name` (dropped by a committed transaction)."""
+        self._dbs.pop(name, None)
 
     def _record(self, txn: lmdb.Transaction, name: bytes) -> tuple[int, int]:
         """(entries, root page) of database `name` in `txn`'s snapshot."""
@@ -368,13 +377,14 @@ class ChunkLevel:
                 kept += 1
                 r += 1
                 continue
-            if in_place or (in_place is None and self._sparse(r, hi - lo)):
-                from .chunkupdate import update_range  # (it imports this module's kernels)
+            with self.lock:
+                if in_place or (in_place is None and self._sparse(r, hi - lo)):
+                    from .chunkupdate import update_range  # (it imports this module's kernels)
 
-                update_range(self, r, ids[lo:hi], src[lo:hi], verify, totals)
-                made = [r]
-            else:
-                made = self._rewrite(r, ids, src, lo, hi, verify, totals)
+                    update_range(self, r, ids[lo:hi], src[lo:hi], verify, totals)
+                    made = [r]
+                else:
+                    made = self._rewrite(r, ids, src, lo, hi, verify, totals)
             cuts[r + 1 : r + 1] = [hi] * (len(made) - 1)  # new ranges take no more of the batch
             r += len(made)
             rewritten += 1
@@ -517,6 +527,40 @@ class ChunkLevel:
                                     f"range {old!r}; the store file is damaged")
         raise StoreCorruptError(f"table {self.table!r}: chunk {at} of range {old!r} is damaged "
                                 f"(its size, count or ids)")
+
+    def delete(self, ids: np.ndarray, stamp_col: int, cutoff: int,
+               tally: np.ndarray | None = None) -> int:
+        """Delete the rows of sorted distinct `ids` whose stored stamp (record word `stamp_col`,
+        as int32) is below `cutoff` (2**31: every row asked), in place, chunk by chunk
+        (`chunkdelete.py`); returns the rows deleted (also added to tally[0] as each write
+        transaction commits: what a caller interrupted by an error keeps). Absent ids are skipped."""
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or (len(ids) and ids.dtype.kind not in "iu"):
+            raise TierstoreError(f"a delete takes ids int64 [n], got {ids.dtype} {ids.shape}")
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        n = len(ids)
+        if n and (int(ids[0]) < 0 or not bool(np.all(ids[1:] > ids[:-1]))):
+            raise TierstoreError("a delete's ids must be non-negative, increasing and distinct")
+        if isinstance(stamp_col, bool) or not isinstance(stamp_col, (int, np.integer)) or \
+                not 0 <= stamp_col < self.row_dim:
+            raise TierstoreError(f"a delete's stamp_col must be a column in [0, {self.row_dim}), "
+                                 f"got {stamp_col!r}")
+        if isinstance(cutoff, bool) or not isinstance(cutoff, (int, np.integer)) or \
+                not -(2**31) <= cutoff <= 2**31:
+            raise TierstoreError(f"a delete's cutoff must be an int in [-2**31, 2**31], got {cutoff!r}")
+        from .chunkdelete import delete_range  # (it imports this module's kernels)
+
+        tally = np.zeros(1, dtype=np.int64) if tally is None else tally
+        start = int(tally[0])
+        lo = 0
+        while lo < n:  # a range at a time, its bounds read under the lock (a merge may cut one)
+            with self.lock:
+                r = bisect.bisect_right(self.bounds, int(ids[lo])) - 1
+                hi = n if r + 1 == len(self.bounds) else \
+                    int(np.searchsorted(ids, self.bounds[r + 1]))
+                delete_range(self, r, ids[lo:hi], int(stamp_col), int(cutoff), tally)
+            lo = hi
+        return int(tally[0]) - start
 
     def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows float32 [n, row_dim], found bool [n]) of sorted distinct `ids`, checksums verified."""

@@ -18,8 +18,10 @@ checksum is verified, as for the B-tree.
 
 from __future__ import annotations
 
+import bisect
 import json
 import struct
+import threading
 from collections.abc import Iterator
 
 import lmdb
@@ -27,10 +29,11 @@ import numpy as np
 
 from ..errors import StoreCorruptError, TierstoreError
 from . import chunkmerge
+from .chunkdelete import chunk_stamps
 from .chunkmerge import ChunkLevel
 from .chunkwalk import unpack_chunks
 from .lmdb_common import DATA_NAME
-from .pagechunks import lookup
+from .pagechunks import HEAD, capacity, lookup
 from .pages import PageReader
 from .record import CHECK_BYTES, open_records, seal
 
@@ -69,21 +72,28 @@ class ChunkTables:
         """The table's level, opened from its manifest (or empty) on first use."""
         levels = self.__dict__.setdefault("_levels", {})
         level = levels.get(table)
-        if level is None:
-            # the module's sizes read now (tests shrink them to make many ranges and windows)
-            level = ChunkLevel(self.env, table, row_dim, f"{RANGE_PREFIX}{table}",
-                               range_rows=chunkmerge.RANGE_ROWS, window=chunkmerge.WINDOW)
-            with self.env.begin() as txn:
-                man = self._read_manifest(txn, table)
-            if man is not None:
-                level.restore(*man, open_db=lambda name: self.open_named(name, create=False))
-            meta, key = self._meta, f"{MANIFEST}{table}".encode()
+        if level is not None:
+            return level
+        # one level a table, whichever thread asks first (the merger, expiry's deleter)
+        with self.__dict__.setdefault("_levels_lock", threading.Lock()):
+            return levels.get(table) or self._open_level(levels, table, row_dim)
 
-            def publish(txn, bounds, names, counts) -> None:
-                txn.put(key, _manifest_json(bounds, names, counts), db=meta)
+    def _open_level(self, levels: dict, table: str, row_dim: int) -> ChunkLevel:
+        """`chunk_level`'s first use: the level made, restored and kept in `levels`."""
+        # the module's sizes read now (tests shrink them to make many ranges and windows)
+        level = ChunkLevel(self.env, table, row_dim, f"{RANGE_PREFIX}{table}",
+                           range_rows=chunkmerge.RANGE_ROWS, window=chunkmerge.WINDOW)
+        with self.env.begin() as txn:
+            man = self._read_manifest(txn, table)
+        if man is not None:
+            level.restore(*man, open_db=lambda name: self.open_named(name, create=False))
+        meta, key = self._meta, f"{MANIFEST}{table}".encode()
 
-            level.on_publish = publish
-            levels[table] = level
+        def publish(txn, bounds, names, counts) -> None:
+            txn.put(key, _manifest_json(bounds, names, counts), db=meta)
+
+        level.on_publish = publish
+        levels[table] = level
         return level
 
     def _read_manifest(self, txn: lmdb.Transaction, table: str
@@ -257,6 +267,69 @@ class ChunkTables:
                                             f"{name!r} of table {table!r} is damaged")
                 yield ids[:k], open_records(table, ids[:k], recs[:k].ravel(), width,
                                             f"store {self.path}, ")
+
+    def chunk_stale_ids(self, table: str, row_dim: int, stamp_col: int, cutoff: int,
+                        start: int = 0, limit: int = 65536) -> tuple[np.ndarray, int | None]:
+        """Ids from `start` on of the rows of a chunked table whose stamp (record word
+        `stamp_col`, as int32) is below `cutoff`, in id order, over whole chunks of about
+        `limit` rows read in one snapshot; and the id the next scan starts at (None: the end)."""
+        rb = 4 * row_dim + CHECK_BYTES
+        cap = capacity(rb)
+        per = max(1, limit // cap)  # chunks a scan
+        found: list[np.ndarray] = []
+        with self.reading(), self.env.begin() as txn:
+            man = self._read_manifest(txn, table)
+            if man is None:
+                return np.zeros(0, dtype=np.int64), None
+            bounds, names, _ = man
+            # the table's geometry and leaf walk only: nothing opened (no write inside a snapshot)
+            level = self.__dict__.get("_levels", {}).get(table) or \
+                ChunkLevel(self.env, table, row_dim, f"{RANGE_PREFIX}{table}")
+            r = max(0, bisect.bisect_right(bounds, start) - 1)
+            while r < len(names) and per > 0:
+                if names[r] is not None:
+                    mem, offs, lens = level.leaves(txn, names[r])
+                    c = 0
+                    if len(offs) and start > bounds[r]:  # the chunk holding `start`, on
+                        firsts = mem[offs[:, None] + HEAD + np.arange(8)].view(np.int64).ravel()
+                        c = max(0, int(np.searchsorted(firsts, start, side="right")) - 1)
+                    o, ln = offs[c : c + per], lens[c : c + per]
+                    ids = np.empty(len(o) * cap, dtype=np.int64)
+                    stamps = np.empty(len(o) * cap, dtype=np.int64)
+                    k, bad = chunk_stamps(mem, o, ln, cap, row_dim, stamp_col, ids, stamps)
+                    if bad:
+                        raise StoreCorruptError(f"store {self.path}: chunk {c + bad - 1} of range "
+                                                f"{names[r]!r} of table {table!r} is damaged")
+                    found.append(ids[:k][(ids[:k] >= start) & (stamps[:k] < cutoff)])
+                    per -= len(o)
+                    if c + len(o) < len(offs):  # the scan stops inside this range
+                        nxt = int(mem[offs[c + len(o)] + HEAD + np.arange(8)].view(np.int64)[0])
+                        return np.concatenate(found), nxt
+                r += 1
+        out = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        return out, (bounds[r] if r < len(names) else None)
+
+    def chunk_delete_stale(self, table: str, row_dim: int, ids: np.ndarray, stamp_col: int,
+                           cutoff: int) -> int:
+        """Delete rows of sorted distinct `ids` of a chunked table whose stored stamp is still
+        below `cutoff` (`ChunkLevel.delete`, re-checked as each chunk is rewritten); returns
+        how many."""
+        if len(ids) == 0:
+            return 0
+        level = self.chunk_level(table, row_dim)
+        tally = np.zeros(1, dtype=np.int64)  # rows deleted by committed transactions
+        self.wrote = True
+        while True:
+            # each chunk rewritten copies its leaf page and the path to it
+            self.ensure_room(len(ids) * (level.vb + 256) + (1 << 20))
+            try:
+                with self.reading():
+                    level.delete(ids, stamp_col, cutoff, tally)
+                return int(tally[0])
+            except lmdb.MapFullError:  # what committed stays; the redo skips the rows gone
+                self._grow(len(ids) * level.vb)
+            except lmdb.Error as exc:
+                self._raise_io(exc)
 
     def chunk_tree_pages(self, tables: list[str]) -> dict[str, int]:
         """`tree_pages` of chunked tables: their range databases' pages (chunks fill the leaves)."""
