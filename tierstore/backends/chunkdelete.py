@@ -126,10 +126,12 @@ if HAVE_NUMBA:
 
 
 def delete_range(level: ChunkLevel, r: int, ids: np.ndarray, stamp_col: int, cutoff: int,
-                 tally: np.ndarray, window: int = WINDOW_ROWS) -> None:
+                 tally: np.ndarray, window: int | None = None) -> None:
     """Rows `ids` (sorted, inside range r) deleted from range r where their stamp is below
-    `cutoff`, `window` ids a write transaction; adds the rows deleted to tally[0] as each commits."""
+    `cutoff`, `window` ids (`WINDOW_ROWS`) a write transaction; adds the rows deleted to
+    tally[0] as each commits."""
     env, vb = level.env, level.vb
+    window = window or WINDOW_ROWS
     for lo in range(0, len(ids), window):
         name = level.names[r]
         if name is None:  # the range is empty (or was emptied by an earlier window)
