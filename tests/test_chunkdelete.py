@@ -189,6 +189,10 @@ def test_the_predicate_keeps_rows_updated_since(tmp_path):
     assert level.rows() == 334
     stamps = level.get(np.arange(0, 1000, 3))[0][:, 2].view(np.int32)
     assert (stamps == 5).all()
+    _merge(level, ref, [3, 6], -3)  # stamps are int32: a negative one is below -1
+    _delete(level, ref, [0, 3, 6], -1)
+    assert sorted(ref)[:2] == [0, 9]
+    _check(level, ref)
 
 
 @pytest.mark.parametrize("where", ["record", "other record", "id", "count", "ids check"])
