@@ -2,8 +2,9 @@
 
 A chunked store must hold exactly the rows a B-tree store holds under any sequence of writes,
 flushes, merges and reopens; its manifest must always name the ranges that hold the rows; a
-kill at any point of a merge must leave a store that opens with every acknowledged row; and the
-features it does not offer yet must refuse with a clear error and change nothing.
+kill at any point of a merge must leave a store that opens with every acknowledged row; expiry
+(expire(), ttl tables) must delete what it deletes on a B-tree store; and the features it does not
+offer yet (read-only handles) must refuse with a clear error and change nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -204,27 +206,123 @@ def test_chunks_are_dense_on_disk(tmp_path):
 
 
 def test_unsupported_features_refuse_and_change_nothing(tmp_path):
-    """ttl tables, expire() and read-only handles refuse a chunked store with ConfigError; a
-    bad table_format is refused before any file is made."""
+    """Read-only handles and rows wider than a page chunk refuse a chunked store with
+    ConfigError; a bad table_format is refused before any file is made."""
     with pytest.raises(ConfigError, match="table_format"):
         ts.TierStore(tmp_path / "x", SPECS, table_format="lsm")
     assert not (tmp_path / "x").exists()
     wide = [ts.TableSpec("w", 100, 600)]  # a row wider than a page chunk
     with pytest.raises(ConfigError, match="page\\s+chunks"):
         ts.TierStore(tmp_path / "w", wide, device="cpu", table_format="chunks")
-    ttl = [ts.TableSpec("t", 100, 4, ttl=10)]
-    with pytest.raises(ConfigError, match="page chunks"):
-        ts.TierStore(tmp_path / "t", ttl, device="cpu", table_format="chunks")
     with _open(tmp_path / "c", "chunks") as s:
         _write(s, np.random.default_rng(4), 200)
-        s.flush()
-        before = _all_rows(s)
-        with pytest.raises(ConfigError, match="page chunks"):
-            s.expire(older_than=0)
-        assert all(np.array_equal(a, b) for a, b in
-                                        zip(before.values(), _all_rows(s).values()))
     with pytest.raises(ConfigError, match="page chunks"):
         ts.TierStore.open(tmp_path / "c", readonly=True)
+
+
+def _same(stores: dict[str, ts.TierStore]) -> None:
+    """The chunked store reads, stores and counts the B-tree store's rows; its manifests hold."""
+    a, b = (_all_rows(stores[f]) for f in ("btree", "chunks"))
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+    sa, sb = (_stored(stores[f]) for f in ("btree", "chunks"))
+    for name in sa:
+        assert np.array_equal(sa[name][0], sb[name][0]) and np.array_equal(sa[name][1], sb[name][1])
+        assert stores["chunks"].backend.count(name) == len(sa[name][0])
+    _check_manifests(stores["chunks"])
+
+
+@settings(max_examples=examples(0.2), deadline=None)
+@given(plan=st.lists(st.tuples(st.integers(1, 400), st.integers(0, 3)), min_size=1, max_size=5),
+       older=st.lists(st.integers(0, 8), min_size=1, max_size=3),
+       range_rows=st.sampled_from([60, 500, 100_000]), scan=st.sampled_from([40, 65536]),
+       seed=st.integers(0, 2**16))
+def test_expire_matches_a_btree_store(tmp_path_factory, plan, older, range_rows, scan, seed):
+    """expire() on a chunked store deletes the rows a B-tree store's deletes (the same counts),
+    and both then read, store and count the same rows; more writes and expiries after it (into
+    ranges it emptied) agree too. Scans of a few chunks each cross chunks and ranges."""
+    from tierstore import expiry
+
+    base = tmp_path_factory.mktemp("ce")
+    with mock.patch.object(chunkmerge, "RANGE_ROWS", range_rows), \
+            mock.patch.object(expiry, "SCAN_CHUNK", scan), \
+            mock.patch.object(expiry, "DELETE_CHUNK", max(1, scan // 3)):
+        stores = {f: _open(base / f, f) for f in ("btree", "chunks")}
+        try:
+            for round_, k in enumerate(older):
+                got = {}
+                for f, store in stores.items():
+                    rng = np.random.default_rng(seed + round_)
+                    for n, adv in plan:
+                        _write(store, rng, n)
+                        store.advance(adv)
+                    got[f] = store.expire(older_than=k)
+                assert got["chunks"] == got["btree"]
+                _same(stores)
+        finally:
+            for store in stores.values():
+                store.close()
+
+
+@pytest.mark.parametrize("scan", [7, 100, 65536])
+def test_the_stale_scan_lists_what_a_btree_scan_lists(tmp_path, scan):
+    """`expiry.stale_ids` over a chunked table, from any start (a chunk's first id, inside a
+    chunk, between ranges, past the end) and scan size, lists the B-tree table's stale ids."""
+    from tierstore import expiry
+
+    with mock.patch.object(chunkmerge, "RANGE_ROWS", 60), mock.patch.object(expiry, "SCAN_CHUNK", scan):
+        stores = {f: _open(tmp_path / f, f) for f in ("btree", "chunks")}
+        for store in stores.values():
+            rng = np.random.default_rng(5)
+            for _ in range(4):
+                _write(store, rng, 300)
+                store.advance(2)
+            store.flush()
+        spec = stores["btree"].table_specs["a"]
+        for start in [0, 1, 17, 1000, 2501, 4999, 10**6]:
+            got = {}
+            for f, store in stores.items():
+                out, at = [], start
+                while at is not None:
+                    ids, at = expiry.stale_ids(store.backend, spec, 5, at)
+                    out.append(ids)
+                got[f] = np.concatenate(out)
+            assert np.array_equal(got["chunks"], got["btree"])
+            assert len(got["btree"]) or start > 4000
+            assert (got["chunks"] >= start).all()
+        for store in stores.values():
+            store.close()
+
+
+def test_ttl_expiry_matches_a_btree_store(tmp_path):
+    """ttl tables on a chunked store: the background deleter removes the stale rows from the
+    chunk levels after each flush, and the store reads, stores and counts what a B-tree store
+    with the same ttl does, before and after a reopen (close deletes what it did not reach)."""
+    specs = [ts.TableSpec("a", 5000, 8, optimizer=ts.Adagrad(0.1), ttl=4),
+             ts.TableSpec("b", 3000, 4, ttl=6)]
+
+    def open_(f):
+        return ts.TierStore(tmp_path / f, specs, device="cpu", device_capacity=64,
+                            host_capacity=64, write_log=300, table_format=f)
+
+    with mock.patch.object(chunkmerge, "RANGE_ROWS", 200):
+        stores = {f: open_(f) for f in ("btree", "chunks")}
+        for store in stores.values():
+            rng = np.random.default_rng(11)
+            for step in range(24):
+                _write(store, rng, 150)
+                store.advance()
+                if step % 5 == 4:
+                    store.flush()  # the cutoffs durable: the deleter runs
+            store.flush()
+            assert store.expiry.wait(10)
+        assert stores["chunks"].stats()["expiry"]["expired_rows"] > 0
+        _same(stores)
+        for f in stores:
+            stores[f].close()
+            stores[f] = open_(f)
+        _same(stores)
+        for store in stores.values():
+            store.close()
 
 
 _KILL = textwrap.dedent("""
