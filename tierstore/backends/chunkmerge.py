@@ -13,7 +13,8 @@ transaction also drops its old database: the file holds the old and the new copy
 at a time (its pages go back to LMDB for the range after next: the range's own read
 transaction pins them until then), so a merge of an 8 M-row table in 1 M-row ranges peaks near
 `T + 2 range_rows`, not `2 T`. A range no row touches is kept as it is; with `in_place` (or
-None and a sparse batch) a range is updated chunk by chunk instead (`chunkupdate.py`).
+None and a sparse batch) a range is updated chunk by chunk instead (`chunkupdate.py`). Rows
+are deleted in place, chunk by chunk (`delete`, `chunkdelete.py`: expiry's stale rows).
 
 This is the regime the design chose for tables up to ~4x the batch (docs/design.md, "Format 4,
 corrected"): each merge copies every row of the ranges it touches. Every chunk's count and ids

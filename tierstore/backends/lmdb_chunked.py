@@ -13,7 +13,9 @@ Writes are merges: a batch of rows, sorted, rewrites each range it touches seque
 updates the touched chunks in place when the batch is sparse in the range), so the tables stay
 dense (~1.1x the raw rows) where a B-tree of random inserts settles near 2.2x. Reads walk the
 range's tree with the page walker's floor search and search the chunk in place; every record's
-checksum is verified, as for the B-tree.
+checksum is verified, as for the B-tree. Expiry scans whole chunks for stale stamps
+(`chunk_stale_ids`) and deletes in place, re-checking each stamp (`chunk_delete_stale`,
+`ChunkLevel.delete`, `chunkdelete.py`).
 """
 
 from __future__ import annotations
