@@ -1,4 +1,4 @@
-"""Deletes from a level of page chunks (backends/chunkdelete.py) on real LMDB files: any mix of
+"""Deletes from a level of page chunks (backends/chunkupdate.py) on real LMDB files: any mix of
 merges and predicate deletes reads like a dict, chunks keep their first ids as keys, emptied
 ranges drop their databases, and damage or bad input is an error that changes nothing."""
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.profiles import examples
 from tests.test_chunkmerge import TOP, _damage, _named, ids_st
-from tierstore.backends import chunkdelete, pagechunks
+from tierstore.backends import chunkupdate, pagechunks
 from tierstore.backends.chunkmerge import ChunkLevel
 from tierstore.backends.lmdb_common import encode_keys
 from tierstore.backends.record import seal
@@ -115,7 +115,7 @@ def test_merges_and_deletes_read_like_a_dict(tmp_path_factory, steps, w, range_r
     published = []
     level.on_publish = lambda txn, bounds, names, counts: published.append((bounds, names, counts))
     ref: dict = {}
-    with mock.patch.object(chunkdelete, "WINDOW_ROWS", window):
+    with mock.patch.object(chunkupdate, "DELETE_WINDOW_ROWS", window):
         for gen, (op, batch, in_place) in enumerate([("merge", range(0, 900, 2), False), *steps]):
             if op == "merge":
                 _merge(level, ref, batch, gen, in_place)
@@ -262,7 +262,7 @@ def test_deletes_beside_a_merging_thread_keep_the_level_whole(tmp_path):
             errors.append(exc)
 
     th = threading.Thread(target=merging)
-    with mock.patch.object(chunkdelete, "WINDOW_ROWS", 64):
+    with mock.patch.object(chunkupdate, "DELETE_WINDOW_ROWS", 64):
         th.start()
         for part in np.array_split(first, 30):
             level.delete(part, w - 1, 1)

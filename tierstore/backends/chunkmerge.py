@@ -14,7 +14,7 @@ at a time (its pages go back to LMDB for the range after next: the range's own r
 transaction pins them until then), so a merge of an 8 M-row table in 1 M-row ranges peaks near
 `T + 2 range_rows`, not `2 T`. A range no row touches is kept as it is; with `in_place` (or
 None and a sparse batch) a range is updated chunk by chunk instead (`chunkupdate.py`). Rows
-are deleted in place, chunk by chunk (`delete`, `chunkdelete.py`: expiry's stale rows).
+are deleted in place, chunk by chunk (`delete`, `chunkupdate.py`: expiry's stale rows).
 
 This is the regime the design chose for tables up to ~4x the batch (docs/design.md, "Format 4,
 corrected"): each merge copies every row of the ranges it touches. Every chunk's count and ids
@@ -533,7 +533,7 @@ class ChunkLevel:
                tally: np.ndarray | None = None) -> int:
         """Delete the rows of sorted distinct `ids` whose stored stamp (record word `stamp_col`,
         as int32) is below `cutoff` (2**31: every row asked), in place, chunk by chunk
-        (`chunkdelete.py`); returns the rows deleted (also added to tally[0] as each write
+        (`chunkupdate.py`); returns the rows deleted (also added to tally[0] as each write
         transaction commits: what a caller interrupted by an error keeps). Absent ids are skipped."""
         ids = np.asarray(ids)
         if ids.ndim != 1 or (len(ids) and ids.dtype.kind not in "iu"):
@@ -549,7 +549,7 @@ class ChunkLevel:
         if isinstance(cutoff, bool) or not isinstance(cutoff, (int, np.integer)) or \
                 not -(2**31) <= cutoff <= 2**31:
             raise TierstoreError(f"a delete's cutoff must be an int in [-2**31, 2**31], got {cutoff!r}")
-        from .chunkdelete import delete_range  # (it imports this module's kernels)
+        from .chunkupdate import delete_range  # (it imports this module's kernels)
 
         tally = np.zeros(1, dtype=np.int64) if tally is None else tally
         start = int(tally[0])

@@ -15,7 +15,7 @@ dense (~1.1x the raw rows) where a B-tree of random inserts settles near 2.2x. R
 range's tree with the page walker's floor search and search the chunk in place; every record's
 checksum is verified, as for the B-tree. Expiry scans whole chunks for stale stamps
 (`chunk_stale_ids`) and deletes in place, re-checking each stamp (`chunk_delete_stale`,
-`ChunkLevel.delete`, `chunkdelete.py`).
+`ChunkLevel.delete`, `chunkupdate.py`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import numpy as np
 
 from ..errors import StoreCorruptError, TierstoreError
 from . import chunkmerge
-from .chunkdelete import chunk_stamps
 from .chunkmerge import ChunkLevel
+from .chunkupdate import chunk_stamps
 from .chunkwalk import unpack_chunks
 from .lmdb_common import DATA_NAME
 from .pagechunks import HEAD, capacity, lookup
