@@ -398,16 +398,17 @@ class ChunkLevel:
         r = 0
         empty_ids = np.zeros(0, dtype=np.int64)
         while r < len(self.names):
-            name = self.names[r]
-            if name is not None:
-                with self.env.begin() as txn:
-                    entries, _ = self._record(txn, name)
-                if entries > 1 and self.counts[r] < min_fill * entries * self.cap:
-                    made = self._rewrite(r, empty_ids, empty_ids, 0, 0, False, np.zeros(3, np.int64))
-                    done += 1
-                    r += len(made)
-                    continue
-            r += 1
+            with self.lock:  # (expiry's deleter may share the level)
+                name = self.names[r]
+                made = [r]
+                if name is not None:
+                    with self.env.begin() as txn:
+                        entries, _ = self._record(txn, name)
+                    if entries > 1 and self.counts[r] < min_fill * entries * self.cap:
+                        made = self._rewrite(r, empty_ids, empty_ids, 0, 0, False,
+                                             np.zeros(3, np.int64))
+                        done += 1
+            r += len(made)
         return done
 
     def _sparse(self, r: int, rows: int) -> bool:
