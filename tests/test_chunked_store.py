@@ -453,6 +453,22 @@ def test_the_log_of_chunked_tables_merges_at_a_share_of_the_rows_stored(tmp_path
         while s.log.wants_merge() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.log.size < s.log.merge_at()  # the whole log went: it is below its trigger
+        # an append past the log's bound (a share of the rows stored) merges first, inline:
+        # however much a flush hands down at once, the log stays near its bound
+        s.log.stop_merger()
+        full = s.log.full_at()
+        assert full == max(2 * writelog.CHUNK_MERGE_MIN, s.log.stored // writelog.CHUNK_FULL_SHARE)
+        peak = 0
+        for _ in range(6):
+            _write(s, rng, 400)
+            s.writeback.drain()
+            peak = max(peak, s.log.size)
+        assert s.log.rows_appended and peak <= s.log.full_at() + 800
+        big = torch.arange(0, 5000, 2)  # one batch larger than the bound: appended whole
+        s.apply_unique("a", big, torch.ones(len(big), 8))
+        s.flush()
+        rows, found = s.backend.get("a", big.numpy(), SPECS[0].row_dim)
+        assert found.all()  # every row of the big batch reached the tables
 
 
 def test_in_place_updates_keep_ranges_full_and_close_packs_them(tmp_path, monkeypatch):

@@ -33,7 +33,8 @@ if HAVE_NUMBA:
 CHUNK_ROWS = 4096  # rows per log value: ~1.1 MB of 66-word rows, a few hundred overflow pages
 FIND_ROWS = 16384  # log index lookups per hold of the ring's lock during a merge (a few ms)
 CHUNK_MERGE_MIN = 1 << 16  # chunked tables: the smallest log a background merge starts at
-CHUNK_MERGE_SHARE = 2  # chunked tables: a merge starts at 1 log row for this many rows stored
+CHUNK_MERGE_SHARE = 4  # chunked tables: a merge starts at 1 log row for this many rows stored
+CHUNK_FULL_SHARE = 3  # chunked tables: an append merges first at 1 log row for this many stored
 
 _MAGIC = np.frombuffer(CHUNK_MAGIC, dtype=np.uint8)  # a chunk's first 4 bytes (compiled pick)
 _MAGIC_WORD = int(_MAGIC.view(np.uint32)[0])  # the same as one word (compiled append)
@@ -127,12 +128,15 @@ class WriteLog:
             cap = self.capacity
             return sum(self.append(tabs[lo : lo + cap], rows[lo : lo + cap], payload[lo : lo + cap])
                        for lo in range(0, n, cap))
-        while self.size + n > self.capacity:  # full: merge, unless a merge running now frees room
+        full = self.full_at()
+        while self.size and self.size + n > full:  # full: merge, unless a merge running now frees room
             with self.merging:
-                if self.size + n > self.capacity:
-                    self._merge(self.size + n - self.capacity + self.capacity // 2)
-            if self.size + n > self.capacity:  # a snapshot holds the merges back: wait for it
+                if self.size + n > full:
+                    self._merge(self.size if self.stored is not None else
+                                self.size + n - self.capacity + self.capacity // 2)
+            if self.size + n > full:  # a snapshot holds the merges back: wait for it
                 self._thawed.wait(0.05)
+                full = max(full, self.full_at())
         seq = self.next
         widths = self.widths[tabs]
         if HAVE_NUMBA and int(widths.min()) == int(widths.max()):  # one pass: entries and checks
@@ -241,6 +245,15 @@ class WriteLog:
         if self.stored is None:
             return full
         return min(full, max(CHUNK_MERGE_MIN, self.stored // CHUNK_MERGE_SHARE))
+
+    def full_at(self) -> int:
+        """The log's size at which an append merges first (inline, on the writer): its capacity,
+        or for chunked tables 1 row for every `CHUNK_FULL_SHARE` they store when that is less
+        (at least twice `CHUNK_MERGE_MIN`): the log's file stays a bounded share of the tables
+        even when a flush hands the caches' dirty rows down at once."""
+        if self.stored is None:
+            return self.capacity
+        return min(self.capacity, max(2 * CHUNK_MERGE_MIN, self.stored // CHUNK_FULL_SHARE))
 
     def merge_rows(self) -> int:
         """Rows a background merge takes: the older half of the capacity, or for chunked tables
