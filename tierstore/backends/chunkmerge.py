@@ -48,6 +48,7 @@ RANGE_ROWS = 1 << 20  # rows a range database holds (about: a range is cut at a 
 WINDOW = 4096  # chunks a write transaction (~8 MB)
 REWRITE_SHARE = 4  # `in_place=None`: a range is rewritten when the batch holds >= 1 row in 4 of it
 REFILL = 0.85  # `in_place=None`: ... or when its chunks are on average under this full
+REWRITE_MAX = 64  # ... unless the rewrite would copy more than this many rows a batch row
 _MDB_DB = struct.Struct("<IHHQQQQQ")  # a named database's record: ..., entries, root page
 _P_INVALID = (1 << 64) - 1
 # merge_into's state: old chunk, row in it, next batch row, last old id, rows in the open chunk
@@ -404,7 +405,8 @@ class ChunkLevel:
                 if name is not None:
                     with self.env.begin() as txn:
                         entries, _ = self._record(txn, name)
-                    if entries > 1 and self.counts[r] < min_fill * entries * self.cap:
+                    packed = -(-self.counts[r] // self.cap)  # the fewest chunks its rows take
+                    if entries > packed and self.counts[r] < min_fill * entries * self.cap:
                         made = self._rewrite(r, empty_ids, empty_ids, 0, 0, False,
                                              np.zeros(3, np.int64))
                         done += 1
@@ -414,14 +416,17 @@ class ChunkLevel:
     def _sparse(self, r: int, rows: int) -> bool:
         """Whether `rows` batch rows are under 1 in `REWRITE_SHARE` of range r's (by its chunks)
         and the range's chunks stay `REFILL` full on average even if every batch row splits the
-        chunk it lands in (a B-tree's fill otherwise): else the range is rewritten, packed."""
+        chunk it lands in (a B-tree's fill otherwise), or the batch is too small to pay for a
+        rewrite (the range holds over `REWRITE_MAX` rows a batch row): else it is rewritten."""
         if self.names[r] is None:
             return False
         with self.env.begin() as txn:
             entries, _ = self._record(txn, self.names[r])
-        # each batch row may split the chunk it lands in: the fill after, at worst
-        return rows * REWRITE_SHARE < entries * self.cap and \
+        # each batch row may split the chunk it lands in: the fill after, at worst; but a batch
+        # too small to pay for the range's rewrite goes in place however thin it leaves it
+        return rows * REWRITE_SHARE < entries * self.cap and (
             self.counts[r] + rows >= REFILL * (entries + rows) * self.cap
+            or self.counts[r] > REWRITE_MAX * rows)
 
     def _rewrite(self, r: int, ids: np.ndarray, src: np.ndarray, lo: int, hi: int, verify: bool,
                  totals: np.ndarray) -> list[int]:

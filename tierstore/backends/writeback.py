@@ -57,6 +57,7 @@ class WriteBehind:
         self.head = 0  # positions below are committed to LMDB
         self._floor = 0  # rows put before this position may have left the ring early (`_grow`)
         self.error: BaseException | None = None
+        self.trying = False  # the writer is writing a batch (or retrying one) now
         self.cv = threading.Condition()
         self._stop = False
         # counters (read by stats)
@@ -202,7 +203,9 @@ class WriteBehind:
             target = self.tail
             t0 = time.perf_counter()
             while self.head < target:
-                if self.error is not None and time.perf_counter() - t0 > 2 * _RETRY_S:
+                # the writer's last error, unless a retry is under way (a slow one, a merge, may
+                # succeed: raising its stale error would fail a flush that is about to work)
+                if self.error is not None and not self.trying and time.perf_counter() - t0 > 2 * _RETRY_S:
                     raise self._failure()
                 if self._stop or not self._thread.is_alive():
                     raise StoreClosedError("the write-behind writer has stopped")
@@ -239,6 +242,7 @@ class WriteBehind:
                 if self._stop:
                     return
                 lo, hi = self.head, min(self.tail, self.head + self.chunk)
+                self.trying = True  # a write (or a retry) is under way: its outcome is pending
                 slots = np.arange(lo, hi, dtype=np.int64) % self.capacity
                 live = slots[self.index.held(torch.from_numpy(slots)).numpy()]  # skips superseded
                 tabs, rows = self._tabs[live], self._rows[live]
@@ -256,12 +260,14 @@ class WriteBehind:
             except BaseException as exc:  # kept; callers see it; the batch is retried
                 with self.cv:
                     self.error = exc
+                    self.trying = False
                     self.cv.notify_all()
                 time.sleep(_RETRY_S)
                 continue
             with self.cv:
                 self.head = hi
                 self.error = None
+                self.trying = False
                 self.rows_written += len(live)
                 self.rows_superseded += (hi - lo) - len(live)
                 self.bytes_written += written
