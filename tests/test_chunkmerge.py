@@ -330,7 +330,7 @@ def test_in_place_damage_is_a_store_corrupt_error(tmp_path):
     assert found.all() and np.array_equal(rows[1], ref[1])
 
 
-def test_the_regime_follows_the_batch_share(tmp_path):
+def test_the_regime_follows_the_batch_share(tmp_path, monkeypatch):
     """`in_place=None`: a batch under 1 row in 4 of a range's updates it in place (reading only
     the chunks it touches); a denser one rewrites the range (reading all of it)."""
     env = _env(tmp_path)
@@ -351,6 +351,7 @@ def test_the_regime_follows_the_batch_share(tmp_path):
             return txn.stat(level.db(level.names[0]))["entries"]
 
     gen, kinds = 3, set()
+    monkeypatch.setattr(chunkmerge, "REWRITE_MAX", 10**9)  # (tiny batches: next part)
     for k in range(2, 12):
         batch = list(range(k, 10_000, 3400))  # 3 rows into range 0
         entries, count = chunks_of_range(), level.counts[0]
@@ -364,4 +365,15 @@ def test_the_regime_follows_the_batch_share(tmp_path):
             assert stats.old_rows == count and level.counts[0] > 0.97 * chunks_of_range() * cap
         assert level.counts[0] >= chunkmerge.REFILL * chunks_of_range() * cap
     assert kinds == {True, False}
+    _check(level, ref)
+    # a batch too small to pay for the range's rewrite (REWRITE_MAX rows copied a batch row)
+    # goes in place however thin it leaves the range; `close`-time repack packs it again
+    monkeypatch.setattr(chunkmerge, "REWRITE_MAX", 64)
+    for k in range(12, 20):
+        count = level.counts[0]
+        stats = _merge(level, ref, [k, k + 3400], gen, in_place=None)
+        gen += 1
+        assert stats.old_rows <= 2 * cap < count  # in place, whatever the fill
+    assert level.repack() >= 1 and chunks_of_range() == -(-level.counts[0] // cap)  # packed
+    assert level.repack() == 0  # (a packed level is left alone)
     _check(level, ref)
