@@ -15,10 +15,11 @@ py-lmdb allows one environment per store directory in a process, so:
   the background writer). The writer's map growth, compaction or close then invalidates the
   snapshot, and `get` raises `SnapshotLostError` (the caller begins a new snapshot).
 
-A chunked table (format 4) is read through a manifest and the ranges it names
-(`pagechunks.lookup`): the published manifest (`publish.published_manifests`) where the marker is
-covered (the writer keeps the ranges it names unchanged while readers are registered), else
-the current one (`chunks:<table>` in the metadata: no writer, or an export).
+A chunked table (a format-4 store's table without a `t:<table>` database: an export of one
+writes B-trees) is read through a manifest and the ranges it names (`pagechunks.lookup`): the
+published manifest (`publish.published_manifests`) where the marker is covered (the writer keeps
+the ranges it names unchanged while readers are registered), else the current one
+(`chunks:<table>` in the metadata: no writer alive).
 
 In another process a snapshot survives the writer's map growth (`MDB_MAP_RESIZED` is adopted at
 the next `begin`) and compaction (the old file stays mapped until `begin` sees a new inode).
@@ -378,7 +379,7 @@ class SnapshotReader:
             with self._guard():  # the writer's map growth (or another reader's reopen) waits
                 if self._txn is None:  # lost meanwhile (a reader of this process reopened)
                     raise SnapshotLostError(f"{self.path}: snapshot lost (reopened)")
-                if self._chunks is not None:
+                if self._chunks is not None and table not in self._dbs:  # (an export: B-trees)
                     return self._chunk_get(table, rows, width)
                 db = self._dbs.get(table)
                 if n == 0 or db is None:
