@@ -96,6 +96,7 @@ class Publisher:
         # range databases the published manifests name (kept unchanged while readers read them)
         self._pub_names = {n for m in pubs.values() for n in m["names"] if n is not None}
         self._retired: dict[bytes, object] = {}  # retired range -> its handle, where known
+        self._next_names: set[bytes] | None = None  # a publish's, until it commits
         if current and raw and not self._changed and not parse_marker(raw, path).get("chunks"):
             # chunk manifests never published (a store older than published manifests)
             with env.begin(write=True) as txn:
@@ -235,7 +236,7 @@ class Publisher:
             if txn.get(key, db=self._meta_db) is None:
                 txn.delete(key, db=self.meta)
         self.drop_retired(txn, keep=names)
-        self._pub_names = names
+        self._next_names = names  # kept from `committed()` on (an aborted publish keeps the old)
 
     @property
     def dirty(self) -> bool:
@@ -245,6 +246,8 @@ class Publisher:
     def committed(self) -> None:
         """The publish transaction committed: nothing written since."""
         self._changed = False
+        if self._next_names is not None:
+            self._pub_names, self._next_names = self._next_names, None
 
     def close(self) -> None:
         """Release the readers.lock descriptor."""
