@@ -1,7 +1,7 @@
 """TIERSTORE_TEST_TABLE_FORMAT=chunks: stores created without a `table_format` keep their tables
-as page chunks (format 4), so the whole suite can run against the chunked tables; a test of a
-feature they refuse (read-only handles) or of the B-tree's own pages then fails
-with the refusal, which says so. `tests/conftest.py` applies it to every test."""
+as page chunks (format 4), so the whole suite can run against the chunked tables; a test of the
+B-tree's own pages then fails, which says so. `tests/conftest.py` applies it to every test; the
+serving tests' worker processes read it too."""
 
 from __future__ import annotations
 

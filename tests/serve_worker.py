@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import tierstore as ts
+from tests import as_chunks
 from tierstore.backends import lmdb_backend
 
 ROWS, DIM = 3000, 8
@@ -36,7 +37,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(5)
     # caches far below the touched rows: dirty rows are evicted to LMDB between flushes
     store = ts.TierStore(store_path, [SPEC], device_capacity=64, host_capacity=128, seed=1,
-                         device="cpu", write_buffer=16)
+                         device="cpu", write_buffer=16,
+                         table_format=as_chunks.wanted() or "btree")
     flushes = busy = 0
     merged = store.stats()["writeback"]["log_merged"]
     for step in range(1, steps + 1):

@@ -147,6 +147,7 @@ def test_log_appends_alone_never_make_a_reader_wait(store_path):
 def test_unseen_writes_before_a_reader_registers_wait_for_the_next_flush(store_path):
     gen = torch.Generator().manual_seed(3)
     with _writer(store_path) as store:
+        _train(store, gen)  # stored rows at the flush (chunk levels: published ranges)
         store.flush()
         merged = _merged(store)
         _train(store, gen)  # log merges with no reader registered: not undoable

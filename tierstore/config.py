@@ -147,8 +147,8 @@ class StoreConfig:
     on the device, LRU or LFU; docs/design.md), or "auto": "sets" on CUDA, "slab" on the CPU.
     `table_format`: how a store created now keeps its rows on disk: "btree" (a B-tree entry a
     row, format 3) or "chunks" (sorted page-sized chunks in ranges, format 4: dense on disk and
-    merged sequentially; no read-only serving handles yet, docs/persistence.md "Page-chunk
-    tables"). An existing store keeps the format it was created with.
+    merged sequentially; read-only handles too, docs/persistence.md "Page-chunk tables"). An
+    existing store keeps the format it was created with.
     """
 
     device_capacity: int | str = "64MiB"

@@ -22,7 +22,6 @@ import torch
 
 import tierstore.validate as validate
 
-from .backends.format import CHUNK_FORMAT
 from .backends.lmdb_backend import DATA_NAME, LOCK_NAME
 from .backends.publish import READERS_LOCK
 from .backends.slab import Rows, SlabTier
@@ -30,7 +29,6 @@ from .backends.snapshot import Snapshot, SnapshotLostError, SnapshotReader
 from .backends.wal.marks import MERGED_KEY
 from .config import TableSpec, parse_capacity, resolve_device
 from .errors import (
-    ConfigError,
     ReadOnlyError,
     SnapshotUnavailableError,
     StoreClosedError,
@@ -170,10 +168,6 @@ class ReadOnlyStore:
 
     def _load_tables(self, snap: Snapshot) -> dict[str, _Table]:
         meta = snap.meta
-        if (meta.get("store") or {}).get("format_version") == CHUNK_FORMAT:
-            raise ConfigError(f"store {self.path} keeps its tables as page chunks (table_format="
-                              f"'chunks'), which read-only handles do not read yet; open it with "
-                              f"TierStore.open(path) (a writer), or export it")
         seed = int((meta.get("store") or {}).get("seed", 0))
         quant = meta.get("quantized")
         specs = [TableSpec.from_config(v) for k, v in sorted(meta.items()) if k.startswith("table:")]

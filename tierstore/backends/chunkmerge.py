@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import lmdb
 import numpy as np
@@ -215,6 +216,19 @@ class MergeStats:
     ranges_kept: int
 
 
+class RangeGuard(Protocol):
+    """What a level asks before it changes a range database in place or drops it."""
+
+    def keep(self, name: bytes) -> bool:
+        """Whether range database `name` must stay as it is (a reader may read it)."""
+
+    def retire(self, txn: lmdb.Transaction, name: bytes, db: object) -> None:
+        """In the write txn replacing range `name`: keep it (dropped when no reader needs it)."""
+
+    def changed(self, txn: lmdb.Transaction, name: bytes | None) -> None:
+        """In a write txn that changes or drops range `name` in place (None: none)."""
+
+
 class ChunkLevel:
     """One table's rows as page chunks in ranges of LMDB databases, merged with sorted batches."""
 
@@ -242,6 +256,9 @@ class ChunkLevel:
         # and row counts they have once it commits (where the store writes its manifest)
         self.on_publish: Callable[[lmdb.Transaction, list[int], list[bytes | None], list[int]],
                                   None] | None = None
+        # which ranges readers may be reading (the store's publisher, publish.py; None: no
+        # reader): a range it keeps is never changed in place nor dropped, but copied and retired
+        self.guard: RangeGuard | None = None
 
     def restore(self, bounds: list[int], names: list[bytes | None], counts: list[int],
                 open_db: Callable[[bytes], object] | None = None) -> None:
@@ -380,7 +397,8 @@ class ChunkLevel:
                 r += 1
                 continue
             with self.lock:
-                if in_place or (in_place is None and self._sparse(r, hi - lo)):
+                if not self._kept(r) and (in_place or (in_place is None and
+                                                       self._sparse(r, hi - lo))):
                     from .chunkupdate import update_range  # (it imports this module's kernels)
 
                     update_range(self, r, ids[lo:hi], src[lo:hi], verify, totals)
@@ -413,6 +431,18 @@ class ChunkLevel:
             r += len(made)
         return done
 
+    def _kept(self, r: int) -> bool:
+        """Whether range r's database must stay as it is (`guard`): changes go to a copy."""
+        name = self.names[r]
+        return name is not None and self.guard is not None and self.guard.keep(name)
+
+    def copy_kept(self, r: int) -> None:
+        """Range r copied into a fresh database (one range: bounds stay) when `guard` keeps its
+        database, so that in-place changes go to the copy."""
+        if self._kept(r):
+            empty = np.zeros(0, dtype=np.int64)
+            self._rewrite(r, empty, empty, 0, 0, False, np.zeros(3, np.int64), split=False)
+
     def _sparse(self, r: int, rows: int) -> bool:
         """Whether `rows` batch rows are under 1 in `REWRITE_SHARE` of range r's (by its chunks)
         and the range's chunks stay `REFILL` full on average even if every batch row splits the
@@ -429,14 +459,15 @@ class ChunkLevel:
             or self.counts[r] > REWRITE_MAX * rows)
 
     def _rewrite(self, r: int, ids: np.ndarray, src: np.ndarray, lo: int, hi: int, verify: bool,
-                 totals: np.ndarray) -> list[int]:
+                 totals: np.ndarray, split: bool = True) -> list[int]:
         """Range r merged with batch rows [lo, hi) into fresh databases (one a `range_rows`),
         the old one dropped in the last one's transaction; returns the new ranges' indexes."""
         env = self.env
         old = self.names[r]
         bounds, names = [self.bounds[r]], [None]  # None: opened by the next write transaction
         try:
-            return self._write_range(r, old, ids, src, lo, hi, verify, totals, bounds, names, [])
+            return self._write_range(r, old, ids, src, lo, hi, verify, totals, bounds, names, [],
+                                     split)
         except BaseException:  # the fresh databases of a merge cut short go: nothing changed
             with env.begin(write=True) as txn:
                 for name in names:
@@ -446,9 +477,9 @@ class ChunkLevel:
 
     def _write_range(self, r: int, old: bytes | None, ids: np.ndarray, src: np.ndarray, lo: int,
                      hi: int, verify: bool, totals: np.ndarray, bounds: list[int],
-                     names: list[bytes | None], counts: list[int]) -> list[int]:
+                     names: list[bytes | None], counts: list[int], split: bool = True) -> list[int]:
         """`_rewrite`'s pass: the new databases' names, bounds and row counts go into `names`,
-        `bounds` and `counts`."""
+        `bounds` and `counts` (one range, without `split`)."""
         env, cap, vb = self.env, self.cap, self.vb
         out = np.empty(self.window * vb, dtype=np.uint8)
         values = [memoryview(v) for v in out.reshape(self.window, vb)]  # made once: cheap puts
@@ -461,7 +492,7 @@ class ChunkLevel:
             nc = len(offs)
             # a range grown past twice its size is cut into parts of about `range_rows`
             est = had + hi - lo
-            parts = -(-est // self.range_rows) if est > 2 * self.range_rows else 1
+            parts = -(-est // self.range_rows) if split and est > 2 * self.range_rows else 1
             target = -(-est // parts)
             while True:  # a window stops where the output range reaches its target
                 room = min(self.window, max(1, -(-(target - in_db) // cap)))
@@ -494,8 +525,14 @@ class ChunkLevel:
                         new_bounds = self.bounds[:r] + bounds + self.bounds[r + 1 :]
                         new_names = self.names[:r] + names + self.names[r + 1 :]
                         new_counts = self.counts[:r] + counts + [in_db + rows] + self.counts[r + 1 :]
-                        if old is not None:
+                        gone = old
+                        if old is not None and self.guard is not None and self.guard.keep(old):
+                            self.guard.retire(txn, old, self._dbs[old])  # readers read it
+                            gone = None
+                        elif old is not None:
                             txn.drop(self._dbs[old], delete=True)
+                        if self.guard is not None:
+                            self.guard.changed(txn, gone)
                         if self.on_publish is not None:
                             self.on_publish(txn, list(new_bounds), list(new_names), list(new_counts))
                 if done:
@@ -563,6 +600,7 @@ class ChunkLevel:
         while lo < n:  # a range at a time, its bounds read under the lock (a merge may cut one)
             with self.lock:
                 r = bisect.bisect_right(self.bounds, int(ids[lo])) - 1
+                self.copy_kept(r)  # a range readers may read is copied first (bounds stay)
                 hi = n if r + 1 == len(self.bounds) else \
                     int(np.searchsorted(ids, self.bounds[r + 1]))
                 delete_range(self, r, ids[lo:hi], int(stamp_col), int(cutoff), tally)

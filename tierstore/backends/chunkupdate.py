@@ -165,6 +165,8 @@ def update_range(level: ChunkLevel, r: int, ids: np.ndarray, src: np.ndarray, ve
         with env.begin(write=True) as txn:
             fresh = level.new_db(txn) if name is None else name
             txn.cursor(db=level.db(fresh)).putmulti(list(zip(encode_keys(firsts[:made]), values)))
+            if level.guard is not None:
+                level.guard.changed(txn, name)
             if level.on_publish is not None:
                 names = level.names[:r] + [fresh] + level.names[r + 1 :]
                 level.on_publish(txn, list(level.bounds), names, counts)
@@ -309,6 +311,8 @@ def delete_range(level: ChunkLevel, r: int, ids: np.ndarray, stamp_col: int, cut
             if txn.stat(db)["entries"] == 0:  # the range is empty: its database goes
                 txn.drop(db, delete=True)
                 names[r], counts[r] = None, 0
+            if level.guard is not None:
+                level.guard.changed(txn, name)
             if level.on_publish is not None:
                 level.on_publish(txn, list(level.bounds), list(names), list(counts))
         if names[r] is None:

@@ -95,6 +95,7 @@ class ChunkTables:
             txn.put(key, _manifest_json(bounds, names, counts), db=meta)
 
         level.on_publish = publish
+        level.guard = self.publisher  # readers' ranges stay as published (publish.py)
         levels[table] = level
         return level
 
@@ -353,14 +354,24 @@ class ChunkTables:
         return out
 
     def drop_unnamed_ranges(self, tables: list[str]) -> int:
-        """Drop range databases no manifest names (a rewrite cut short by a kill); returns how many."""
+        """Drop range databases no manifest names (a rewrite cut short by a kill); returns how many.
+
+        A range a published manifest names while the published marker is covered stays (a
+        reader may read it, even one that outlived a killed writer): it is named retired, and
+        goes at the next publish or at a chunk write that finds no reader."""
         with self.env.begin() as txn:
             names = [k for k, _ in txn.cursor() if k.startswith(RANGE_PREFIX.encode())]
             named = set()
             for table in tables:
                 man = self._read_manifest(txn, table)
                 named.update(n for n in ([] if man is None else man[1]) if n is not None)
-        stale = [n for n in names if n not in named]
+        readable = set() if self.publisher is None else self.publisher.readable_ranges()
+        kept = [n for n in names if n not in named and n in readable]
+        if kept:
+            with self.env.begin(write=True) as txn:
+                for name in kept:
+                    self.publisher.retire(txn, name, None)
+        stale = [n for n in names if n not in named and n not in readable]
         for name in stale:
             db = self.open_named(name, create=False)
             with self.env.begin(write=True) as txn:

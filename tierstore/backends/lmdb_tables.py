@@ -200,7 +200,7 @@ class TableRows:
 
     def publish(self) -> int | None:
         """Mark the rows written so far as the published (flushed) state for readers; the epoch."""
-        if self.publisher is None or not self.publisher.changed:
+        if self.publisher is None or not self.publisher.dirty:
             return None
         self.ensure_room(4096)
         self.wrote = True

@@ -15,6 +15,12 @@ py-lmdb allows one environment per store directory in a process, so:
   the background writer). The writer's map growth, compaction or close then invalidates the
   snapshot, and `get` raises `SnapshotLostError` (the caller begins a new snapshot).
 
+A chunked table (a format-4 store's table without a `t:<table>` database: an export of one
+writes B-trees) is read through a manifest and the ranges it names (`pagechunks.lookup`): the
+published manifest (`publish.published_manifests`) where the marker is covered (the writer keeps
+the ranges it names unchanged while readers are registered), else the current one
+(`chunks:<table>` in the metadata: no writer alive).
+
 In another process a snapshot survives the writer's map growth (`MDB_MAP_RESIZED` is adopted at
 the next `begin`) and compaction (the old file stays mapped until `begin` sees a new inode).
 """
@@ -35,10 +41,12 @@ import numpy as np
 
 from .._kernels import HAVE_NUMBA
 from ..errors import StoreCorruptError, TierstoreError
+from .format import CHUNK_FORMAT
 from .lmdb_backend import DATA_NAME, META_DB, encode_keys
 from .lmdb_meta import check_file_size
+from .pagechunks import lookup
 from .pages import PageReader
-from .publish import PUBLISH_DB, PUBLISHED, UNDO_PREFIX, parse_marker
+from .publish import PUBLISH_DB, PUBLISHED, UNDO_PREFIX, parse_marker, published_manifests
 from .record import CHECK_BYTES, open_records, open_values
 from .writers import live_writer
 
@@ -158,6 +166,7 @@ class SnapshotReader:
         self._txn = None
         self._dbs: dict[str, object] = {}
         self._undo: dict[str, object] = {}
+        self._chunks: dict[str, tuple[list[int], list]] | None = None  # chunked: table -> ranges
         self._pages: PageReader | None = None  # checks the search paths of misses
         self._attach()
 
@@ -192,7 +201,7 @@ class SnapshotReader:
                 pass
             self._txn = None
             self.reopens += 1
-        self._dbs, self._undo = {}, {}
+        self._dbs, self._undo, self._chunks = {}, {}, None
 
     def _detach(self) -> None:
         if self._backend is not None:
@@ -300,8 +309,58 @@ class SnapshotReader:
         self._dbs = {n[2:].decode(): h for n, h in handles.items() if n.startswith(b"t:")}
         pre = UNDO_PREFIX.encode()
         self._undo = {n[len(pre):].decode(): h for n, h in handles.items() if n.startswith(pre)}
+        self._chunks = None
+        if (meta.get("store") or {}).get("format_version") == CHUNK_FORMAT:
+            self._chunks = self._manifests(txn, handles, meta, marker)
         return Snapshot(txn.id(), None if marker is None else int(marker["epoch"]),
                         True if marker is None else bool(marker["covered"]), meta)
+
+    def _manifests(self, txn, handles: dict, meta: dict, marker: dict | None
+                   ) -> dict[str, tuple[list[int], list]]:
+        """The ranges ((bounds, names) a table) the snapshot reads a chunked store's rows from."""
+        if marker is not None and marker.get("covered", True):  # the last publish's manifests
+            pubs = published_manifests(txn, handles[PUBLISH_DB], self.path)
+            return {t: (m["bounds"], m["names"]) for t, m in pubs.items()}
+        out = {}  # no writer since (or an export): the current manifests are the state
+        for key, rec in meta.items():
+            if key.startswith("chunks:"):
+                try:
+                    out[key[len("chunks:"):]] = ([int(b) for b in rec["bounds"]],
+                                                 [None if n is None else n.encode()
+                                                  for n in rec["names"]])
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    raise StoreCorruptError(f"store {self.path}: the chunk manifest {key!r} "
+                                            f"is damaged") from exc
+        return out
+
+    def _chunk_get(self, table: str, rows: np.ndarray, width: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """`get` of a chunked table, through the snapshot's manifest (caller holds the guard)."""
+        n = len(rows)
+        out = np.zeros((n, width), dtype=np.float32)
+        found = np.zeros(n, dtype=bool)
+        man = self._chunks.get(table)
+        if n == 0 or man is None:
+            return out, found
+        ids, inv = np.unique(np.asarray(rows, dtype=np.int64), return_inverse=True)
+        got = np.zeros((len(ids), width), dtype=np.float32)
+        hit = np.zeros(len(ids), dtype=bool)
+        bounds, names = man
+        cuts = [0, *np.searchsorted(ids, np.array(bounds[1:], dtype=np.int64)).tolist(), len(ids)]
+        pages = self._reader()
+        if pages is None:
+            raise StoreCorruptError(f"store {self.path}: chunked tables are read by the page "
+                                    f"walker, which needs numba")
+        for r, name in enumerate(names):
+            lo, hi = cuts[r], cuts[r + 1]
+            if name is None or lo == hi:
+                continue
+            part = lookup(pages, self._txn, name, table, ids[lo:hi], width)
+            if part is None:
+                raise StoreCorruptError(f"store {self.path}: chunk range {name!r} of table "
+                                        f"{table!r} holds a layout chunks never use")
+            got[lo:hi], hit[lo:hi] = part
+        return got[inv.ravel()], hit[inv.ravel()]
 
     def get(self, table: str, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows as of the snapshot: (rows float32 [n, width], found bool [n]); missing: zeros.
@@ -320,6 +379,8 @@ class SnapshotReader:
             with self._guard():  # the writer's map growth (or another reader's reopen) waits
                 if self._txn is None:  # lost meanwhile (a reader of this process reopened)
                     raise SnapshotLostError(f"{self.path}: snapshot lost (reopened)")
+                if self._chunks is not None and table not in self._dbs:  # (an export: B-trees)
+                    return self._chunk_get(table, rows, width)
                 db = self._dbs.get(table)
                 if n == 0 or db is None:
                     return out, found
