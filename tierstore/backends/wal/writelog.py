@@ -80,12 +80,11 @@ class WriteLog:
         self.rows_merged = 0
         self.merge_seconds = 0.0
         self.append_seconds = 0.0
-        # chunked tables (format 4): the log is merged whole once it holds 1 row for every
-        # CHUNK_MERGE_SHARE the tables store (at least CHUNK_MERGE_MIN): between flushes its file
-        # stays near half the tables, and each merge rewrites about two rows a row fed (a share
-        # of 3 did not lower the log's peak in `bench.scale`: a flush's dirty cached rows set it)
-        self.stored = sum(backend.count(n) for n in names) if getattr(backend, "chunked", False) \
-            else None
+        # chunked tables (format 4): the background merge takes the whole log once it holds 1
+        # row for every CHUNK_MERGE_SHARE the tables store, and an append past 1 in
+        # CHUNK_FULL_SHARE merges first, inline (a flush hands the caches' dirty rows down at
+        # once): the log's file stays a bounded share of the tables (`merge_at`, `full_at`)
+        self._chunked = bool(getattr(backend, "chunked", False))
 
     @property
     def db(self) -> object:
@@ -237,6 +236,14 @@ class WriteLog:
         ceiling = self._ceiling
         return self.size >= self.merge_at() and (ceiling is None or ceiling > self.merged)
 
+    @property
+    def stored(self) -> int | None:
+        """Rows the tables store, for chunked tables (their levels' counts, kept by every write
+        to them, the log's merges and direct puts alike); None for B-tree tables."""
+        if not self._chunked:
+            return None
+        return sum(self.backend.chunk_level(n, d).rows() for n, d in zip(self.names, self.row_dims))
+
     def merge_at(self) -> int:
         """The log's size that starts a background merge: 3/4 of its capacity, or for chunked
         tables 1 in `CHUNK_MERGE_SHARE` of the rows they store when that is less (at least
@@ -363,8 +370,6 @@ class WriteLog:
                 self.seq_of[slots[still]] = -1
             self._chunks = self._chunks[take:]
             self.merged = hi
-        if self.stored is not None:
-            self.stored = sum(self.backend.count(n) for n in self.names)
         self.rows_merged += merged
         return written
 
