@@ -48,6 +48,8 @@ from .lmdb_common import encode_keys
 from .pagechunks import HEAD
 
 if TYPE_CHECKING:
+    import lmdb
+
     from .chunkmerge import ChunkLevel
 
 WINDOW_ROWS = 8192  # batch rows a read-modify-write transaction
@@ -126,6 +128,23 @@ if HAVE_NUMBA:
         return oc, old_rows, written, 0, 0
 
 
+def _floor_chunks(level: ChunkLevel, rtxn: lmdb.Transaction, name: bytes,
+                  ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mapping, offsets, sizes) of the chunk each sorted id falls in (the page walker's floor
+    search in range `name`, inside `rtxn`)."""
+    spans = level.reader.floor_spans(rtxn.get(name), ids.astype(np.uint64))
+    if spans is None:
+        raise StoreCorruptError(f"table {level.table!r}: chunk range {name!r} holds a layout "
+                                f"chunks never use")
+    return spans
+
+
+def _chunk_starts(offs: np.ndarray) -> np.ndarray:
+    """Where each run of ids sharing one chunk starts in `offs`, and the end."""
+    n = len(offs)
+    return np.concatenate([[0], np.flatnonzero(offs[1:] != offs[:-1]) + 1, [n]])
+
+
 def update_range(level: ChunkLevel, r: int, ids: np.ndarray, src: np.ndarray, verify: bool,
                  totals: np.ndarray, window: int = WINDOW_ROWS) -> None:
     """Batch rows `ids` (sorted, inside range r; records at addresses `src`) merged into range r
@@ -141,12 +160,8 @@ def update_range(level: ChunkLevel, r: int, ids: np.ndarray, src: np.ndarray, ve
                 mem, offs = np.zeros(0, dtype=np.uint8), np.full(n, -1, dtype=np.int64)
                 lens = np.zeros(n, dtype=np.int64)
             else:
-                spans = level.reader.floor_spans(rtxn.get(name), part.astype(np.uint64))
-                if spans is None:
-                    raise StoreCorruptError(f"table {level.table!r}: chunk range {name!r} holds a "
-                                            f"layout chunks never use")
-                mem, offs, lens = spans
-            starts = np.concatenate([[0], np.flatnonzero(offs[1:] != offs[:-1]) + 1, [n]])
+                mem, offs, lens = _floor_chunks(level, rtxn, name, part)
+            starts = _chunk_starts(offs)
             most = int(np.diff(starts).max()) + cap
             out = np.empty((2 * (len(starts) - 1) + n // cap + 1) * vb, dtype=np.uint8)
             firsts = np.empty(len(out) // vb, dtype=np.int64)
@@ -270,14 +285,9 @@ def delete_range(level: ChunkLevel, r: int, ids: np.ndarray, stamp_col: int, cut
         if name is None:  # the range is empty (or was emptied by an earlier window)
             return
         part = ids[lo : lo + window]
-        n = len(part)
         with env.begin() as rtxn:  # the chunks stay put while it is open
-            spans = level.reader.floor_spans(rtxn.get(name), part.astype(np.uint64))
-            if spans is None:
-                raise StoreCorruptError(f"table {level.table!r}: chunk range {name!r} holds a "
-                                        f"layout chunks never use")
-            mem, offs, lens = spans
-            starts = np.concatenate([[0], np.flatnonzero(offs[1:] != offs[:-1]) + 1, [n]])
+            mem, offs, lens = _floor_chunks(level, rtxn, name, part)
+            starts = _chunk_starts(offs)
             groups = len(starts) - 1
             out = np.empty(groups * vb, dtype=np.uint8)
             olds = np.zeros(groups, dtype=np.int64)
