@@ -4,7 +4,7 @@ clocks summed by step (`Clock`), and the write-behind log: opened (`open_log`), 
 writer's sink fills it (`log_append`), read as a merge reads it (`newest_entries`) and emptied
 (`drop_entries`).
 
-- `chunks_*` (issue 36's format 4, `tierstore/backends/chunkmerge.py`, not yet the store's): a
+- `chunks_*` (issue 36's format 4, `tierstore/backends/chunkmerge.py`, alone): a
   base of `--chunks-table` rows of page-sized chunks in ranges of `--chunks-range` rows
   (`chunks_base_write`); `--chunks-cycles` times, `--chunks-run` uniform random rows of the table
   appended to a log as the writer's sink does (`chunks_append`: `pack_log` and `MDB_APPEND`, no
@@ -164,8 +164,9 @@ def _log_merge(log_env: lmdb.Environment, log_db: object, level: ChunkLevel, ver
 def chunks_cases(work: Path, table_rows: int, run_rows: int, cycles: int, seed: int,
                  writemap: bool = False, verify: bool = True, range_rows: int = RANGE_ROWS,
                  in_place_rows: int = 0, get_rows: int = 300_000) -> list[dict]:
-    """Issue 36's steady state on format 4's page chunks (`backends/chunkmerge.py`, not yet the
-    store's): a base of `table_rows` rows written as page chunks in ranges (`chunks_base_write`);
+    """Issue 36's steady state on format 4's page chunks (`backends/chunkmerge.py`, the level
+    alone, outside a store): a base of `table_rows` rows written as page chunks in ranges
+    (`chunks_base_write`);
     `cycles` times, `run_rows` uniform random rows of the table appended to a log as the writer's
     sink does (`chunks_append`), sorted for each id's newest entry (`chunks_sort`), merged into
     the base by rewriting every range they touch, each record copied once from the log's map

@@ -59,7 +59,7 @@ if HAVE_NUMBA:
     import numba
 
     from .chunk_kernels import words_at
-    from .chunkmerge import copy_at, i64_at, open_chunk, seal_chunk
+    from .chunkmerge_kernels import copy_at, i64_at, open_chunk, seal_chunk
     from .record import check_row
 
     @numba.njit(nogil=True, cache=True)

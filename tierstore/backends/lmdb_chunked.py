@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import struct
 import threading
 from collections.abc import Iterator
 
@@ -31,7 +30,7 @@ import numpy as np
 
 from ..errors import StoreCorruptError, TierstoreError
 from . import chunkmerge
-from .chunkmerge import ChunkLevel
+from .chunkmerge import MDB_DB_RECORD, ChunkLevel
 from .chunkupdate import chunk_stamps
 from .chunkwalk import unpack_chunks
 from .lmdb_common import DATA_NAME
@@ -39,7 +38,6 @@ from .pagechunks import HEAD, capacity, lookup
 from .pages import PageReader
 from .record import CHECK_BYTES, open_records, seal
 
-_MDB_DB = struct.Struct("<IHHQQQQQ")  # a named database's record in the main database
 MANIFEST = "chunks:"  # metadata record of a table's ranges: "chunks:<table>"
 RANGE_PREFIX = "c:"  # range databases: "c:<table>.<n>"
 # merges check every chunk's head and ids, but copy records with the checksum they came with: a
@@ -344,10 +342,10 @@ class ChunkTables:
                     if name is None:
                         continue
                     rec = txn.get(name)  # the database's record: no handle needed in `txn`
-                    if rec is None or len(rec) != _MDB_DB.size:
+                    if rec is None or len(rec) != MDB_DB_RECORD.size:
                         raise StoreCorruptError(f"store {self.path}: chunk range {name!r} of "
                                                 f"table {table!r} is missing")
-                    _, _, _, branch, leaf, overflow, _, _ = _MDB_DB.unpack(rec)
+                    _, _, _, branch, leaf, overflow, _, _ = MDB_DB_RECORD.unpack(rec)
                     out["leaf_pages"] += leaf + overflow
                     out["branch_pages"] += branch
                     out["dense_leaf_pages"] += leaf + overflow  # chunks fill their leaves

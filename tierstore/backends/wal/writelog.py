@@ -131,7 +131,7 @@ class WriteLog:
         while self.size and self.size + n > full:  # full: merge, unless a merge running now frees room
             with self.merging:
                 if self.size + n > full:
-                    self._merge(self.size if self.stored is not None else
+                    self._merge(self.size if self._chunked else
                                 self.size + n - self.capacity + self.capacity // 2)
             if self.size + n > full:  # a snapshot holds the merges back: wait for it
                 self._thawed.wait(0.05)
@@ -249,7 +249,7 @@ class WriteLog:
         tables 1 in `CHUNK_MERGE_SHARE` of the rows they store when that is less (at least
         `CHUNK_MERGE_MIN`)."""
         full = self.capacity * 3 // 4
-        if self.stored is None:
+        if not self._chunked:
             return full
         return min(full, max(CHUNK_MERGE_MIN, self.stored // CHUNK_MERGE_SHARE))
 
@@ -258,14 +258,14 @@ class WriteLog:
         or for chunked tables 1 row for every `CHUNK_FULL_SHARE` they store when that is less
         (at least twice `CHUNK_MERGE_MIN`): the log's file stays a bounded share of the tables
         even when a flush hands the caches' dirty rows down at once."""
-        if self.stored is None:
+        if not self._chunked:
             return self.capacity
         return min(self.capacity, max(2 * CHUNK_MERGE_MIN, self.stored // CHUNK_FULL_SHARE))
 
     def merge_rows(self) -> int:
         """Rows a background merge takes: the older half of the capacity, or for chunked tables
         the whole log (so the tables' rows are about twice the merge's)."""
-        return self.capacity // 2 if self.stored is None else self.size
+        return self.size if self._chunked else self.capacity // 2
 
     def freeze(self) -> int:
         """Hold every merge below the log's end as it is now (a snapshot's point, taken while
