@@ -5,14 +5,17 @@ ranges drop their databases, and damage or bad input is an error that changes no
 from __future__ import annotations
 
 import threading
+import time
 from unittest import mock
 
 import lmdb
 import numpy as np
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import tierstore as ts
 from tests.profiles import examples
 from tests.test_chunkmerge import TOP, _damage, _named, ids_st
 from tierstore.backends import chunkupdate, pagechunks
@@ -275,3 +278,25 @@ def test_deletes_beside_a_merging_thread_keep_the_level_whole(tmp_path):
         if x not in merged:
             del ref[x]
     _check(level, ref)
+
+
+def test_the_ttl_deleter_waits_for_a_range_rewrite_without_the_store_lock(tmp_path):
+    """While the merger rewrites a range (it holds the level's lock), the background deleter
+    waits for that lock without holding the store lock, which the training step needs."""
+    spec = ts.TableSpec("t", 10**9, 4, optimizer=ts.Adagrad(0.1), ttl=2)
+    ids = torch.arange(300) * 7919
+    with ts.TierStore(tmp_path / "s", [spec], device_capacity=0, host_capacity=0, device="cpu",
+                      seed=5, table_format="chunks") as store:
+        store.apply("t", ids, torch.ones(300, 4))
+        store.flush()
+        level = store.backend.chunk_level("t", store.table_specs["t"].row_dim)
+        with level.lock:  # a rewrite under way
+            store.advance(3)  # every row stale
+            store.flush()  # the cutoff durable: the deleter starts and waits for the level
+            time.sleep(0.3)
+            assert not store.expiry.wait(0)  # it has work and cannot do it yet ...
+            got = store.lock.acquire(timeout=2)  # ... but leaves the store lock free
+            assert got
+            store.lock.release()
+        assert store.expiry.wait(10)
+        assert store.backend.count("t") == 0

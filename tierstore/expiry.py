@@ -154,18 +154,43 @@ def expire_table(store: TierStore, spec: TableSpec, cutoff: int,
             if stop is None:
                 deleted += delete_stale(store.backend, spec, part, cutoff)
                 continue
-            while not store.lock.acquire(timeout=0.05):  # close() holds it while stopping us
-                if stop.is_set():
-                    return deleted
-            try:
-                if stop.is_set() or store.closed:
-                    return deleted
-                n = delete_stale(store.backend, spec, part, cutoff)
-                deleted += n
-                store.expiry.expired_rows += n  # (expire() counts its own)
-            finally:
-                store.lock.release()
+            n = _delete_in_background(store, spec, part, cutoff, stop)
+            if n is None:
+                return deleted
+            deleted += n
     return deleted
+
+
+def _delete_in_background(store: TierStore, spec: TableSpec, ids: np.ndarray, cutoff: int,
+                          stop: threading.Event) -> int | None:
+    """One chunk of the deleter's deletes under the store lock; None once `stop` is set.
+
+    A chunked table's level lock is taken first and the store lock only tried under it: a
+    range rewrite by the merger holds the level lock for a whole range (about a million rows),
+    and the deleter must not hold the store lock (the training step's) through that wait. The
+    store lock is only tried, and the level lock let go between tries, because a flush holding
+    the store lock takes the level lock to merge.
+    """
+    level = store.backend.chunk_level(spec.name, spec.row_dim) \
+        if getattr(store.backend, "chunked", False) else None
+    while True:
+        if stop.is_set():
+            return None
+        if level is not None and not level.lock.acquire(timeout=0.05):
+            continue  # a rewrite of this table is under way: wait without the store lock
+        try:
+            if store.lock.acquire(timeout=0.05):  # close() holds it while stopping us
+                try:
+                    if stop.is_set() or store.closed:
+                        return None
+                    n = delete_stale(store.backend, spec, ids, cutoff)
+                    store.expiry.expired_rows += n  # (expire() counts its own)
+                    return n
+                finally:
+                    store.lock.release()
+        finally:
+            if level is not None:
+                level.lock.release()
 
 
 def expire(store: TierStore, table: str | None, older_than: int) -> dict[str, int]:
