@@ -355,7 +355,7 @@ class SnapshotReader:
             lo, hi = cuts[r], cuts[r + 1]
             if name is None or lo == hi:
                 continue
-            part = lookup(pages, self._txn, name, table, ids[lo:hi], width)
+            part = lookup(pages, self._txn, name, table, ids[lo:hi], width, f"store {self.path}, ")
             if part is None:
                 raise StoreCorruptError(f"store {self.path}: chunk range {name!r} of table "
                                         f"{table!r} holds a layout chunks never use")
