@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-capacity", default="128MiB")
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--prefetch", type=int, default=0)
-    ap.add_argument("--table-format", choices=("btree", "chunks"), default="btree",
+    ap.add_argument("--table-format", choices=("chunks", "btree"), default="chunks",
                     help="the store's tables on disk (TierStore(table_format=...))")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="runs/bench_scale", help="where the run directories go")

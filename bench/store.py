@@ -7,7 +7,8 @@ Cases (one table, dim 64, row-wise Adagrad, batches of unique random ids over a 
   call also moves a batch down to the host tier); same ceiling on a host-slab-shaped tensor.
 - lmdb_cached: every row misses both caches and is read from LMDB with the data in the page cache;
   apply also writes back one dirty evicted row per row. Ceiling: raw py-lmdb on the same
-  environment (a `txn.get` loop over sorted keys; for apply, plus `putmulti` of the same payloads).
+  environment (a `txn.get` loop over sorted keys; for apply, plus `putmulti` of the same payloads),
+  so this case's store keeps B-tree tables (`table_format="btree"`: a B-tree against py-lmdb).
 - lmdb_cold: as lmdb_cached, but the store is flushed, closed, its data.mdb dropped from the page
   cache (`posix_fadvise(DONTNEED)`) and reopened before each timed call; caches are refilled from
   another id range first. The raw ceiling runs under the same protocol.
@@ -246,8 +247,10 @@ class LmdbCase:
         _populate(self.store, ids, dim)
 
     def _open(self) -> TierStore:
+        # named: two tiers the misses rotate through; B-tree tables, which the py-lmdb ceiling
+        # reads (a `txn.get` loop over the table's database)
         return TierStore(self.path, self.spec, device_capacity=self.batch, host_capacity=self.batch,
-                         policy="lru", device_cache="slab")  # named: two tiers the misses rotate through
+                         policy="lru", device_cache="slab", table_format="btree")
 
     def _raw(self) -> RawLmdb:
         return RawLmdb(self.store.backend.env, self.store.backend.table_db(TABLE), self.width)

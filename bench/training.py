@@ -111,7 +111,7 @@ class TierstoreRunner(Runner):
                  split: str = "even", policy: str | None = None,
                  staging: float | None = None, device: str = "cpu", kernels: str = "auto",
                  pipeline: dict | None = None, device_cache: str = "auto",
-                 table_format: str = "btree") -> None:
+                 table_format: str = "chunks") -> None:
         self.name, self.wl = name, wl
         self.depth = depth
         total = wl.tables * wl.rows
@@ -450,9 +450,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="TierStore(kernels=...): the step engine's backend")
     p.add_argument("--device-cache", default="auto", choices=("auto", "slab", "sets"),
                    help="TierStore(device_cache=...): the device tier's structure (auto: sets on CUDA)")
-    p.add_argument("--table-format", default="btree", choices=("btree", "chunks"),
-                   help="TierStore(table_format=...): the stores' tables on disk, B-trees (format "
-                        "3) or page-chunk levels (format 4)")
+    p.add_argument("--table-format", default="chunks", choices=("chunks", "btree"),
+                   help="TierStore(table_format=...): the stores' tables on disk, page-chunk "
+                        "levels (format 4, the default) or B-trees (format 3)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--profile", action="store_true", help="also cProfile one block per config")

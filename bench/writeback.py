@@ -74,7 +74,7 @@ from .writeback_chunks import DIM, Clock, drop_entries, log_append, newest_entri
 LEAF_ROWS = 14  # 272-byte records and 8-byte keys in a 4 KiB LMDB leaf page
 
 
-def _store(work: Path, tables: int, rows: int, seed: int, table_format: str = "btree") -> TierStore:
+def _store(work: Path, tables: int, rows: int, seed: int, table_format: str = "chunks") -> TierStore:
     specs = [TableSpec(f"t{i}", rows, DIM, optimizer=RowWiseAdagrad(0.01)) for i in range(tables)]
     store = TierStore(work / "store", specs, device_capacity=0, host_capacity=0,
                       table_format=table_format)
@@ -411,9 +411,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lsm-cycles", type=int, default=3, help="merges into the base")
     ap.add_argument("--lsm-only", action="store_true", help="run the LSM cases (and log_append) alone")
     writeback_chunks.add_options(ap)
-    ap.add_argument("--table-format", choices=("btree", "chunks"), default="btree",
-                    help="TierStore(table_format=...) of the store's cases: B-tree tables (format "
-                         "3) or page-chunk levels (format 4)")
+    ap.add_argument("--table-format", choices=("chunks", "btree"), default="chunks",
+                    help="TierStore(table_format=...) of the store's cases: page-chunk levels "
+                         "(format 4, the default) or B-tree tables (format 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)

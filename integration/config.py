@@ -41,7 +41,9 @@ class TrainConfig:
     device: str = "cpu"
     admission: str | None = None  # e.g. "count:2": feature admission of every table
     ttl: int | None = None  # expire rows not updated for this many steps (every table)
-    table_format: str = "btree"  # the store's tables on disk: "btree" or "chunks" (format 4)
+    # the store's tables on disk: "chunks" (format 4) or "btree" (format 3); None: the library's
+    # default (StoreConfig.table_format: chunks)
+    table_format: str | None = None
 
     def validate(self) -> None:
         """Raise ConfigError on inconsistent options."""

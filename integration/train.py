@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--host-capacity", "host cache tier: rows or a size like 512MiB", default=None)
     opt("--policy", "cache policy of both tiers (lru, lfu, hlfu, s3fifo, ...; docs/policies.md)")
     opt("--prefetch", "look-ahead depth in batches of the Prefetcher (0: off)", type=int, default=None)
-    opt("--table-format", "the store's tables on disk: btree (format 3) or chunks (format 4)",
-        choices=("btree", "chunks"))
+    opt("--table-format", "the store's tables on disk: chunks (format 4, the default) or btree "
+        "(format 3)", choices=("chunks", "btree"))
     opt("--eval-interval", "held-out evaluation every N steps (0: only at the end)", type=int,
         default=None)
     opt("--eval-batches", "held-out batches per evaluation", type=int, default=None)

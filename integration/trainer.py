@@ -91,7 +91,7 @@ class Trainer:
         kw = dict(device_capacity=parse_capacity(self.cfg.device_capacity),
                   host_capacity=parse_capacity(self.cfg.host_capacity),
                   policy=self.cfg.policy, seed=self.cfg.seed, device=self.cfg.device,
-                  table_format=self.cfg.table_format)
+                  **({} if self.cfg.table_format is None else {"table_format": self.cfg.table_format}))
         store_path = self.run_dir / "store"
         latest = self.latest() if self.cfg.resume else None
         if latest is not None:

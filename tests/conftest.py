@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import as_chunks, as_cuda, profiles
+from tests import as_cuda, as_format, profiles
 
 PROFILE = profiles.load()
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -57,7 +57,7 @@ def _as_cuda_layout(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _as_chunks_format(monkeypatch):
-    """TIERSTORE_TEST_TABLE_FORMAT=chunks: new stores keep their tables as page chunks (as_chunks.py)."""
-    if as_chunks.wanted():
-        as_chunks.patch(monkeypatch.setattr)
+def _as_table_format(monkeypatch):
+    """TIERSTORE_TEST_TABLE_FORMAT=btree: new stores keep their tables as B-trees (as_format.py)."""
+    if as_format.wanted():
+        as_format.patch(monkeypatch.setattr)

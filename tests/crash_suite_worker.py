@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import tierstore as ts
-from tests import as_chunks
+from tests import as_format
 from tierstore.export import export_store, import_store
 
 SEED = 11
@@ -68,7 +68,7 @@ def open_store(path: str | Path, phase: str) -> ts.TierStore:
     """The store a phase trains."""
     d, h, _ = caps(phase)
     return ts.TierStore(path, SPECS, device_capacity=d, host_capacity=h, seed=SEED, device="cpu",
-                        table_format=as_chunks.wanted() or "btree")
+                        **as_format.options())
 
 
 def train(store: ts.TierStore, step: int, phase: str) -> None:

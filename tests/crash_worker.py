@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import tierstore as ts
-from tests import as_chunks
+from tests import as_format
 from tierstore.backends.lmdb_backend import LmdbBackend
 
 SPECS = [ts.TableSpec("a", 10**11, 8, optimizer=ts.Adagrad(0.1)),
@@ -26,7 +26,7 @@ BATCH = 384
 
 def open_store(path: str | Path, device_cap: int, host_cap: int, **kw) -> ts.TierStore:
     """The store the crash tests train (its tables as TIERSTORE_TEST_TABLE_FORMAT asks)."""
-    kw.setdefault("table_format", as_chunks.wanted() or "btree")
+    kw = {**as_format.options(), **kw}
     return ts.TierStore(path, SPECS, device_capacity=device_cap, host_capacity=host_cap,
                         seed=SEED, device="cpu", **kw)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import tierstore as ts
-from tests import as_chunks
+from tests import as_format
 from tierstore.serving import ReadOnlyStore
 
 
@@ -27,7 +27,7 @@ def main() -> None:
     spec = ts.TableSpec("t", 400, 4, optimizer=ts.Adagrad(0.1))
     gen = torch.Generator().manual_seed(6)
     with ts.TierStore(path, [spec], device_capacity=16, host_capacity=32, device="cpu",
-                      write_buffer=8, table_format=as_chunks.wanted() or "btree") as store:
+                      write_buffer=8, **as_format.options()) as store:
         for _ in range(3):
             store.apply("t", torch.randint(0, 400, (200,), generator=gen),
                         torch.randn(200, 4, generator=gen))

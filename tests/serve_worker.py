@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import tierstore as ts
-from tests import as_chunks
+from tests import as_format
 from tierstore.backends import lmdb_backend
 
 ROWS, DIM = 3000, 8
@@ -38,7 +38,7 @@ def main() -> None:
     # caches far below the touched rows: dirty rows are evicted to LMDB between flushes
     store = ts.TierStore(store_path, [SPEC], device_capacity=64, host_capacity=128, seed=1,
                          device="cpu", write_buffer=16,
-                         table_format=as_chunks.wanted() or "btree")
+                         **as_format.options())
     flushes = busy = 0
     merged = store.stats()["writeback"]["log_merged"]
     for step in range(1, steps + 1):

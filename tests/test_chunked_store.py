@@ -3,8 +3,8 @@
 A chunked store must hold exactly the rows a B-tree store holds under any sequence of writes,
 flushes, merges and reopens; its manifest must always name the ranges that hold the rows; a
 kill at any point of a merge must leave a store that opens with every acknowledged row; expiry
-(expire(), ttl tables) must delete what it deletes on a B-tree store; and the features it does not
-offer yet (read-only handles) must refuse with a clear error and change nothing.
+(expire(), ttl tables) must delete what it deletes on a B-tree store. Wide rows (B-tree tables
+inside a chunked store): test_chunks_default.py.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def test_checkpoint_restore_export_import_and_compact(tmp_path):
         got = _all_rows(r)
         assert all(np.array_equal(got[n], want[n]) for n in want)
         _check_manifests(r)
-    import_store(tmp_path / "ex", tmp_path / "i")  # chunks -> B-trees
+    import_store(tmp_path / "ex", tmp_path / "i", table_format="btree")  # chunks -> B-trees
     assert cli_main(["import", str(tmp_path / "ex"), str(tmp_path / "i2"), "--table-format",
                      "chunks", "--no-progress"]) == 0  # and into chunks again
     for where, chunked in (("i", False), ("i2", True)):
@@ -205,15 +205,12 @@ def test_chunks_are_dense_on_disk(tmp_path):
         assert ssd["leaf_pages"] == ssd["dense_leaf_pages"]
 
 
-def test_unsupported_features_refuse_and_change_nothing(tmp_path):
-    """Rows wider than a page chunk refuse a chunked store with ConfigError; a bad table_format
-    is refused before any file is made; a read-only handle reads a closed chunked store."""
+def test_a_bad_format_refuses_and_readonly_handles_read_chunks(tmp_path):
+    """A bad table_format is refused before any file is made; a read-only handle reads a closed
+    chunked store. (Rows wider than a page chunk: test_chunks_default.py.)"""
     with pytest.raises(ConfigError, match="table_format"):
         ts.TierStore(tmp_path / "x", SPECS, table_format="lsm")
     assert not (tmp_path / "x").exists()
-    wide = [ts.TableSpec("w", 100, 600)]  # a row wider than a page chunk
-    with pytest.raises(ConfigError, match="page\\s+chunks"):
-        ts.TierStore(tmp_path / "w", wide, device="cpu", table_format="chunks")
     with _open(tmp_path / "c", "chunks") as s:
         _write(s, np.random.default_rng(4), 200)
         want = {spec.name: s.read(spec.name, torch.arange(spec.num_rows)).cpu() for spec in SPECS}

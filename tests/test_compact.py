@@ -128,8 +128,10 @@ def test_close_compacts_a_bloated_store(tmp_path):
 
 
 def test_tree_pages_show_the_leaves_fill_and_stats_split_the_files(tmp_path):
+    """The B-tree's leaf fill (chunk levels fill theirs: test_chunked_store.py)."""
     path = tmp_path / "s"
-    store = ts.TierStore(path, SPECS, device_capacity=0, host_capacity=0, seed=3, device="cpu")
+    store = ts.TierStore(path, SPECS, device_capacity=0, host_capacity=0, seed=3, device="cpu",
+                         table_format="btree")
     random_writes(store.backend, 120_000, 20_000)
     store.backend.sync()
     pages = store.backend.tree_pages(["big", "small"])

@@ -14,6 +14,8 @@ def spec(name="t"):
 
 def test_keywords_and_config_build_the_same_store(tmp_path):
     cfg = StoreConfig(device_capacity=16, host_capacity=32, policy="lfu", seed=3)
+    # (under TIERSTORE_TEST_TABLE_FORMAT, `build` also sets the table format: tests/as_format.py)
+    cfg = StoreConfig.build(cfg)
     with TierStore(tmp_path / "a", [spec()], config=cfg) as a:
         assert a.config == cfg
         ra = a.read("t", torch.arange(10))
@@ -24,10 +26,18 @@ def test_keywords_and_config_build_the_same_store(tmp_path):
 
 
 def test_options_replace_config_fields(tmp_path):
-    cfg = StoreConfig(device_capacity=16, policy="lfu")
+    cfg = StoreConfig.build(StoreConfig(device_capacity=16, policy="lfu"))  # (as_format.py)
     with TierStore(tmp_path / "s", [spec()], config=cfg, policy="lru") as s:
         assert s.config == dataclasses.replace(cfg, policy="lru")
         assert s.policy == "lru"
+
+
+def test_new_stores_keep_page_chunks_by_default():
+    """The default table format is page chunks (format 4); "btree" and "chunks" are the values."""
+    assert StoreConfig().table_format == "chunks"
+    assert StoreConfig(table_format="btree").table_format == "btree"
+    with pytest.raises(ConfigError, match="table_format"):
+        StoreConfig(table_format="auto")
 
 
 def test_config_is_frozen():

@@ -175,7 +175,7 @@ def test_flipped_leaf_pointer_or_lower_is_corrupt_not_lazy_init(tmp_path, page_r
     from tierstore.backends import lmdb_backend
 
     monkeypatch.setattr(lmdb_backend, "PAGE_READS", page_reads)
-    store = _store(tmp_path / "s")
+    store = _store(tmp_path / "s", table_format="btree")  # the B-tree's leaf pages damaged
     ids = torch.arange(3000) * 7
     store.apply("t", ids, torch.randn(3000, 8, generator=torch.Generator().manual_seed(1)))
     want = store.read("t", ids)
@@ -211,7 +211,7 @@ def test_flipped_leaf_pointer_or_lower_is_corrupt_not_lazy_init(tmp_path, page_r
 def test_verify_cli_finds_a_damaged_page_and_passes_a_sound_store(tmp_path, capsys):
     from tierstore.cli import main
 
-    store = _store(tmp_path / "s")
+    store = _store(tmp_path / "s", table_format="btree")  # a B-tree leaf damaged
     ids = torch.arange(3000) * 7
     store.apply("t", ids, torch.ones(3000, 8))
     record = store.table_specs["t"].row_dim * 4 + 4

@@ -574,12 +574,14 @@ def test_a_chunked_log_with_superseded_versions_replays_the_newest(tmp_path):
 
 def test_a_merge_writes_each_table_once_in_ascending_key_order(tmp_path, monkeypatch):
     """However many pieces a merge takes, its writes of one table cover ascending, disjoint key
-    ranges (each leaf page rewritten once per merge), and the tables end with the newest rows."""
+    ranges (each leaf page rewritten once per merge), and the tables end with the newest rows.
+    (B-tree tables: a chunk level takes each table's merge in one call.)"""
     from tierstore.backends import wal
 
     monkeypatch.setattr(wal.merge, "MERGE_ROWS", 50)
     specs = [ts.TableSpec("a", 10**6, 4), ts.TableSpec("b", 10**6, 4)]
-    with ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=0, host_capacity=0) as s:
+    with ts.TierStore(tmp_path / "s", specs, device="cpu", device_capacity=0, host_capacity=0,
+                      table_format="btree") as s:
         s.flush()
         s.log.stop_merger()
         calls: list[tuple[str, np.ndarray]] = []
@@ -947,7 +949,8 @@ from tierstore.backends import lmdb_backend, wal
 
 path = sys.argv[1]
 spec = ts.TableSpec("t", 10**6, 4)
-s = ts.TierStore(path, spec, device="cpu", device_capacity=0, host_capacity=0, write_log=10**5)
+s = ts.TierStore(path, spec, device="cpu", device_capacity=0, host_capacity=0, write_log=10**5,
+                 table_format="btree")  # a merge in B-tree commits (chunks: test_chunked_store)
 rows = np.arange(0, 30000, 3, dtype=np.int64)
 one = np.zeros((len(rows), spec.row_dim), dtype=np.float32)
 one[:, :4] = 1.0

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import __version__
 from .backends.lmdb_meta import LAST_LAYOUT, LAST_OPEN, read_meta
-from .errors import ConfigError, TierstoreError
+from .errors import TierstoreError
 
 # library keyword arguments named in error messages -> this command's flags
 _FLAG_NAMES = {"overwrite=True": "--overwrite", "map_limit": "--map-limit"}
@@ -25,12 +25,14 @@ def _info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"store {report['path']}  format v{report['format_version']}  seed {report['seed']}")
+    kind = {3: " (B-tree tables)", 4: " (page-chunk tables)"}.get(report["format_version"], "")
+    print(f"store {report['path']}  format v{report['format_version']}{kind}  seed {report['seed']}")
     print(f"disk: {report['disk_bytes'] / 2**20:.1f} MiB")
-    print(f"{'table':<20} {'num_rows':>16} {'dim':>5} {'dtype':>9} {'optimizer':>16} {'rows stored':>12}")
+    print(f"{'table':<20} {'num_rows':>16} {'dim':>5} {'dtype':>9} {'optimizer':>16} {'rows stored':>12} "
+          f"{'format':>7}")
     for t in report["tables"]:
         print(f"{t['name']:<20} {t['num_rows']:>16} {t['dim']:>5} {t['dtype']:>9} "
-              f"{t['optimizer']['kind']:>16} {t['rows_stored']:>12}")
+              f"{t['optimizer']['kind']:>16} {t['rows_stored']:>12} {t['table_format']:>7}")
     print("\nhyperparameters (stored at creation; TierStore.open uses these):")
     for t in report["tables"]:
         print(f"  {t['name']}: optimizer {_kv(t['optimizer'])}; init {_kv(t['init'])}")
@@ -74,6 +76,7 @@ def store_info(path: str) -> dict:
             cfg = meta[key]
             last = last_open.get(cfg["name"])
             report["tables"].append({**cfg, "rows_stored": raw["rows"].get(cfg["name"], 0),
+                                     "table_format": raw["table_formats"].get(cfg["name"], "btree"),
                                      "last_open": last if last not in (None, cfg) else None})
     return report
 
@@ -156,12 +159,8 @@ def _import(args: argparse.Namespace) -> int:
     if args.world_size is not None:  # re-partitioned into one shard store per rank
         from .distributed.repartition import import_sharded
 
-        if args.table_format != "btree":
-            raise ConfigError("--table-format chunks builds one store: a sharded import "
-                              "(--world-size) builds B-tree stores")
-
         m = import_sharded(args.src, args.path, args.world_size, sharding=args.sharding,
-                           map_limit=args.map_limit)
+                           map_limit=args.map_limit, table_format=args.table_format)
     else:
         try:
             total = sum(int(t["rows"]) for t in read_export_manifest(args.src)["tables"])
@@ -295,9 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a new (or empty) directory for the store")
     p.add_argument("--map-limit", default=None, help="cap on the store's size, e.g. 100GiB "
                    "(default: no cap)")
-    p.add_argument("--table-format", choices=("btree", "chunks"), default="btree",
-                   help="the new store's tables on disk: B-trees (format 3) or page-chunk levels "
-                        "(format 4, docs/persistence.md)")
+    p.add_argument("--table-format", choices=("chunks", "btree"), default=None,
+                   help="the new store's tables on disk: page-chunk levels (format 4, the "
+                        "default; a table too wide for a chunk stays a B-tree) or B-trees "
+                        "(format 3); docs/persistence.md")
     p.add_argument("--world-size", type=int, default=None,
                    help="build a sharded store for N ranks (re-partitioned by the new plan)")
     p.add_argument("--sharding", choices=("row", "table"), default=None,

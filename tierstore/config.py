@@ -145,10 +145,11 @@ class StoreConfig:
     (`tierstore.resolve`). `device_cache`: the device tier's structure: "slab" (a slab with a
     hash index and the policy registry), "sets" (a set-associative cache whose state is tensors
     on the device, LRU or LFU; docs/design.md), or "auto": "sets" on CUDA, "slab" on the CPU.
-    `table_format`: how a store created now keeps its rows on disk: "btree" (a B-tree entry a
-    row, format 3) or "chunks" (sorted page-sized chunks in ranges, format 4: dense on disk and
-    merged sequentially; read-only handles too, docs/persistence.md "Page-chunk tables"). An
-    existing store keeps the format it was created with.
+    `table_format`: how a store created now keeps its rows on disk: "chunks" (the default:
+    sorted page-sized chunks in ranges, format 4, dense on disk and merged sequentially;
+    docs/persistence.md "Page-chunk tables"), or "btree" (a B-tree entry a row, format 3). A
+    table whose rows do not fit a chunk (over 499 float32 words with the optimizer's state)
+    stays a B-tree in a chunked store. An existing store keeps the format it was created with.
     """
 
     device_capacity: int | str = "64MiB"
@@ -165,7 +166,7 @@ class StoreConfig:
     kernels: str = "auto"
     damaged_log: str = "raise"  # a damaged crash-left log: "raise", or "last_flush" (drop it)
     device_cache: str = "auto"  # the device tier: "slab", "sets", or "auto" (sets on CUDA)
-    table_format: str = "btree"  # a new store's tables on disk: "btree" (format 3) or "chunks" (4)
+    table_format: str = "chunks"  # a new store's tables on disk: "chunks" (format 4) or "btree" (3)
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:

@@ -256,12 +256,12 @@ def _read_shard(src: Path, shard: dict, spec: TableSpec, shuffle: bool,
 def import_store(src: str | os.PathLike, path: str | os.PathLike, *,
                  map_limit: int | str | None = None,
                  progress: Callable[[int], None] | None = None,
-                 table_format: str = "btree") -> dict:
+                 table_format: str | None = None) -> dict:
     """Build a new store at `path` from the export `src`; returns the export's manifest.
 
     `progress` gets the rows written after each shard (the `tierstore import` progress bar).
-    `table_format`: the new store's tables, "btree" or "chunks" (`StoreConfig.table_format`:
-    an export and an import convert a store from one to the other).
+    `table_format`: the new store's tables, "chunks" or "btree" (`StoreConfig.table_format`;
+    None: its default, "chunks"): an export and an import convert a store from one to the other.
 
     The store is assembled beside `path` and renamed into place only once every shard has been
     verified and written, so a bad export or a full disk leaves `path` as it was.
@@ -282,7 +282,7 @@ def import_store(src: str | os.PathLike, path: str | os.PathLike, *,
     try:
         store = TierStore(staging / "store", manifest["specs"], device_capacity=0, host_capacity=0,
                           seed=int(manifest["seed"]), device="cpu", map_limit=map_limit,
-                          table_format=table_format)
+                          **({} if table_format is None else {"table_format": table_format}))
         try:
             dctx = zstandard.ZstdDecompressor()
             for spec, table in zip(manifest["specs"], manifest["tables"]):

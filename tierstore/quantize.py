@@ -76,7 +76,10 @@ def export_quantized(src: TierStore | str | os.PathLike, dest: str | os.PathLike
             tables = []
             try:
                 widths = {s.name: stored_width(s.dim, dtype) for s in specs}
-                records = {"store": store_meta, "quantized": {"dtype": dtype, "widths": widths}}
+                # its tables are B-trees whatever the source's: the record says format 3 (a
+                # chunked source's format 4 would tell readers to look for chunk manifests)
+                records = {"store": {**store_meta, "format_version": FORMAT_VERSION},
+                           "quantized": {"dtype": dtype, "widths": widths}}
                 records.update({f"table:{s.name}": s.to_config() for s in specs})
                 mdb = env.open_db(META_DB, create=True)
                 with env.begin(write=True, db=mdb) as w:

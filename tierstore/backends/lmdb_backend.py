@@ -241,6 +241,8 @@ class LmdbBackend(TableRows, ChunkTables, LogIO, MemoryMap, Compaction, Snapshot
             except ValueError as exc:
                 raise StoreCorruptError(f"store {self.path}: its store record is not valid JSON") from exc
             self.chunked = store.get("format_version") == CHUNK_FORMAT  # format 4: chunk levels
+            # its tables kept as B-trees (rows too wide for a chunk): those with a `t:` database
+            self.btree_tables = self.find_btree_tables() if self.chunked else frozenset()
             if not self.readonly:
                 if self.publisher is not None:
                     self.publisher.close()
@@ -311,7 +313,7 @@ class LmdbBackend(TableRows, ChunkTables, LogIO, MemoryMap, Compaction, Snapshot
         try:
             return json.loads(raw)
         except ValueError as exc:
-            raise StoreCorruptError(f"metadata record {key!r} is not valid JSON") from exc
+            raise StoreCorruptError(f"store {self.path}: metadata record {key!r} is not valid JSON") from exc
 
     def meta_keys(self) -> list[str]:
         """Names of all metadata records."""
@@ -342,7 +344,7 @@ class LmdbBackend(TableRows, ChunkTables, LogIO, MemoryMap, Compaction, Snapshot
 
     def count(self, table: str) -> int:
         """Rows stored for a table."""
-        if self.chunked:
+        if self.is_chunked(table):
             return self.chunk_count(table)
         with self.reading():
             db = self.table_db(table)
@@ -354,12 +356,10 @@ class LmdbBackend(TableRows, ChunkTables, LogIO, MemoryMap, Compaction, Snapshot
     def tree_pages(self, tables: list[str]) -> dict[str, int]:
         """The tables' B-tree pages, and the leaf pages their rows would take packed full
         (`dense_leaf_pages`, what a compaction writes): their ratio is the leaves' fill."""
-        if self.chunked:
-            return self.chunk_tree_pages(tables)
-        out = {"leaf_pages": 0, "branch_pages": 0, "dense_leaf_pages": 0}
+        out = self.chunk_tree_pages([t for t in tables if self.is_chunked(t)])
         with self.reading():
             psize = self.env.stat()["psize"]
-            for table in tables:
+            for table in [t for t in tables if not self.is_chunked(t)]:
                 db = self.table_db(table)
                 if db is None:
                     continue

@@ -40,6 +40,7 @@ from .record import CHECK_BYTES, open_records, seal
 
 MANIFEST = "chunks:"  # metadata record of a table's ranges: "chunks:<table>"
 RANGE_PREFIX = "c:"  # range databases: "c:<table>.<n>"
+BTREE_PREFIX = b"t:"  # a B-tree table's database: "t:<table>" (in a format-4 store: a wide table)
 # merges check every chunk's head and ids, but copy records with the checksum they came with: a
 # damaged record stays damaged (its read fails, naming it) instead of stopping every later merge;
 # True checks each record copied too (~20% of a merge's CPU)
@@ -48,9 +49,43 @@ REPACK_FILL = 0.97  # on close, ranges whose chunks are under this full on avera
 
 
 class ChunkTables:
-    """Tables stored as page-chunk levels (an `LmdbBackend` mixin; `self.chunked` says whether)."""
+    """Tables stored as page-chunk levels (an `LmdbBackend` mixin; `self.chunked` says whether
+    the store is of format 4, `is_chunked` whether a table of it is)."""
 
     chunked: bool = False
+    # a format-4 store's tables kept as B-trees (rows too wide for a chunk): their `t:<table>`
+    # database is the durable record (docs/design.md "Chunks by default")
+    btree_tables: frozenset[str] = frozenset()
+
+    def is_chunked(self, table: str) -> bool:
+        """Whether a table's rows are page chunks: every table of a format-4 store, but those
+        kept as B-trees."""
+        return self.chunked and table not in self.btree_tables
+
+    def find_btree_tables(self) -> frozenset[str]:
+        """The tables with a B-tree database (`t:<table>`) in the environment."""
+        out = set()
+        with self.env.begin() as txn:
+            cur = txn.cursor()
+            if cur.set_range(BTREE_PREFIX):
+                for key in cur.iternext(keys=True, values=False):
+                    if not key.startswith(BTREE_PREFIX):
+                        break
+                    out.add(bytes(key[len(BTREE_PREFIX):]).decode())
+        return frozenset(out)
+
+    def keep_as_btree(self, tables: list[str]) -> None:
+        """Keep these tables of a format-4 store as B-trees (their rows do not fit a chunk), before
+        they open: `open_tables` creates their databases, which record it for later opens."""
+        if not self.chunked:
+            return
+        for table in tables:
+            if table in self.btree_tables:
+                continue
+            if self.get_meta(f"{MANIFEST}{table}") is not None:
+                raise StoreCorruptError(f"store {self.path}: table {table!r} has page chunks but "
+                                        f"rows too wide for them")
+            self.btree_tables = self.btree_tables | {table}
 
     def forget_levels(self) -> None:
         """Drop the opened levels and the chunk page reader (the environment was (re)opened)."""
@@ -153,7 +188,7 @@ class ChunkTables:
                         if name is None or lo == hi:
                             continue
                         part = lookup(self._chunk_reader(), txn, name, table, ids[lo:hi],
-                                      width)
+                                      width, f"store {self.path}, ")
                         if part is None:
                             raise StoreCorruptError(f"store {self.path}: chunk range {name!r} of "
                                                     f"table {table!r} holds a layout chunks never use")

@@ -39,7 +39,8 @@ def check_file_size(env: lmdb.Environment, data: Path, store: Path) -> int:
 
 
 def read_meta(path: str | os.PathLike) -> dict:
-    """{"meta": {key: record}, "rows": {table: rows stored}, "disk_bytes", "map_used_bytes"}."""
+    """{"meta": {key: record}, "rows": {table: rows stored}, "table_formats": {table: "chunks" or
+    "btree"}, "disk_bytes", "map_used_bytes"}."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise TierstoreError(f"store path {path} exists and is not a directory")
@@ -58,12 +59,17 @@ def read_meta(path: str | os.PathLike) -> dict:
             except lmdb.NotFoundError:
                 raise StoreCorruptError(f"store at {path} has no tierstore metadata") from None
             meta = {k.decode(): json.loads(v) for k, v in txn.cursor(db=meta_db)}
-            rows = {}
+            rows, formats = {}, {}
+            chunked = (meta.get("store") or {}).get("format_version") == 4
             for key in meta:
                 if key.startswith("table:"):
                     table = key[len("table:"):]
-                    chunks = meta.get(f"chunks:{table}")  # format 4: the manifest's counts
-                    if (meta.get("store") or {}).get("format_version") == 4:
+                    # format 4: the manifest's counts, but for a table kept as a B-tree (its
+                    # rows too wide for a chunk: it has a `t:` database)
+                    btree = not chunked or txn.get(f"t:{table}".encode()) is not None
+                    formats[table] = "btree" if btree else "chunks"
+                    if not btree:
+                        chunks = meta.get(f"chunks:{table}")
                         rows[table] = sum(int(c) for c in (chunks or {}).get("counts", []))
                         continue
                     try:
@@ -79,4 +85,5 @@ def read_meta(path: str | os.PathLike) -> dict:
     finally:
         env.close()
     disk = _allocated(path / DATA_NAME) + _allocated(path / LOG_DIR / DATA_NAME)
-    return {"meta": meta, "rows": rows, "disk_bytes": disk, "map_used_bytes": used}
+    return {"meta": meta, "rows": rows, "table_formats": formats, "disk_bytes": disk,
+            "map_used_bytes": used}

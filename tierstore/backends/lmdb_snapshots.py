@@ -53,7 +53,7 @@ class Snapshots:
 
     def snapshot_count(self, txn: lmdb.Transaction, table: str) -> int:
         """Rows stored for a table as seen by the read transaction `txn`."""
-        if self.chunked:
+        if self.is_chunked(table):
             return self.chunk_count(table, txn)
         db = self.table_db(table)
         return 0 if db is None else int(txn.stat(db)["entries"])
@@ -92,7 +92,7 @@ class Snapshots:
     def iter_rows(self, table: str, width: int, txn: lmdb.Transaction, chunk: int = 65536
                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Stream a table's rows in id order from read txn `txn`: (ids [k], payload [k, width])."""
-        if self.chunked:
+        if self.is_chunked(table):
             yield from self.chunk_iter(table, width, txn, chunk)
             return
         db = self.table_db(table)

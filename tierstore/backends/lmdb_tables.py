@@ -40,9 +40,9 @@ class TableRows:
 
     def open_tables(self, names: list[str]) -> None:
         """Create (or open) the named databases of these tables (chunked ones have ranges)."""
-        if self.chunked:
-            return
         for table in names:
+            if self.is_chunked(table):
+                continue
             if table not in self._dbs:
                 try:
                     self._dbs[table] = self.open_named(f"t:{table}".encode(),
@@ -68,7 +68,7 @@ class TableRows:
         reads will wait on the disk, so first ask it for all their pages at once, in page order
         (`PageReader.ask_ahead`), rather than one page fault at a time.
         """
-        if self.chunked:
+        if self.is_chunked(table):
             return self.chunk_get(table, rows, width)
         n = len(rows)
         out = np.zeros((n, width), dtype=np.float32)
@@ -133,9 +133,16 @@ class TableRows:
         rows is one transaction; larger ones are not atomic (flush() syncs after all of them).
         Rows beyond a table's last key are appended (`MDB_APPEND`: full pages).
         """
-        if self.chunked:  # merges into the tables' chunk levels
-            return sum(self.chunk_put(t, r, p, sealed, (p.shape[1] * p.itemsize - CHECK_BYTES) // 4
-                                      if sealed else p.shape[1]) for t, (r, p) in batches.items())
+        merged = 0
+        if self.chunked:  # merges into the tables' chunk levels (wide tables stay B-trees)
+            merged = sum(self.chunk_put(t, r, p, sealed, (p.shape[1] * p.itemsize - CHECK_BYTES) // 4
+                                        if sealed else p.shape[1])
+                         for t, (r, p) in batches.items() if self.is_chunked(t))
+            batches = {t: b for t, b in batches.items() if not self.is_chunked(t)}
+        return merged + self._put_btrees(batches, sealed)
+
+    def _put_btrees(self, batches: dict[str, tuple[np.ndarray, np.ndarray]], sealed: bool) -> int:
+        """`put` into B-tree tables: sorted rows, transactions of at most `TXN_ROWS` rows."""
         total = sum(len(r) * (8 + (p.shape[1] * p.itemsize if sealed else p.shape[1] * 4 + CHECK_BYTES))
                     for r, p in batches.values())
         if total == 0:

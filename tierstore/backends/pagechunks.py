@@ -167,10 +167,11 @@ if HAVE_NUMBA:
 
 
 def lookup(reader: PageReader, txn: lmdb.Transaction, db_name: bytes, table: str,
-           ids: np.ndarray, row_dim: int) -> tuple[np.ndarray, np.ndarray] | None:
+           ids: np.ndarray, row_dim: int, where: str = "") -> tuple[np.ndarray, np.ndarray] | None:
     """(rows float32 [n, row_dim], found bool [n]) of sorted, distinct `ids` in the level named
     `db_name`, read in the open transaction `txn` (its pages stay put while it is open); every
-    record's checksum verified. None: the page walk met a layout it does not read."""
+    record's checksum verified (damage: a `StoreCorruptError` whose message starts with `where`,
+    e.g. "store PATH, "). None: the page walk met a layout it does not read."""
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     rb = 4 * int(row_dim) + 4
     n = len(ids)
@@ -182,11 +183,11 @@ def lookup(reader: PageReader, txn: lmdb.Transaction, db_name: bytes, table: str
     found = np.zeros(n, dtype=bool)
     bad = _search(mem, offs, lens, ids, capacity(rb), rb, value_bytes(rb), recs, found)
     if bad:
-        raise StoreCorruptError(f"table {table!r}: the chunk holding row {int(ids[bad - 1])} is "
+        raise StoreCorruptError(f"{where}table {table!r}: the chunk holding row {int(ids[bad - 1])} is "
                                 f"damaged (its size, count or ids)")
     if found.all():  # (the common case: no masked copies)
-        return open_records(table, ids, recs.ravel(), int(row_dim), "chunk, "), found
+        return open_records(table, ids, recs.ravel(), int(row_dim), f"{where}chunk, "), found
     rows = np.zeros((n, int(row_dim)), dtype=np.float32)
     if found.any():
-        rows[found] = open_records(table, ids[found], recs[found], int(row_dim), "chunk, ")
+        rows[found] = open_records(table, ids[found], recs[found], int(row_dim), f"{where}chunk, ")
     return rows, found

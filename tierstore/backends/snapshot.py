@@ -151,6 +151,10 @@ def release_readers(path: Path) -> None:
             share.close()
 
 
+class _FileSwapped(SnapshotLostError):
+    """A chunk read found its snapshot's file replaced by a compaction (no page reader for it)."""
+
+
 class SnapshotReader:
     """Reads rows of a store from one MVCC snapshot, never taking the writer lock."""
 
@@ -348,14 +352,17 @@ class SnapshotReader:
         bounds, names = man
         cuts = [0, *np.searchsorted(ids, np.array(bounds[1:], dtype=np.int64)).tolist(), len(ids)]
         pages = self._reader()
-        if pages is None:
+        if pages is None and not HAVE_NUMBA:
             raise StoreCorruptError(f"store {self.path}: chunked tables are read by the page "
                                     f"walker, which needs numba")
+        if pages is None:  # a compaction swapped the file under the snapshot: a new one reads
+            # the new file (B-tree reads fall back to py-lmdb instead; `get` drops this one)
+            raise _FileSwapped(f"{self.path}: snapshot lost (the file was compacted)")
         for r, name in enumerate(names):
             lo, hi = cuts[r], cuts[r + 1]
             if name is None or lo == hi:
                 continue
-            part = lookup(pages, self._txn, name, table, ids[lo:hi], width)
+            part = lookup(pages, self._txn, name, table, ids[lo:hi], width, f"store {self.path}, ")
             if part is None:
                 raise StoreCorruptError(f"store {self.path}: chunk range {name!r} of table "
                                         f"{table!r} holds a layout chunks never use")
@@ -392,6 +399,10 @@ class SnapshotReader:
             self.reopens += 1
             self._abort()
             raise SnapshotLostError(f"{self.path}: snapshot lost ({exc})") from exc
+        except _FileSwapped:  # a chunk read whose file was swapped by a compaction
+            self.reopens += 1
+            self._abort()
+            raise
         if got is not None:  # read by the page walker: records copied out of the snapshot's pages
             data, hit = got
             if hit.any():

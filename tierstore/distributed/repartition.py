@@ -91,11 +91,12 @@ def export_sharded(src: str | os.PathLike, dest: str | os.PathLike, *, level: in
 
 def import_sharded(src: str | os.PathLike, path: str | os.PathLike, world_size: int, *,
                    sharding: str | Mapping[str, str | int] | None = None,
-                   map_limit: int | str | None = None) -> dict:
+                   map_limit: int | str | None = None, table_format: str | None = None) -> dict:
     """Build a sharded store for `world_size` ranks at `path` from an export, re-partitioned.
 
     `sharding` defaults to the export's own kinds (a table-wise table stays table-wise and is
-    re-placed by the planner), or "row" for an export of a single store.
+    re-placed by the planner), or "row" for an export of a single store. `table_format`: the
+    shard stores' tables (`StoreConfig.table_format`; None: its default, "chunks").
     """
     src, path = Path(src), Path(path)
     manifest = read_export_manifest(src)
@@ -120,7 +121,9 @@ def import_sharded(src: str | os.PathLike, path: str | os.PathLike, world_size: 
         root.mkdir()
         stores = [TierStore(root / shard_dir(r, world_size), specs, device_capacity=0,
                             host_capacity=0, seed=int(manifest["seed"]), device="cpu",
-                            map_limit=map_limit) for r in range(world_size)]
+                            map_limit=map_limit,
+                            **({} if table_format is None else {"table_format": table_format}))
+                  for r in range(world_size)]
         try:
             dctx = zstandard.ZstdDecompressor()
             for spec, table in zip(specs, manifest["tables"]):

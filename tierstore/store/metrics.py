@@ -34,6 +34,10 @@ class StoreMetrics:
         out["ssd"].update(rows_stored=sum(self.backend.count(n) for n in self.tables),
                           disk_bytes=data + log, data_bytes=data, log_bytes=log,
                           **self.backend.tree_pages(list(self.tables)))
+        # how each table keeps its rows: "chunks" (format 4) or "btree" (format 3, or a table
+        # of a chunked store whose rows are too wide for a chunk)
+        out["ssd"]["table_formats"] = {n: "chunks" if self.backend.is_chunked(n) else "btree"
+                                       for n in self.tables}
         return out
 
     def memory(self) -> dict[str, int]:

@@ -11,11 +11,9 @@ import torch
 
 from ..backends.format import CHUNK_FORMAT
 from ..backends.lmdb_backend import DATA_NAME, LmdbBackend, check_unlocked
-from ..backends.pagechunks import ROW_WORDS_MAX as CHUNK_ROW_WORDS
 from ..backends.pagechunks import fits as chunk_fits
 from ..config import StoreConfig, TableSpec
 from ..errors import (
-    ConfigError,
     ConfigMismatchError,
     StoreCorruptError,
     StoreNotFoundError,
@@ -47,13 +45,6 @@ class StoreOpening:
             if store.get("seed") != self.seed:
                 raise ConfigMismatchError(
                     f"store {self.path} was created with seed {store.get('seed')}, given {self.seed}")
-        if self.backend.chunked or (store is None and self.config.table_format == "chunks"):
-            for spec in tables:  # a row must fit a page-sized chunk
-                if not chunk_fits(4 * spec.row_dim + 4):
-                    raise ConfigError(
-                        f"table {spec.name!r}: rows of {spec.row_dim} words do not fit the page "
-                        f"chunks of table_format='chunks' (at most {CHUNK_ROW_WORDS} words with "
-                        f"the optimizer's state): use table_format='btree'")
         new: dict[str, dict] = {}
         for spec in tables:
             cfg = self.backend.get_meta(f"table:{spec.name}")
@@ -77,6 +68,10 @@ class StoreOpening:
                 self.backend.use_chunks()
             new["store"] = {"format_version": CHUNK_FORMAT if chunks else FORMAT_VERSION,
                             "seed": self.seed}
+        # a row must fit a page-sized chunk (at most pagechunks.ROW_WORDS_MAX words with the
+        # optimizer's state): a wider table of a chunked store stays a B-tree (its `t:` database
+        # records it), whether the store's format was asked for or the default
+        self.backend.keep_as_btree([s.name for s in tables if not chunk_fits(4 * s.row_dim + 4)])
         old = self.backend.get_meta(LAST_OPEN) or {}  # each table's specs at its latest open
         last = {**old, **{t.name: t.to_config() for t in tables}}
         if last != old:

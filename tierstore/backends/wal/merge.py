@@ -39,10 +39,16 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
     tabs, rows, seqs = backend.log_chunks(db, keys, headers, env)
     keep, extra = newest(tabs, rows, seqs)
     sel = np.flatnonzero(keep)
-    if getattr(backend, "chunked", False):  # format 4: each table's rows in one merge
-        written = _fold_into_chunks(backend, db, chunks, names, row_dims, tabs[sel], rows[sel],
-                                    seqs[sel], env)
-        return written, len(sel), (extra[sel], seqs[sel])
+    out = len(sel), (extra[sel], seqs[sel])
+    written = 0
+    if getattr(backend, "chunked", False):  # format 4: each chunked table's rows in one merge
+        chunked = np.array([backend.is_chunked(n) for n in names], dtype=bool)
+        mine = chunked[tabs[sel]]
+        if mine.any():
+            part = sel[mine]
+            written = _fold_into_chunks(backend, db, chunks, names, row_dims, tabs[part],
+                                        rows[part], seqs[part], env)
+        sel = sel[~mine]  # the rest: tables kept as B-trees (rows too wide for a chunk)
     # key order: by table, then row (row ids are < 2**63; one argsort per table present)
     by_tab = sel[np.argsort(tabs[sel], kind="stable")]
     tcuts = np.flatnonzero(np.diff(tabs[by_tab])) + 1
@@ -51,7 +57,6 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
     cuts = np.flatnonzero(np.diff(tabs[order])) + 1  # one table per piece, then MERGE_ROWS each
     # no edges when every entry was superseded by a later one: nothing to write
     edges = np.concatenate([[0], cuts, [len(order)]]).tolist() if len(order) else []
-    written = 0
     for lo, end in zip(edges[:-1], edges[1:]):
         t = int(tabs[order[lo]])
         for a in range(lo, end, MERGE_ROWS):
@@ -59,7 +64,7 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
             recs = _gather(backend, db, chunks, seqs[part], HEADER + 4 * row_dims[t] + 4, path, env)
             open_records(names[t], rows[part], recs, row_dims[t], f"store {path}, ")  # verified
             written += backend.put({names[t]: (rows[part], recs)}, sealed=True)
-    return written, len(sel), (extra[sel], seqs[sel])
+    return written, *out
 
 
 def _fold_into_chunks(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],

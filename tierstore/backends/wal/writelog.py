@@ -84,7 +84,9 @@ class WriteLog:
         # row for every CHUNK_MERGE_SHARE the tables store, and an append past 1 in
         # CHUNK_FULL_SHARE merges first, inline (a flush hands the caches' dirty rows down at
         # once): the log's file stays a bounded share of the tables (`merge_at`, `full_at`)
-        self._chunked = bool(getattr(backend, "chunked", False))
+        # (a format-4 store whose tables are all too wide for chunks keeps the B-trees' rules)
+        self._chunked = bool(getattr(backend, "chunked", False)) and \
+            any(backend.is_chunked(n) for n in names)
 
     @property
     def db(self) -> object:
@@ -238,11 +240,14 @@ class WriteLog:
 
     @property
     def stored(self) -> int | None:
-        """Rows the tables store, for chunked tables (their levels' counts, kept by every write
-        to them, the log's merges and direct puts alike); None for B-tree tables."""
+        """Rows the tables store, for a store of chunked tables (their levels' counts, kept by
+        every write to them, the log's merges and direct puts alike; a wide table kept as a
+        B-tree counts its entries); None for B-tree stores."""
         if not self._chunked:
             return None
-        return sum(self.backend.chunk_level(n, d).rows() for n, d in zip(self.names, self.row_dims))
+        backend = self.backend
+        return sum(backend.chunk_level(n, d).rows() if backend.is_chunked(n) else backend.count(n)
+                   for n, d in zip(self.names, self.row_dims))
 
     def merge_at(self) -> int:
         """The log's size that starts a background merge: 3/4 of its capacity, or for chunked
