@@ -177,7 +177,7 @@ def _delete_in_background(store: TierStore, spec: TableSpec, ids: np.ndarray, cu
     the store lock takes the level lock to merge.
     """
     level = store.backend.chunk_level(spec.name, spec.row_dim) \
-        if getattr(store.backend, "chunked", False) else None
+        if _chunked(store.backend, spec) else None
     while True:
         if stop.is_set():
             return None
