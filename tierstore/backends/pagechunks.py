@@ -120,45 +120,77 @@ if HAVE_NUMBA:
     from .record import check_row
 
     SEARCH_AHEAD = 8  # keys ahead whose chunk head and ids a search asks for
+    RECORD_AHEAD = 4  # keys ahead whose record a search finds and asks for
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _find(mem, off, cap, want):  # pragma: no cover - compiled
+        """The slot of id `want` in the chunk at `off` (-1: absent), or -2: its count is out of
+        range."""
+        count = np.int64(mem[off]) | (np.int64(mem[off + 1]) << 8) | \
+            (np.int64(mem[off + 2]) << 16) | (np.int64(mem[off + 3]) << 24)
+        if count < 1 or count > cap:
+            return -2
+        ids = mem[off + HEAD : off + HEAD + 8 * cap].view(np.int64)
+        lo, hi = 0, count - 1
+        while lo <= hi:
+            mid = (lo + hi) >> 1
+            v = ids[mid]
+            if v == want:
+                return mid
+            if v < want:
+                lo = mid + 1
+            else:
+                hi = mid - 1
+        return -1
 
     @numba.njit(nogil=True, cache=True)
     def _search(mem, offs, lens, keys, cap, rb, vb, out, found):  # pragma: no cover - compiled
         """Each key's record out of its chunk (at offs[i]) into out[i]: 0, or 1 + the index of
-        the key whose chunk is damaged (its size, count or ids' check)."""
+        the key whose chunk is damaged (its size, count or ids' check).
+
+        Three stages a key apart in time, so that its misses overlap other keys' work: its
+        chunk's head and ids asked for (`SEARCH_AHEAD` keys ahead), its id searched and its
+        record's lines asked for (`RECORD_AHEAD` keys ahead), its record copied."""
         base = mem.ctypes.data
         n = keys.shape[0]
-        for i in range(n):
-            if i + SEARCH_AHEAD < n and offs[i + SEARCH_AHEAD] >= 0:  # a later key's head and ids
-                ahead = base + offs[i + SEARCH_AHEAD]
+        slot = np.full(RECORD_AHEAD, -1, dtype=np.int64)  # a ring of the searched keys' slots
+        for t in range(n + RECORD_AHEAD):
+            a = t + SEARCH_AHEAD - RECORD_AHEAD
+            if a < n and offs[a] >= 0:  # a later key's head and ids
+                ahead = base + offs[a]
                 prefetch_at(ahead)
                 prefetch_at(ahead + 64)
+                prefetch_at(ahead + 128)
+            j = t  # the key searched now, its record asked for
+            if j < n:
+                s = -1
+                off = offs[j]
+                if off >= 0:
+                    if lens[j] != vb:
+                        return 1 + j
+                    s = _find(mem, off, cap, np.int64(keys[j]))
+                    if s == -2:
+                        return 1 + j
+                    if s >= 0:
+                        at = base + off + HEAD + 8 * cap + s * rb
+                        for b in range(0, rb + 63, 64):
+                            prefetch_at(at + b)
+                slot[j % RECORD_AHEAD] = s
+            i = t - RECORD_AHEAD + 1  # the key whose record is copied now
+            if i < 0 or (i >= n):
+                continue
+            if i != j:
+                s = slot[i % RECORD_AHEAD]
             off = offs[i]
             if off < 0:
                 continue
-            if lens[i] != vb:
-                return 1 + i
-            count = np.int64(mem[off]) | (np.int64(mem[off + 1]) << 8) | \
-                (np.int64(mem[off + 2]) << 16) | (np.int64(mem[off + 3]) << 24)
-            if count < 1 or count > cap:
-                return 1 + i
-            ids = mem[off + HEAD : off + HEAD + 8 * cap].view(np.int64)
-            want = np.int64(keys[i])
-            lo, hi = 0, count - 1
-            while lo <= hi:
-                mid = (lo + hi) >> 1
-                v = ids[mid]
-                if v == want:
-                    break
-                if v < want:
-                    lo = mid + 1
-                else:
-                    hi = mid - 1
-            if lo <= hi:  # found: its record carries its own checksum (checked by the caller)
-                at = off + HEAD + 8 * cap + mid * rb
+            if s >= 0:  # found: its record carries its own checksum (checked by the caller)
+                at = off + HEAD + 8 * cap + s * rb
                 out[i, :] = mem[at : at + rb]
                 found[i] = True
                 continue
             # absent: the ids must be the chunk's own (a damaged id could hide its row)
+            ids = mem[off + HEAD : off + HEAD + 8 * cap].view(np.int64)
             chk = np.uint32(mem[off + 8]) | (np.uint32(mem[off + 9]) << np.uint32(8)) | \
                 (np.uint32(mem[off + 10]) << np.uint32(16)) | (np.uint32(mem[off + 11]) << np.uint32(24))
             if check_row(np.uint64(ids[0]), ids.view(np.uint32)) != chk:
