@@ -50,7 +50,7 @@ RANGE_ROWS = 1 << 20  # rows a range database holds (about: a range is cut at a 
 WINDOW = 4096  # chunks a write transaction (~8 MB)
 REWRITE_SHARE = 4  # `in_place=None`: a range is rewritten when the batch holds >= 1 row in 4 of it
 REFILL = 0.85  # `in_place=None`: ... or when its chunks are on average under this full
-REWRITE_MAX = 64  # ... unless the rewrite would copy more than this many rows a batch row
+REWRITE_MAX = 24  # ... unless the rewrite would copy more than this many rows a batch row
 # a named database's record in the main database: pad, flags, depth, branch, leaf and overflow
 # pages, entries, root page
 MDB_DB_RECORD = struct.Struct("<IHHQQQQQ")
