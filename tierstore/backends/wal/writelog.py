@@ -77,9 +77,10 @@ class WriteLog:
         self._thawed = threading.Event()
         self._thawed.set()
         self.background_merges = 0
+        self.merges = 0  # merges that took rows (background, inline, flushes)
         self.rows_merged = 0
-        self.merge_seconds = 0.0
-        self.append_seconds = 0.0
+        self.merge_seconds = 0.0  # wall seconds in merges
+        self.merge_cpu = 0.0  # CPU seconds of the threads that merged (`time.thread_time`)
         # chunked tables (format 4): the background merge takes the whole log once it holds 1
         # row for every CHUNK_MERGE_SHARE the tables store, and an append past 1 in
         # CHUNK_FULL_SHARE merges first, inline (a flush hands the caches' dirty rows down at
@@ -335,6 +336,14 @@ class WriteLog:
             return self._merge(n)
 
     def _merge(self, n: int | None) -> int:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return self._merge_chunks(n)
+        finally:
+            self.merge_seconds += time.perf_counter() - t0
+            self.merge_cpu += time.thread_time() - c0
+
+    def _merge_chunks(self, n: int | None) -> int:
         n = self.size if n is None else min(int(n), self.size)
         with self.lock:  # the chunks and a snapshot's hold, read together (`freeze` sets it here)
             chunks, ceiling = self._chunks, self._ceiling
@@ -370,6 +379,7 @@ class WriteLog:
                 self.seq_of[slots[still]] = -1
             self._chunks = self._chunks[take:]
             self.merged = hi
+        self.merges += 1
         self.rows_merged += merged
         return written
 
