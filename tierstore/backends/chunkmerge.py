@@ -373,8 +373,9 @@ class ChunkLevel:
                     if full:
                         chunks = out[: full * vb].reshape(full, vb)
                         firsts = chunks[:, HEAD : HEAD + 8].copy().view(np.int64).ravel()
+                        # a lazy zip: its pair tuple is reused, none piles up for the collector
                         _, added = txn.cursor(db=db).putmulti(
-                            list(zip(encode_keys(firsts), values)), append=True)
+                            zip(encode_keys(firsts), values), append=True)
                         if added != full:
                             raise StoreCorruptError(f"table {self.table!r}: a chunk was refused "
                                                     f"by its fresh range (out of id order)")
