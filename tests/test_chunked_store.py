@@ -439,7 +439,7 @@ def test_the_log_of_chunked_tables_merges_by_its_disk_bound(tmp_path, monkeypatc
     monkeypatch.setattr(writelog, "CHUNK_LOG_MIN", 200)
     # a budget these small tables can meet (LMDB's fixed pages are most of their file), so the
     # bound lies between its clamps and follows the rows stored
-    monkeypatch.setattr(budget, "DISK_BUDGET", 4.0)
+    monkeypatch.setattr(budget, "DISK_BUDGET", 3.0)
     with _open(tmp_path / "b", "btree", write_log=100_000) as b:
         assert b.log.stored is None and b.log.merge_at() == b.log.capacity * 3 // 4
         assert b.log.full_at() == b.log.capacity
@@ -454,7 +454,7 @@ def test_the_log_of_chunked_tables_merges_by_its_disk_bound(tmp_path, monkeypatc
         assert shape.raw_bytes == sum(s.backend.count(t.name) * 4 * t.row_dim for t in SPECS)
         assert shape.table_bytes >= s.backend.data_bytes()
         assert shape.entry_bytes >= writelog.HEADER + 4 * max(t.row_dim for t in SPECS) + 4
-        bound = int((4.0 * shape.raw_bytes - shape.table_bytes) // shape.entry_bytes)
+        bound = int((3.0 * shape.raw_bytes - shape.table_bytes) // shape.entry_bytes)
         assert 200 < bound < stored // 2  # the budget sets it, not a clamp
         assert s.log.full_at() == bound and s.log.merge_at() == bound - bound // 5
         merges = s.log.background_merges

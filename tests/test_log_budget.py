@@ -53,8 +53,10 @@ def test_the_merge_starts_a_fifth_below_the_bound(bound):
 @given(st.integers(0, 1 << 40), st.integers(0, 1 << 40), st.integers(0, 1 << 32))
 def test_the_tables_bytes_count_the_file_and_the_transient(file_bytes, page_bytes, range_bytes):
     got = table_bytes(file_bytes, page_bytes, range_bytes)
-    assert got >= file_bytes and got >= page_bytes + budget.TRANSIENT_RANGES * range_bytes
-    assert got in (file_bytes, page_bytes + budget.TRANSIENT_RANGES * range_bytes)
+    transient = int(budget.TRANSIENT_RANGES * range_bytes)
+    assert range_bytes <= transient <= 2 * range_bytes  # one range twice, and a window's lag
+    assert got >= file_bytes and got >= page_bytes + transient
+    assert got in (file_bytes, page_bytes + transient)
 
 
 def _chunked_shape(rows: int, words: int, fill: float, range_rows: int = 1 << 20) -> DiskShape:
@@ -74,7 +76,7 @@ def test_wide_rows_get_a_longer_log_than_narrow_ones():
     fill `bench.scale` measured (1.40x the raw rows) get much less."""
     wide = log_bound(_chunked_shape(8 << 20, 66, 1.0), 1 << 26, 1 << 17)
     narrow = log_bound(_chunked_shape(8 << 20, 18, 0.81), 1 << 26, 1 << 17)
-    assert 3_500_000 < wide < 4 << 20  # ~0.45 of the rows: (1.9 - 1.11 - 0.28) / 1.08
+    assert 3_900_000 < wide <= 4 << 20  # ~0.5 of the rows: (1.9 - 1.11 - 0.17) / 1.08
     assert narrow < wide / 2
     # larger tables spread the transient ranges thinner: the share grows to the clamp
     assert log_bound(_chunked_shape(64 << 20, 66, 1.0), 1 << 30, 1 << 17) == (64 << 20) // 2

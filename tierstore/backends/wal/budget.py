@@ -5,8 +5,8 @@ tables of `T` rows copies about `T` rows: the cost a row fed falls as the log gr
 What bounds the log is the disk: while the store is open its two files (the tables' and the
 log's) must stay within `DISK_BUDGET` times the stored rows' payload bytes. The bound is the
 largest log whose entries fit beside the tables' pages and a merge's transient extra (one range
-exists twice while it is rewritten, and its freed pages are reused one range later: about two
-ranges), clamped to the log's capacity (its in-memory index) and to half the rows stored (the
+exists twice while it is rewritten; the next one reuses its pages a window later: about one
+range), clamped to the log's capacity (its in-memory index) and to half the rows stored (the
 merge's cost a row fed is then mostly the log's own rows). docs/design.md, "The log bounded by the
 disk budget".
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 DISK_BUDGET = 1.9  # the open store's files over the stored rows' payload bytes (the goal 2, less a margin)
 MAX_SHARE = 2  # the log holds at most 1 row for every MAX_SHARE rows stored
 MERGE_ROOM = 5  # the background merge starts 1 / MERGE_ROOM below the bound: room for appends
-TRANSIENT_RANGES = 2  # ranges a merge holds twice at a time (the one written, the one freed)
+TRANSIENT_RANGES = 1.25  # ranges a merge adds to the file: the one written (and a window's lag)
 
 
 @dataclass(frozen=True)
@@ -52,4 +52,4 @@ def table_bytes(file_bytes: int, page_bytes: int, range_bytes: int) -> int:
     """The tables' file as the next merge leaves it, at least: its size now (a file never
     shrinks), and the tables' pages plus the merge's transient (`TRANSIENT_RANGES` of the
     largest range's bytes)."""
-    return max(int(file_bytes), int(page_bytes) + TRANSIENT_RANGES * int(range_bytes))
+    return max(int(file_bytes), int(page_bytes) + int(TRANSIENT_RANGES * int(range_bytes)))

@@ -247,9 +247,9 @@ class WriteLog:
     def disk_shape(self) -> DiskShape:
         """The chunked tables' disk as the log's bound sees it: rows stored, their payload bytes,
         the tables' file as the next merge leaves it (the larger of its size now and the levels'
-        pages packed plus two of the largest range), and a log entry's bytes in the log's file
-        (its chunks of CHUNK_ROWS entries go to whole overflow pages). From the levels' counts:
-        no transaction."""
+        pages packed plus `budget.TRANSIENT_RANGES` of the largest range), and a log entry's
+        bytes in the log's file (its chunks of CHUNK_ROWS entries fill whole overflow pages).
+        From the levels' counts: no transaction."""
         stored = raw = pages = 0
         largest = 0.0  # bytes of the largest range
         psize = 4096
