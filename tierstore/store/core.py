@@ -25,6 +25,10 @@ LOG_RINGS = 8  # the write-behind log holds at least this many rings of rows; it
 # merges more rows into each table leaf page, and more of its rows are superseded before a merge
 # (docs/design.md, "Merge density"). 3 * 2**20 rows fill the same power-of-two hash table as 2**21.
 LOG_MAX_ROWS = 3 << 20
+# chunked tables (format 4): up to twice that. Their log is bounded by the disk budget
+# (wal/budget.py), which lets a log near half of an 8 M-row table: merges copy half as many rows
+# a row fed. The index costs ~37 bytes a row of capacity: 224 MiB here against 112.
+LOG_MAX_CHUNK_ROWS = 3 << 21
 
 
 @dataclass
