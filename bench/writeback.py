@@ -74,10 +74,11 @@ from .writeback_chunks import DIM, Clock, drop_entries, log_append, newest_entri
 LEAF_ROWS = 14  # 272-byte records and 8-byte keys in a 4 KiB LMDB leaf page
 
 
-def _store(work: Path, tables: int, rows: int, seed: int, table_format: str = "chunks") -> TierStore:
+def _store(work: Path, tables: int, rows: int, seed: int, table_format: str = "chunks",
+           write_log: int | None = None) -> TierStore:
     specs = [TableSpec(f"t{i}", rows, DIM, optimizer=RowWiseAdagrad(0.01)) for i in range(tables)]
     store = TierStore(work / "store", specs, device_capacity=0, host_capacity=0,
-                      table_format=table_format)
+                      table_format=table_format, write_log=write_log)
     rng = np.random.default_rng(seed)
     w = specs[0].row_dim
     for s in specs:
@@ -157,27 +158,58 @@ def floor_cases(work: Path, table_rows: list[int], sizes: list[int], seed: int) 
 
 
 def writer_case(store: TierStore, name: str, n: int, batch: int, alpha: float | None,
-                seed: int) -> dict:
-    """Feed `n` rows through the writer's sink in ring-sized batches of distinct keys."""
+                seed: int, settle: bool = False) -> dict:
+    """Feed `n` rows through the writer's sink in ring-sized batches of distinct keys.
+
+    The batches' keys are drawn first and the payloads are one random tile (their bits do not
+    matter), so the timed loop is the sink and whatever the merger does beside it: process CPU
+    (every thread) over the whole loop. With `settle`, the rows still in the log at the end are
+    merged too and counted (`e2e_*`: every row fed appended and merged once, the steady state's
+    cost without a tail left unpaid). The log's own counters split the CPU: `merge_cpu_us` is
+    the merging threads' CPU a row fed (`WriteLog.merge_cpu`), `sink_us` the rest. The disk
+    (tables' file plus the log's) is sampled after every batch: `disk_peak_over_raw` against
+    the stored rows' payload bytes."""
     rng = np.random.default_rng(seed)
     tables, rows = len(store.tables), next(iter(store.tables.values())).spec.num_rows
-    log = store.log
-    appended0, merged0 = log.rows_appended, log.rows_merged
-    done, t, cpu = 0, 0.0, 0.0
+    batches, done = [], 0
     while done < n:
         tabs = rng.integers(0, tables, batch)
         ids = (rng.zipf(alpha, batch) - 1) % rows if alpha else rng.integers(0, rows, batch)
         _, first = np.unique(tabs * rows + ids, return_index=True)
-        tabs, ids = tabs[first], ids[first]
-        pay = rng.standard_normal((len(ids), store.width), dtype=np.float32)
-        t0, c0 = time.perf_counter(), time.process_time()  # every thread: the sink and the merger
-        store._write_rows(tabs, ids, pay)
-        t += time.perf_counter() - t0
-        cpu += time.process_time() - c0
-        done += len(ids)
-    return {"case": name, "rows": done, "rows_per_s": rate(done, t),
-            "cpu_us_per_row": cpu / max(done, 1) * 1e6, "rows_per_cpu_s": rate(done, cpu),
-            "appended": log.rows_appended - appended0, "merged": log.rows_merged - merged0}
+        batches.append((tabs[first], ids[first]))
+        done += len(first)
+    tile = rng.standard_normal((batch, store.width), dtype=np.float32)
+    log, be = store.log, store.backend
+    appended0, merged0, merges0, mcpu0 = log.rows_appended, log.rows_merged, log.merges, log.merge_cpu
+    peak = 0
+    t0, c0 = time.perf_counter(), time.process_time()  # every thread: the sink and the merger
+    for tabs, ids in batches:
+        store._write_rows(tabs, ids, tile[: len(ids)])
+        peak = max(peak, be.data_bytes() + be.log_bytes())
+    t, cpu = time.perf_counter() - t0, time.process_time() - c0
+    rec = {"case": name, "rows": done, "rows_per_s": rate(done, t),
+           "cpu_us_per_row": cpu / max(done, 1) * 1e6, "rows_per_cpu_s": rate(done, cpu)}
+    if settle:
+        store.writeback.drain()
+        t1, c1 = time.perf_counter(), time.process_time()
+        with log.merging:  # the background merger's own merge first, if one is running
+            log.merge()
+        t, cpu = t + time.perf_counter() - t1, cpu + time.process_time() - c1
+        peak = max(peak, be.data_bytes() + be.log_bytes())
+        stored = sum(be.count(s) for s in store.tables)
+        merges = log.merges - merges0
+        raw = max(stored * 4 * store.width, 1)
+        rec.update({"e2e_cpu_us_per_row": cpu / max(done, 1) * 1e6,
+                    "e2e_rows_per_cpu_s": rate(done, cpu), "e2e_rows_per_s": rate(done, t),
+                    "merges": merges,
+                    "merge_cpu_us": (log.merge_cpu - mcpu0) / max(done, 1) * 1e6,
+                    "sink_us": (cpu - (log.merge_cpu - mcpu0)) / max(done, 1) * 1e6,
+                    "stored_over_merge": stored * merges / max(log.rows_merged - merged0, 1),
+                    "disk_peak_over_raw": peak / raw,  # the files never shrink: their peaks
+                    "data_over_raw": be.data_bytes() / raw, "log_over_raw": be.log_bytes() / raw,
+                    "log_bound": log.full_at(), "merge_start": log.merge_at()})
+    rec.update({"appended": log.rows_appended - appended0, "merged": log.rows_merged - merged0})
+    return rec
 
 
 def merge_cases(store: TierStore, sizes: list[int], seed: int) -> list[dict]:
@@ -414,6 +446,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--table-format", choices=("chunks", "btree"), default="chunks",
                     help="TierStore(table_format=...) of the store's cases: page-chunk levels "
                          "(format 4, the default) or B-tree tables (format 3)")
+    ap.add_argument("--write-log", type=int, default=None,
+                    help="the store's write-behind log capacity in rows (default: the store's own)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
@@ -437,7 +471,7 @@ def store_cases(work: Path, args: argparse.Namespace, full: bool) -> tuple[list[
     store_rows = args.tables * args.rows
     floors = floor_cases(work, [int(v) for v in args.floor_tables.split(",") if v], sizes,
                          args.seed + 4) if full else []
-    store = _store(work, args.tables, args.rows, args.seed, args.table_format)
+    store = _store(work, args.tables, args.rows, args.seed, args.table_format, args.write_log)
     try:
         store.writeback.drain()
         room = store.log.capacity * 3 // 4 - store.log.size - args.batch
@@ -445,8 +479,9 @@ def store_cases(work: Path, args: argparse.Namespace, full: bool) -> tuple[list[
                                 args.batch, None, args.seed))
         if full:
             recs.append(writer_case(store, "steady_uniform", args.steady, args.batch, None,
-                                    args.seed + 1))
-            recs.append(writer_case(store, "steady_zipf", args.steady, args.batch, 1.05, args.seed + 2))
+                                    args.seed + 1, settle=True))
+            recs.append(writer_case(store, "steady_zipf", args.steady, args.batch, 1.05, args.seed + 2,
+                                    settle=True))
             recs += read_cases(store, args.rows_per_case, args.seed)
             recs += merge_cases(store, sizes, args.seed + 3)
         log_capacity = store.log.capacity
@@ -510,7 +545,12 @@ def main(argv: list[str] | None = None) -> int:
                        ("model_pages", "model pages", ",.0f"), ("pages_written", "pages", ",.0f"),
                        ("rows_per_cpu_s", "rows/cpu-s", ",.0f"),
                        ("copied_per_fed", "copied/fed", ".2f"),
+                       ("merges", "merges", "d"), ("stored_over_merge", "T/N", ".2f"),
+                       ("sink_us", "sink us", ".2f"), ("merge_cpu_us", "merge us", ".2f"),
+                       ("e2e_cpu_us_per_row", "e2e cpu us", ".2f"),
+                       ("e2e_rows_per_cpu_s", "e2e rows/cpu-s", ",.0f"),
                        ("disk_peak_over_raw", "disk peak x raw", ".2f"),
+                       ("data_over_raw", "tables x raw", ".2f"), ("log_over_raw", "log x raw", ".2f"),
                        ("disk_after_over_raw", "base x raw", ".2f")]))
     meta = {"bench": "writeback", "argv": sys.argv[1:] if argv is None else argv, "tables": args.tables,
             "table_format": args.table_format,

@@ -424,26 +424,38 @@ def test_a_damaged_record_fails_its_read_and_keeps_failing_after_merges(tmp_path
         assert backend.get("a", np.array([1, 3]), w)[1].all()
 
 
-def test_the_log_of_chunked_tables_merges_at_a_share_of_the_rows_stored(tmp_path, monkeypatch):
-    """With chunked tables the background merge starts once the log holds 1 row for every
-    CHUNK_MERGE_SHARE the tables store (at least CHUNK_MERGE_MIN) and takes the whole log;
-    B-tree tables keep the capacity's 3/4 trigger and merge its older half."""
+def test_the_log_of_chunked_tables_merges_by_its_disk_bound(tmp_path, monkeypatch):
+    """With chunked tables the log's bound is the disk budget's (`budget.log_bound` over the
+    levels' shape: rows stored, their payload bytes, the tables' file, a log entry's bytes), the
+    background merge starts 1/5 below it and takes the whole log, and an append past the bound
+    merges first, inline; B-tree tables keep the capacity's 3/4 trigger and merge its older half."""
     import time
 
-    from tierstore.backends.wal import writelog
+    from tierstore.backends.wal import budget, writelog
 
-    monkeypatch.setattr(writelog, "CHUNK_MERGE_MIN", 200)
+    monkeypatch.setattr(writelog, "CHUNK_LOG_MIN", 200)
+    # a budget these small tables can meet (LMDB's fixed pages are most of their file), so the
+    # bound lies between its clamps and follows the rows stored
+    monkeypatch.setattr(budget, "DISK_BUDGET", 3.0)
     with _open(tmp_path / "b", "btree", write_log=100_000) as b:
         assert b.log.stored is None and b.log.merge_at() == b.log.capacity * 3 // 4
+        assert b.log.full_at() == b.log.capacity
     with _open(tmp_path / "c", "chunks", write_log=100_000) as s:
-        assert s.log.stored == 0 and s.log.merge_at() == 200
+        assert s.log.stored == 0 and s.log.full_at() == 200 and s.log.merge_at() == 160
         rng = np.random.default_rng(5)
-        _write(s, rng, 2000)
+        _write(s, rng, 3000)
         s.flush()
+        shape = s.log.disk_shape()
         stored = sum(s.backend.count(n) for n in ("a", "b"))
-        assert s.log.stored == stored and s.log.merge_at() == stored // writelog.CHUNK_MERGE_SHARE
+        assert shape.stored_rows == stored == s.log.stored
+        assert shape.raw_bytes == sum(s.backend.count(t.name) * 4 * t.row_dim for t in SPECS)
+        assert shape.table_bytes >= s.backend.data_bytes()
+        assert shape.entry_bytes >= writelog.HEADER + 4 * max(t.row_dim for t in SPECS) + 4
+        bound = int((3.0 * shape.raw_bytes - shape.table_bytes) // shape.entry_bytes)
+        assert 200 < bound < stored // 2  # the budget sets it, not a clamp
+        assert s.log.full_at() == bound and s.log.merge_at() == bound - bound // 5
         merges = s.log.background_merges
-        _write(s, rng, 4000)  # more than half the rows stored: the merger runs by itself
+        _write(s, rng, 4000)  # more than the merge's start: the merger runs by itself
         s.writeback.drain()
         deadline = time.monotonic() + 30
         while s.log.background_merges == merges and time.monotonic() < deadline:
@@ -452,17 +464,17 @@ def test_the_log_of_chunked_tables_merges_at_a_share_of_the_rows_stored(tmp_path
         while s.log.wants_merge() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.log.size < s.log.merge_at()  # the whole log went: it is below its trigger
-        # an append past the log's bound (a share of the rows stored) merges first, inline:
-        # however much a flush hands down at once, the log stays near its bound
+        # an append past the bound merges first, inline: however much a flush hands down at
+        # once, the log stays near its bound
         s.log.stop_merger()
-        full = s.log.full_at()
-        assert full == max(2 * writelog.CHUNK_MERGE_MIN, s.log.stored // writelog.CHUNK_FULL_SHARE)
         peak = 0
         for _ in range(6):
             _write(s, rng, 400)
             s.writeback.drain()
             peak = max(peak, s.log.size)
         assert s.log.rows_appended and peak <= s.log.full_at() + 800
+        monkeypatch.setattr(budget, "DISK_BUDGET", 1.9)  # the real budget: these tables are
+        assert s.log.full_at() == 200  # too small for it, the bound is the clamp's least
         big = torch.arange(0, 5000, 2)  # one batch larger than the bound: appended whole
         s.apply_unique("a", big, torch.ones(len(big), 8))
         s.flush()

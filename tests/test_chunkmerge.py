@@ -377,3 +377,29 @@ def test_the_regime_follows_the_batch_share(tmp_path, monkeypatch):
     assert level.repack() >= 1 and chunks_of_range() == -(-level.counts[0] // cap)  # packed
     assert level.repack() == 0  # (a packed level is left alone)
     _check(level, ref)
+
+
+def test_a_rewrite_grows_the_file_by_about_one_range(tmp_path):
+    """Merges that rewrite every range keep the file within about one range of the level's own
+    pages, not two: each range is written into the pages the range before it freed (a window
+    later), since no snapshot is held through a rewrite (the old range is read in place under
+    the level's lock); the rows read as merged."""
+    env = _env(tmp_path)
+    w = 64
+    cap = pagechunks.capacity(4 * w + 4)
+    level = ChunkLevel(env, "t", w, "t", range_rows=8000, window=64)
+    ref: dict = {}
+    _merge(level, ref, range(0, 64_000), 0)  # 8 ranges of 8,000 rows
+    assert len(level.names) == 8
+    for gen in (1, 2, 3):
+        _merge(level, ref, range(gen, 64_000, 3), gen)  # rows in every range: all rewritten
+    with env.begin() as txn:
+        own = 0  # the level's pages
+        for name in level.names:
+            st = txn.stat(env.open_db(name, txn=txn, create=False))
+            own += st["leaf_pages"] + st["branch_pages"] + st["overflow_pages"]
+    file_pages = env.info()["last_pgno"] + 1  # the file's high-water mark
+    range_pages = -(-8000 // cap) // 2  # two chunks a leaf page
+    # (one snapshot held through each rewrite: ~2.25 ranges over the level's pages)
+    assert file_pages - own <= 1.3 * range_pages + 16, (file_pages - own, range_pages)
+    _check(level, ref)

@@ -753,8 +753,9 @@ def test_a_write_log_smaller_than_a_writer_batch_keeps_its_index_whole(tmp_path)
 
 def test_write_log_sets_the_log_size_and_its_index_counts_in_memory(tmp_path):
     """`write_log` is the log's capacity (rows or a size of entries); the default grows with the
-    declared rows up to LOG_MAX_ROWS; the log's index is part of memory()'s budget; bad values
-    are refused before the store is touched."""
+    declared rows up to LOG_MAX_ROWS (LOG_MAX_CHUNK_ROWS for chunked tables of wide rows, whose
+    disk budget bounds what the log holds); the log's index is part of memory()'s budget; bad values are
+    refused before the store is touched."""
     from tierstore import store as store_mod
 
     spec = ts.TableSpec("t", 1000, 4)
@@ -768,8 +769,17 @@ def test_write_log_sets_the_log_size_and_its_index_counts_in_memory(tmp_path):
     with ts.TierStore(tmp_path / "size", spec, **SMALL, write_log="1MiB") as s:
         assert s.log.capacity == (1 << 20) // (s.width * 4 + 20)
     big = ts.TableSpec("big", 10**10, 4)
-    with ts.TierStore(tmp_path / "big", big, **SMALL) as s:
+    with ts.TierStore(tmp_path / "big", big, **SMALL, table_format="btree") as s:
         assert s.log.capacity == max(store_mod.LOG_MAX_ROWS, store_mod.LOG_RINGS * s.writeback.capacity)
+    with ts.TierStore(tmp_path / "bigc", big, **SMALL, table_format="chunks") as s:
+        assert s.log.capacity == max(store_mod.LOG_MAX_ROWS, store_mod.LOG_RINGS * s.writeback.capacity)
+    wide = ts.TableSpec("wide", 10**10, 64)  # log entries of 16 + 4 * 64 + 4 bytes
+    assert 16 + 4 * 64 + 4 >= store_mod.LOG_WIDE_ENTRY
+    with ts.TierStore(tmp_path / "widec", wide, **SMALL, table_format="chunks") as s:
+        assert s.log.capacity == store_mod.LOG_MAX_CHUNK_ROWS > store_mod.LOG_MAX_ROWS
+        assert s.log.index_bytes <= 40 * s.log.capacity  # ~37 bytes a row: 224 MiB at most
+    with ts.TierStore(tmp_path / "wideb", wide, **SMALL, table_format="btree") as s:
+        assert s.log.capacity == store_mod.LOG_MAX_ROWS
     mid = ts.TableSpec("mid", 5_000_000, 4)  # half the declared rows: above 8 rings, below the cap
     with ts.TierStore(tmp_path / "mid", mid, **SMALL) as s:
         assert store_mod.LOG_RINGS * s.writeback.capacity < 2_500_000 < store_mod.LOG_MAX_ROWS

@@ -10,9 +10,10 @@ checked), merged with the batch's rows in a compiled two-way merge
 (`chunkmerge_kernels.merge_into`: a batch row replaces the old one of its id), and the output is
 packed into full chunks appended with `MDB_APPEND` into a fresh database, a write transaction
 every `window` chunks. The range's last transaction also drops its old database: the file holds
-the old and the new copy of one range at a time (its pages go back to LMDB for the range after
-next: the range's own read transaction pins them until then), so a merge of an 8 M-row table in
-1 M-row ranges peaks near `T + 2 range_rows`, not `2 T`. A range no row touches is kept as it
+the old and the new copy of one range at a time, and the next range is written into the pages it
+freed (a window later: no snapshot is held through a rewrite, the old range is read in place under
+`lock`), so a merge of an 8 M-row table in 1 M-row ranges peaks near `T + range_rows`, not `2 T`
+(`T + 2 range_rows` while each rewrite held a read transaction). A range no row touches is kept as it
 is; with `in_place` (or None and a sparse batch) a range is updated chunk by chunk instead
 (`chunkupdate.py`). Rows are deleted in place, chunk by chunk (`delete`, `chunkupdate.py`:
 expiry's stale rows).
@@ -342,71 +343,77 @@ class ChunkLevel:
         values = [memoryview(v) for v in out.reshape(self.window, vb)]  # made once: cheap puts
         state = np.array([0, 0, lo, -1, 0], dtype=np.int64)
         in_db = 0  # rows in the newest output database
-        with env.begin() as rtxn:  # the old range's pages stay put while it is open
+        with env.begin() as rtxn:  # the old range's chunks, found in a snapshot
             mem, offs, lens = self.leaves(rtxn, old)
-            had = int(count_rows(mem, offs)) if len(offs) else 0
-            totals[0] += had
-            nc = len(offs)
-            # a range grown past twice its size is cut into parts of about `range_rows`
-            est = had + hi - lo
-            parts = -(-est // self.range_rows) if split and est > 2 * self.range_rows else 1
-            target = -(-est // parts)
-            while True:  # a window stops where the output range reaches its target
-                room = min(self.window, max(1, -(-(target - in_db) // cap)))
-                made, status, at = merge_into(mem, offs, lens, ids, src, hi, cap, self.row_dim,
-                                              verify, out[: room * vb], state)
-                if status:
-                    self._fail(old, status, at, ids)
-                done = state[_C] == nc and state[_I] == hi
-                fill = int(state[_FILL])
-                roll = not done and in_db + made * cap >= target
-                full = made  # (an open chunk is never the buffer's last: that one was sealed)
-                if (done or roll) and fill:  # a range's last chunk may be short
-                    seal_chunk(out, made * vb, fill, cap, self.record_bytes)
-                    full = made + 1
-                    state[_FILL] = 0
-                rows = made * cap + (fill if full > made else 0)
-                with env.begin(write=True) as txn:
-                    if names[-1] is None:
-                        names[-1] = self.new_db(txn)
-                    db = self._dbs[names[-1]]
-                    if full:
-                        chunks = out[: full * vb].reshape(full, vb)
-                        firsts = chunks[:, HEAD : HEAD + 8].copy().view(np.int64).ravel()
-                        _, added = txn.cursor(db=db).putmulti(
-                            list(zip(encode_keys(firsts), values)), append=True)
-                        if added != full:
-                            raise StoreCorruptError(f"table {self.table!r}: a chunk was refused "
-                                                    f"by its fresh range (out of id order)")
-                    if done:  # the range's new databases replace its old one, in one commit
-                        new_bounds = self.bounds[:r] + bounds + self.bounds[r + 1 :]
-                        new_names = self.names[:r] + names + self.names[r + 1 :]
-                        new_counts = self.counts[:r] + counts + [in_db + rows] + self.counts[r + 1 :]
-                        gone = old
-                        if old is not None and self.guard is not None and self.guard.keep(old):
-                            self.guard.retire(txn, old, self._dbs[old])  # readers read it
-                            gone = None
-                        elif old is not None:
-                            txn.drop(self._dbs[old], delete=True)
-                        if self.guard is not None:
-                            self.guard.changed(txn, gone)
-                        if self.on_publish is not None:
-                            self.on_publish(txn, list(new_bounds), list(new_names), list(new_counts))
-                if done:
-                    self.bounds, self.names, self.counts = new_bounds, new_names, new_counts
-                    self._dbs.pop(old, None)
-                totals[1] += rows
-                totals[2] += full
-                in_db += rows
-                if full == made and made and fill:  # the open chunk moves to the buffer's front
-                    out[:vb] = out[made * vb : (made + 1) * vb]
-                if done:
-                    return list(range(r, r + len(names)))
-                if roll:  # the next rows go to a range of their own
-                    bounds.append(self._next_id(mem, offs, ids, state, hi))
-                    names.append(None)
-                    counts.append(in_db)
-                    in_db = 0
+        # ... and read in place without one: nothing changes or frees the old range's pages
+        # before this rewrite's last commit drops it (writers of a range hold `lock`, which our
+        # callers hold; other threads' readers pin what they read themselves), and a snapshot
+        # held through the rewrite would keep LMDB from reusing the pages the range before
+        # freed, one more range of file (`T + 2 range_rows` at the peak, not `T + range_rows`)
+        had = int(count_rows(mem, offs)) if len(offs) else 0
+        totals[0] += had
+        nc = len(offs)
+        # a range grown past twice its size is cut into parts of about `range_rows`
+        est = had + hi - lo
+        parts = -(-est // self.range_rows) if split and est > 2 * self.range_rows else 1
+        target = -(-est // parts)
+        while True:  # a window stops where the output range reaches its target
+            room = min(self.window, max(1, -(-(target - in_db) // cap)))
+            made, status, at = merge_into(mem, offs, lens, ids, src, hi, cap, self.row_dim,
+                                          verify, out[: room * vb], state)
+            if status:
+                self._fail(old, status, at, ids)
+            done = state[_C] == nc and state[_I] == hi
+            fill = int(state[_FILL])
+            roll = not done and in_db + made * cap >= target
+            full = made  # (an open chunk is never the buffer's last: that one was sealed)
+            if (done or roll) and fill:  # a range's last chunk may be short
+                seal_chunk(out, made * vb, fill, cap, self.record_bytes)
+                full = made + 1
+                state[_FILL] = 0
+            rows = made * cap + (fill if full > made else 0)
+            with env.begin(write=True) as txn:
+                if names[-1] is None:
+                    names[-1] = self.new_db(txn)
+                db = self._dbs[names[-1]]
+                if full:
+                    chunks = out[: full * vb].reshape(full, vb)
+                    firsts = chunks[:, HEAD : HEAD + 8].copy().view(np.int64).ravel()
+                    # a lazy zip: its pair tuple is reused, none piles up for the collector
+                    _, added = txn.cursor(db=db).putmulti(
+                        zip(encode_keys(firsts), values), append=True)
+                    if added != full:
+                        raise StoreCorruptError(f"table {self.table!r}: a chunk was refused "
+                                                f"by its fresh range (out of id order)")
+                if done:  # the range's new databases replace its old one, in one commit
+                    new_bounds = self.bounds[:r] + bounds + self.bounds[r + 1 :]
+                    new_names = self.names[:r] + names + self.names[r + 1 :]
+                    new_counts = self.counts[:r] + counts + [in_db + rows] + self.counts[r + 1 :]
+                    gone = old
+                    if old is not None and self.guard is not None and self.guard.keep(old):
+                        self.guard.retire(txn, old, self._dbs[old])  # readers read it
+                        gone = None
+                    elif old is not None:
+                        txn.drop(self._dbs[old], delete=True)
+                    if self.guard is not None:
+                        self.guard.changed(txn, gone)
+                    if self.on_publish is not None:
+                        self.on_publish(txn, list(new_bounds), list(new_names), list(new_counts))
+            if done:
+                self.bounds, self.names, self.counts = new_bounds, new_names, new_counts
+                self._dbs.pop(old, None)
+            totals[1] += rows
+            totals[2] += full
+            in_db += rows
+            if full == made and made and fill:  # the open chunk moves to the buffer's front
+                out[:vb] = out[made * vb : (made + 1) * vb]
+            if done:
+                return list(range(r, r + len(names)))
+            if roll:  # the next rows go to a range of their own
+                bounds.append(self._next_id(mem, offs, ids, state, hi))
+                names.append(None)
+                counts.append(in_db)
+                in_db = 0
 
     def _next_id(self, mem: np.ndarray, offs: np.ndarray, ids: np.ndarray, state: np.ndarray,
                  hi: int) -> int:

@@ -179,7 +179,7 @@ def update_range(level: ChunkLevel, r: int, ids: np.ndarray, src: np.ndarray, ve
         counts[r] += rows - old  # the touched chunks held `old` rows and now hold `rows`
         with env.begin(write=True) as txn:
             fresh = level.new_db(txn) if name is None else name
-            txn.cursor(db=level.db(fresh)).putmulti(list(zip(encode_keys(firsts[:made]), values)))
+            txn.cursor(db=level.db(fresh)).putmulti(zip(encode_keys(firsts[:made]), values))
             if level.guard is not None:
                 level.guard.changed(txn, name)
             if level.on_publish is not None:
@@ -316,8 +316,8 @@ def delete_range(level: ChunkLevel, r: int, ids: np.ndarray, stamp_col: int, cut
                 if not txn.delete(key, db=db):
                     raise StoreCorruptError(f"table {level.table!r}: a chunk of range {name!r} "
                                             f"is not under its first id")
-            txn.cursor(db=db).putmulti(list(zip(encode_keys(firsts[rewritten]),
-                                                [memoryview(v) for v in values[rewritten]])))
+            txn.cursor(db=db).putmulti(zip(encode_keys(firsts[rewritten]),
+                                           map(memoryview, values[rewritten])))
             if txn.stat(db)["entries"] == 0:  # the range is empty: its database goes
                 txn.drop(db, delete=True)
                 names[r], counts[r] = None, 0

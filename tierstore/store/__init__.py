@@ -14,8 +14,10 @@ from .core import (
     FORMAT_VERSION,
     LAST_LAYOUT,
     LAST_OPEN,
+    LOG_MAX_CHUNK_ROWS,
     LOG_MAX_ROWS,
     LOG_RINGS,
+    LOG_WIDE_ENTRY,
     ROW_FORMATS,
     WB_SLOT_OVERHEAD,
     _locked,
@@ -28,7 +30,9 @@ from .opening import _mismatch, _open_readonly, old_format_message, open_tables,
 
 __all__ = [
     "TierStore", "Gathered", "HAVE_NUMBA", "FORMAT_VERSION", "ROW_FORMATS", "CLOCK_MAX", "WB_SLOT_OVERHEAD",
-    "FLUSH_CHUNK", "LOG_RINGS", "LOG_MAX_ROWS", "LAST_OPEN", "LAST_LAYOUT", "_OPEN_STORES", "_Table",
+    "FLUSH_CHUNK", "LOG_RINGS", "LOG_MAX_ROWS", "LOG_MAX_CHUNK_ROWS", "LOG_WIDE_ENTRY",
+    "LAST_OPEN", "LAST_LAYOUT",
+    "_OPEN_STORES", "_Table",
     "_locked", "_mismatch", "_open_readonly", "_weak_context", "_proc_status",
     "_close_open_stores", "old_format_message", "stored_config", "open_tables",
 ]

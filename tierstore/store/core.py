@@ -25,6 +25,13 @@ LOG_RINGS = 8  # the write-behind log holds at least this many rings of rows; it
 # merges more rows into each table leaf page, and more of its rows are superseded before a merge
 # (docs/design.md, "Merge density"). 3 * 2**20 rows fill the same power-of-two hash table as 2**21.
 LOG_MAX_ROWS = 3 << 20
+# chunked tables (format 4) of wide rows (log entries of LOG_WIDE_ENTRY bytes or more): up to
+# twice that. Their log is bounded by the disk budget (wal/budget.py), which lets a log near half
+# of an 8 M-row table of dense chunks: merges copy fewer rows a row fed. The index costs ~37
+# bytes a row of capacity (224 MiB here against 112): under a seventh of the entries it indexes
+# when they are wide; narrow rows' tables (1.4x at dim 16) leave the budget a shorter log anyway.
+LOG_MAX_CHUNK_ROWS = 3 << 21
+LOG_WIDE_ENTRY = 256
 
 
 @dataclass

@@ -36,7 +36,7 @@ from ..resolve import resolve_layout
 from ..stats import PrefetchStats, SsdStats
 from ..stored_rows import RowLoader
 from .clock import StoreClock
-from .core import LOG_MAX_ROWS, LOG_RINGS, WB_SLOT_OVERHEAD, _Table
+from .core import LOG_MAX_CHUNK_ROWS, LOG_MAX_ROWS, LOG_RINGS, LOG_WIDE_ENTRY, WB_SLOT_OVERHEAD, _Table
 from .lifecycle import _OPEN_STORES, StoreLifecycle, _weak_context
 from .metrics import StoreMetrics
 from .opening import StoreOpening
@@ -91,10 +91,8 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics):
             log_rows = parse_capacity(write_log, width * 4 + HEADER + 4)
             if log_rows < 1:
                 raise ConfigError(f"write_log must hold at least one row, got {write_log!r}")
-        else:  # a configured ring sets the log; the default one may grow it
+        else:  # a configured ring sets the log; the default one may grow it (below)
             log_rows = LOG_RINGS * wcap
-            if write_buffer is None:
-                log_rows = max(log_rows, min(sum(t.num_rows for t in tables) // 2, LOG_MAX_ROWS))
         limit = parse_map_limit(map_limit)
         switch = _switch.configured()  # a bad TIERSTORE_SWITCH_INTERVAL fails before any file opens
         self.closed = True
@@ -168,6 +166,10 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics):
             raise
         self.writeback = WriteBehind(wcap, width, self._write_rows, name=f"tierstore-writer:{self.path.name}")
         self.log = None
+        if write_log is None and write_buffer is None:  # up to half the declared rows, at most
+            wide = self.backend.chunked and width * 4 + HEADER + 4 >= LOG_WIDE_ENTRY  # (core.py)
+            most = LOG_MAX_CHUNK_ROWS if wide else LOG_MAX_ROWS
+            log_rows = max(log_rows, min(sum(t.num_rows for t in tables) // 2, most))
         try:  # a failure from here on stops the threads started so far and frees the lock
             self.log = WriteLog(self.backend, names, [t.row_dim for t in tables], log_rows,
                                 self.writeback.cv)

@@ -15,6 +15,8 @@ from ...index import HashIndex
 from ..chunk_kernels import HAVE_NUMBA, pack_log
 from ..lmdb_log import LOG_DB
 from ..record import open_records, row_checks
+from . import budget
+from .budget import DiskShape, log_bound, merge_start, table_bytes
 from .chunks import (
     CHUNK_MAGIC,
     HEADER,
@@ -32,9 +34,7 @@ if HAVE_NUMBA:
 
 CHUNK_ROWS = 4096  # rows per log value: ~1.1 MB of 66-word rows, a few hundred overflow pages
 FIND_ROWS = 16384  # log index lookups per hold of the ring's lock during a merge (a few ms)
-CHUNK_MERGE_MIN = 1 << 16  # chunked tables: the smallest log a background merge starts at
-CHUNK_MERGE_SHARE = 4  # chunked tables: a merge starts at 1 log row for this many rows stored
-CHUNK_FULL_SHARE = 3  # chunked tables: an append merges first at 1 log row for this many stored
+CHUNK_LOG_MIN = 1 << 17  # chunked tables: the least bound of the log (`budget.log_bound`)
 
 _MAGIC = np.frombuffer(CHUNK_MAGIC, dtype=np.uint8)  # a chunk's first 4 bytes (compiled pick)
 _MAGIC_WORD = int(_MAGIC.view(np.uint32)[0])  # the same as one word (compiled append)
@@ -77,13 +77,13 @@ class WriteLog:
         self._thawed = threading.Event()
         self._thawed.set()
         self.background_merges = 0
+        self.merges = 0  # merges that took rows (background, inline, flushes)
         self.rows_merged = 0
-        self.merge_seconds = 0.0
-        self.append_seconds = 0.0
-        # chunked tables (format 4): the background merge takes the whole log once it holds 1
-        # row for every CHUNK_MERGE_SHARE the tables store, and an append past 1 in
-        # CHUNK_FULL_SHARE merges first, inline (a flush hands the caches' dirty rows down at
-        # once): the log's file stays a bounded share of the tables (`merge_at`, `full_at`)
+        self.merge_seconds = 0.0  # wall seconds in merges
+        self.merge_cpu = 0.0  # CPU seconds of the threads that merged (`time.thread_time`)
+        # chunked tables (format 4): the log is bounded by the disk budget (`bound`, budget.py):
+        # an append past the bound merges the whole log first, inline (a flush hands the caches'
+        # dirty rows down at once), and the background merge takes the whole log 1/5 below it
         # (a format-4 store whose tables are all too wide for chunks keeps the B-trees' rules)
         self._chunked = bool(getattr(backend, "chunked", False)) and \
             any(backend.is_chunked(n) for n in names)
@@ -249,23 +249,56 @@ class WriteLog:
         return sum(backend.chunk_level(n, d).rows() if backend.is_chunked(n) else backend.count(n)
                    for n, d in zip(self.names, self.row_dims))
 
-    def merge_at(self) -> int:
-        """The log's size that starts a background merge: 3/4 of its capacity, or for chunked
-        tables 1 in `CHUNK_MERGE_SHARE` of the rows they store when that is less (at least
-        `CHUNK_MERGE_MIN`)."""
-        full = self.capacity * 3 // 4
-        if not self._chunked:
-            return full
-        return min(full, max(CHUNK_MERGE_MIN, self.stored // CHUNK_MERGE_SHARE))
+    def disk_shape(self) -> DiskShape:
+        """The chunked tables' disk as the log's bound sees it: rows stored, their payload bytes,
+        the tables' file as the next merge leaves it (the larger of its size now and the levels'
+        pages packed plus `budget.TRANSIENT_RANGES` of the largest range), and a log entry's
+        bytes in the log's file (its chunks of CHUNK_ROWS entries fill whole overflow pages).
+        From the levels' counts: no transaction."""
+        stored = raw = pages = 0
+        largest = 0.0  # bytes of the largest range
+        psize = 4096
+        for name, dim in zip(self.names, self.row_dims):
+            if not self.backend.is_chunked(name):  # a wide table kept as a B-tree: its rows
+                rows = self.backend.count(name)  # count; its pages are in the file's size
+                stored += rows
+                raw += rows * 4 * dim
+                continue
+            level = self.backend.chunk_level(name, dim)
+            psize = level.reader.psize
+            per_page = 2 * level.cap  # two chunk values fill a leaf page (pagechunks.VALUE_MAX)
+            rows = level.rows()
+            stored += rows
+            raw += rows * 4 * dim
+            pages += sum(-(-c // per_page) for c in level.counts)
+            largest = max(largest, max(level.counts, default=0) * psize / per_page)
+        entry = HEADER + 4 * max(self.row_dims) + 4
+        # a full chunk: its 16-byte head and the overflow page's header, in whole pages
+        entry_bytes = -(-(-(-(CHUNK_ROWS * entry + 32) // psize) * psize) // CHUNK_ROWS)
+        return DiskShape(stored, raw, table_bytes(self.backend.data_bytes(), pages * psize,
+                                                  int(largest)), entry_bytes)
 
-    def full_at(self) -> int:
-        """The log's size at which an append merges first (inline, on the writer): its capacity,
-        or for chunked tables 1 row for every `CHUNK_FULL_SHARE` they store when that is less
-        (at least twice `CHUNK_MERGE_MIN`): the log's file stays a bounded share of the tables
-        even when a flush hands the caches' dirty rows down at once."""
+    def bound(self) -> int:
+        """The most rows the log holds before an append merges it: the capacity, or for chunked
+        tables the largest log the disk budget allows (`budget.log_bound`, at least
+        CHUNK_LOG_MIN rows, at most half the rows stored and the capacity)."""
         if not self._chunked:
             return self.capacity
-        return min(self.capacity, max(2 * CHUNK_MERGE_MIN, self.stored // CHUNK_FULL_SHARE))
+        return log_bound(self.disk_shape(), self.capacity, CHUNK_LOG_MIN, budget.DISK_BUDGET)
+
+    def merge_at(self) -> int:
+        """The log's size that starts a background merge: 3/4 of its capacity, or for chunked
+        tables 1/5 below its bound (`budget.merge_start`: room for the writer's appends while
+        the merge runs)."""
+        if not self._chunked:
+            return self.capacity * 3 // 4
+        return merge_start(self.bound())
+
+    def full_at(self) -> int:
+        """The log's size at which an append merges first (inline, on the writer): `bound`.
+        For chunked tables the log's file stays within the disk budget even when a flush hands
+        the caches' dirty rows down at once."""
+        return self.bound()
 
     def merge_rows(self) -> int:
         """Rows a background merge takes: the older half of the capacity, or for chunked tables
@@ -340,6 +373,14 @@ class WriteLog:
             return self._merge(n)
 
     def _merge(self, n: int | None) -> int:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return self._merge_chunks(n)
+        finally:
+            self.merge_seconds += time.perf_counter() - t0
+            self.merge_cpu += time.thread_time() - c0
+
+    def _merge_chunks(self, n: int | None) -> int:
         n = self.size if n is None else min(int(n), self.size)
         with self.lock:  # the chunks and a snapshot's hold, read together (`freeze` sets it here)
             chunks, ceiling = self._chunks, self._ceiling
@@ -375,6 +416,7 @@ class WriteLog:
                 self.seq_of[slots[still]] = -1
             self._chunks = self._chunks[take:]
             self.merged = hi
+        self.merges += 1
         self.rows_merged += merged
         return written
 
