@@ -18,10 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .._kernels import HAVE_NUMBA
 from ..errors import ConfigError
+from . import hbm_numba
 
 WAYS = 32
 POLICIES = ("lru", "lfu")
+KERNELS = ("torch", "triton", "numba")  # numba: CPU tensors only (`hbm_numba.py`)
 HASH_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
 _LOCKED = 2**62  # the victim-order key of a locked line: after every unlocked one
 
@@ -67,7 +70,8 @@ class HbmCache:
     `capacity` rows round up to whole sets of `ways` lines. `policy` is "lru" (stamp = the clock
     at the last use) or "lfu" (stamp = uses since the line was filled). `kernels="triton"` runs
     lookup and victim choice as Triton kernels (CUDA, or the interpreter on CPU tensors); "torch"
-    runs the same rules as torch ops; both give the same slots. `direct=True`: keys are dense ids
+    runs the same rules as torch ops; "numba" as compiled loops on CPU tensors (`hbm_numba`);
+    all give the same slots. `direct=True`: keys are dense ids
     below the capacity and key k lives at slot k (in set k // ways), so every key has a line of
     its own, no set ever overflows, and a lookup is one gather (a cache that holds every row).
     """
@@ -79,8 +83,10 @@ class HbmCache:
             raise ConfigError(f"the set-associative cache offers {POLICIES}, got {policy!r}")
         if ways < 1 or ways & (ways - 1):
             raise ConfigError(f"ways must be a power of two, got {ways}")
-        if kernels not in ("torch", "triton"):
-            raise ConfigError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
+        if kernels not in KERNELS:
+            raise ConfigError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        if kernels == "numba" and (torch.device(device).type != "cpu" or not HAVE_NUMBA):
+            raise ConfigError("kernels='numba' runs on CPU tensors with numba installed")
         self.ways = int(ways)
         self.sets = max(1, -(-int(capacity) // self.ways)) if capacity > 0 else 0
         self.capacity = self.sets * self.ways
@@ -144,6 +150,8 @@ class HbmCache:
             return torch.where(inside & (held == keys), keys, -1)
         if self.kernels == "triton":
             return _triton_lookup(self, keys)
+        if self.kernels == "numba":
+            return hbm_numba.lookup(self.keys, keys)
         return self.lookup_torch(keys)
 
     def lookup_torch(self, keys: torch.Tensor) -> torch.Tensor:
@@ -189,6 +197,8 @@ class HbmCache:
             return torch.where((keys >= 0) & (keys < self.capacity), keys, -1)
         if self.kernels == "triton":
             return _triton_choose(self, keys)
+        if self.kernels == "numba":
+            return hbm_numba.choose(self.keys, self.stamp, self.lock, keys)
         return self.choose_torch(keys)
 
     def choose_torch(self, keys: torch.Tensor) -> torch.Tensor:

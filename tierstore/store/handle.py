@@ -128,7 +128,7 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics):
                 self.backend.drop_unnamed_ranges(names)
             if self.device_cache == "sets":
                 self.device_tier = SetTier("device", dcap, width, policy, self.device,
-                                           kernels="triton" if self.kernels == "triton" else "torch",
+                                           kernels=_set_kernels(self.kernels, self.device),
                                            table_rows=[t.num_rows for t in tables])
             else:
                 self.device_tier = SlabTier("device", dcap, width, policy, self.device, staging=scap,
@@ -244,6 +244,14 @@ class TierStore(RowApi, StoreOpening, StoreLifecycle, StoreClock, StoreMetrics):
     def store_id(self) -> str:
         """This store's identity (32 hex digits; its checkpoints and restores keep it)."""
         return self.log.owner
+
+
+def _set_kernels(kernels: str, device: torch.device) -> str:
+    """The sets cache's lookup and victim choice: Triton with the Triton engine, numba's loops on
+    CPU tensors otherwise (`hbm_numba`: the CPU stand-in of the CUDA path), else torch ops."""
+    if kernels == "triton":
+        return "triton"
+    return "numba" if device.type == "cpu" and _st.HAVE_NUMBA else "torch"
 
 
 def _device_cache(name: str, device: torch.device, tables: Sequence[TableSpec]) -> str:
