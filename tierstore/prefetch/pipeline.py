@@ -318,8 +318,9 @@ class Prefetcher:
             return Prep({}, {}, None, False, {}, {}, StoredReads(store, nothing, self._pool.submit, 1),
                         held, ahead)
         # the step takes its indexes from staging (`Staged`): keep the ids, and on the slab
-        # their inverse map too (the sets cache makes it on the device)
-        unique_inverse = sorted_unique_each(ids, inverse=store.device_cache != "sets")
+        # their inverse map too (the sets cache makes it on a CUDA device, by a search there)
+        unique_inverse = sorted_unique_each(
+            ids, inverse=store.device_cache != "sets" or store.device.type == "cpu")
         per_table = {t: u for t, (u, _) in unique_inverse.items()}
         seen = {t: (ids[t], inv) for t, (_, inv) in unique_inverse.items()}
         with store.lock:
