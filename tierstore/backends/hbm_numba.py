@@ -16,11 +16,15 @@ import torch
 
 from .._kernels import HAVE_NUMBA
 
+AHEAD = 8  # keys ahead whose set's lines a kernel asks for (the sets are at random)
+
 HASH_MUL = -7046029254386353131  # hbm_cache.HASH_MUL (the same hash: the same sets)
 LOCKED = 2**62  # hbm_cache's victim-order key of a locked line
 
 if HAVE_NUMBA:
     import numba
+
+    from .._kernels import prefetch
 
     @numba.njit(nogil=True, cache=True, inline="always")
     def _set(key, sets):  # pragma: no cover - compiled
@@ -32,7 +36,12 @@ if HAVE_NUMBA:
     def _lookup(lines, keys, out):  # pragma: no cover - compiled
         """out[i]: the slot holding keys[i] in `lines` [sets, ways], -1 where absent."""
         sets, ways = lines.shape
-        for i in range(keys.shape[0]):
+        n = keys.shape[0]
+        for i in range(n):
+            if i + AHEAD < n and keys[i + AHEAD] >= 0:  # a later key's set, asked for now
+                sa = _set(keys[i + AHEAD], sets)
+                for w in range(0, ways, 8):
+                    prefetch(lines, sa, w)
             k = keys[i]
             out[i] = -1
             if k < 0:
@@ -59,7 +68,15 @@ if HAVE_NUMBA:
         among the keys of its set in input order), -1 where none is left unlocked."""
         sets, ways = lines.shape
         seen = np.zeros(sets, dtype=np.int64)
-        for i in range(keys.shape[0]):
+        n = keys.shape[0]
+        for i in range(n):
+            if i + AHEAD < n:  # a later key's set: its lines, stamps and locks asked for now
+                sa = _set(keys[i + AHEAD], sets)
+                for w in range(0, ways, 8):
+                    prefetch(lines, sa, w)
+                    prefetch(stamp, sa, w)
+                for w in range(0, ways, 16):
+                    prefetch(lock, sa, w)
             s = _set(keys[i], sets)
             r = seen[s]
             seen[s] = r + 1
