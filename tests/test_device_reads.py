@@ -74,6 +74,9 @@ def test_staging_on_the_sets_cache_reads_device_values_only_through_hostread(tmp
                                                                            direct):
     modes: dict[int, DeviceTaint] = {}
     _watch_staging(monkeypatch, modes)
+    # the sets cache's torch ops, the calls a CUDA run makes (on CPU tensors the store would take
+    # numba's loops, `hbm_numba`, which read the tensors' memory: a path CUDA never takes)
+    monkeypatch.setattr("tierstore.store.handle._set_kernels", lambda kernels, device: "torch")
     # evicting: a cache smaller than a batch's rows: staging evicts, overflows to the host tier,
     # reloads; direct: every row has its line
     kw = dict(device_capacity=2000, host_capacity=0) if direct else \
