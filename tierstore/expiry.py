@@ -87,15 +87,10 @@ def purge_caches(store: TierStore, cutoffs: dict[int, int]) -> int:
     return dropped
 
 
-def _chunked(backend: Any, spec: TableSpec) -> bool:
-    """Whether the table's rows are page chunks (format 4; a wide table stays a B-tree)."""
-    return bool(getattr(backend, "chunked", False)) and backend.is_chunked(spec.name)
-
-
 def stale_ids(backend: Any, spec: TableSpec, cutoff: int, start: int = 0
               ) -> tuple[np.ndarray, int | None]:
     """Ids of one scan chunk's stale rows from id `start` on; and where the next chunk starts."""
-    if _chunked(backend, spec):  # format 4: whole page chunks, one snapshot a scan
+    if backend.is_chunked(spec.name):  # format 4: whole page chunks, one snapshot a scan
         return backend.chunk_stale_ids(spec.name, spec.row_dim, spec.stamp_col, cutoff, start,
                                        SCAN_CHUNK)
     size = spec.row_dim * 4 + CHECK_BYTES
@@ -121,7 +116,7 @@ def delete_stale(backend: Any, spec: TableSpec, ids: np.ndarray, cutoff: int) ->
     """Delete these rows if their stored stamp is still below `cutoff` (one write transaction)."""
     if len(ids) == 0:
         return 0
-    if _chunked(backend, spec):  # each touched chunk rewritten without its stale rows
+    if backend.is_chunked(spec.name):  # each touched chunk rewritten without its stale rows
         return backend.chunk_delete_stale(spec.name, spec.row_dim, ids, spec.stamp_col, cutoff)
     db = backend.table_db(spec.name)
     col = spec.stamp_col * 4
@@ -177,7 +172,7 @@ def _delete_in_background(store: TierStore, spec: TableSpec, ids: np.ndarray, cu
     the store lock takes the level lock to merge.
     """
     level = store.backend.chunk_level(spec.name, spec.row_dim) \
-        if _chunked(store.backend, spec) else None
+        if store.backend.is_chunked(spec.name) else None
     while True:
         if stop.is_set():
             return None

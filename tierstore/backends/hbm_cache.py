@@ -20,13 +20,12 @@ import torch
 
 from .._kernels import HAVE_NUMBA
 from ..errors import ConfigError
-from . import hbm_numba
 
 WAYS = 32
 POLICIES = ("lru", "lfu")
 KERNELS = ("torch", "triton", "numba")  # numba: CPU tensors only (`hbm_numba.py`)
 HASH_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
-_LOCKED = 2**62  # the victim-order key of a locked line: after every unlocked one
+LOCKED = 2**62  # the victim-order key of a locked line: after every unlocked one
 
 
 def set_of(keys: torch.Tensor, sets: int, direct_ways: int = 0) -> torch.Tensor:
@@ -41,7 +40,7 @@ def order_key(keys: torch.Tensor, stamp: torch.Tensor, lock: torch.Tensor) -> to
     """Per line, its place in victim order: empty lines (0) first, then unlocked lines by stamp
     (stamp + 1), locked lines last; ties go to the lower way."""
     occ = stamp.clamp(min=0) + 1
-    return torch.where(lock > 0, _LOCKED, torch.where(keys >= 0, occ, 0))
+    return torch.where(lock > 0, LOCKED, torch.where(keys >= 0, occ, 0))
 
 
 def rank_in_set(sets: torch.Tensor) -> torch.Tensor:
@@ -151,7 +150,7 @@ class HbmCache:
         if self.kernels == "triton":
             return _triton_lookup(self, keys)
         if self.kernels == "numba":
-            return hbm_numba.lookup(self.keys, keys)
+            return _numba_lookup(self, keys)
         return self.lookup_torch(keys)
 
     def lookup_torch(self, keys: torch.Tensor) -> torch.Tensor:
@@ -198,7 +197,7 @@ class HbmCache:
         if self.kernels == "triton":
             return _triton_choose(self, keys)
         if self.kernels == "numba":
-            return hbm_numba.choose(self.keys, self.stamp, self.lock, keys)
+            return _numba_choose(self, keys)
         return self.choose_torch(keys)
 
     def choose_torch(self, keys: torch.Tensor) -> torch.Tensor:
@@ -209,7 +208,7 @@ class HbmCache:
         srt, way = torch.sort(ok, dim=1, stable=True)
         r = rank.clamp(max=self.ways - 1).unsqueeze(1)
         pick = way.gather(1, r).squeeze(1)
-        free = srt.gather(1, r).squeeze(1) < _LOCKED
+        free = srt.gather(1, r).squeeze(1) < LOCKED
         return torch.where((rank < self.ways) & free, s * self.ways + pick, -1)
 
     def insert(self, keys: torch.Tensor, payload: torch.Tensor, dirty: torch.Tensor | None = None,
@@ -306,3 +305,17 @@ def _triton_choose(cache: HbmCache, keys: torch.Tensor) -> torch.Tensor:
     rank = rank_in_set(cache.set_of(keys))
     return hbm_kernels.choose(cache.keys, cache.stamp, cache.lock, keys, rank, cache.sets,
                               cache.ways, cache.direct)
+
+
+def _numba_lookup(cache: HbmCache, keys: torch.Tensor) -> torch.Tensor:
+    """`HbmCache.lookup` by numba's loops on CPU tensors (`hbm_numba`: numba is optional)."""
+    from . import hbm_numba
+
+    return hbm_numba.lookup(cache.keys, keys)
+
+
+def _numba_choose(cache: HbmCache, keys: torch.Tensor) -> torch.Tensor:
+    """`HbmCache.choose` by numba's loops on CPU tensors."""
+    from . import hbm_numba
+
+    return hbm_numba.choose(cache.keys, cache.stamp, cache.lock, keys)

@@ -15,11 +15,9 @@ import numpy as np
 import torch
 
 from .._kernels import HAVE_NUMBA
+from .hbm_cache import HASH_MUL, LOCKED  # the cache's hash and victim order: the same slots
 
 AHEAD = 8  # keys ahead whose set's lines a kernel asks for (the sets are at random)
-
-HASH_MUL = -7046029254386353131  # hbm_cache.HASH_MUL (the same hash: the same sets)
-LOCKED = 2**62  # hbm_cache's victim-order key of a locked line
 
 if HAVE_NUMBA:
     import numba

@@ -382,8 +382,10 @@ class LmdbBackend(TableRows, ChunkTables, LogIO, MemoryMap, Compaction, Snapshot
 
     def data_bytes(self) -> int:
         """Size of the tables' data file on disk (allocated blocks)."""
-        p = self.path / DATA_NAME
-        return p.stat().st_blocks * 512 if p.exists() else 0
+        try:  # one stat: the log's bound reads it at every writer batch (wal/budget.py)
+            return (self.path / DATA_NAME).stat().st_blocks * 512
+        except FileNotFoundError:
+            return 0
 
     def sync(self) -> None:
         """Force written transactions to stable storage."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import lmdb
 
 from ..errors import StoreCorruptError, TierstoreError
+from .format import CHUNK_FORMAT
 
 META_DB = b"__tierstore_meta__"
 DATA_NAME = "data.mdb"
@@ -60,7 +61,7 @@ def read_meta(path: str | os.PathLike) -> dict:
                 raise StoreCorruptError(f"store at {path} has no tierstore metadata") from None
             meta = {k.decode(): json.loads(v) for k, v in txn.cursor(db=meta_db)}
             rows, formats = {}, {}
-            chunked = (meta.get("store") or {}).get("format_version") == 4
+            chunked = (meta.get("store") or {}).get("format_version") == CHUNK_FORMAT
             for key in meta:
                 if key.startswith("table:"):
                     table = key[len("table:"):]

@@ -179,8 +179,7 @@ if HAVE_NUMBA:
             i = t - RECORD_AHEAD + 1  # the key whose record is copied now
             if i < 0 or (i >= n):
                 continue
-            if i != j:
-                s = slot[i % RECORD_AHEAD]
+            s = slot[i % RECORD_AHEAD]
             off = offs[i]
             if off < 0:
                 continue

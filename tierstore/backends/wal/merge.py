@@ -41,8 +41,8 @@ def fold(backend, db, chunks: np.ndarray, names: list[str], row_dims: list[int],
     sel = np.flatnonzero(keep)
     out = len(sel), (extra[sel], seqs[sel])
     written = 0
-    if getattr(backend, "chunked", False):  # format 4: each chunked table's rows in one merge
-        chunked = np.array([backend.is_chunked(n) for n in names], dtype=bool)
+    chunked = np.array([backend.is_chunked(n) for n in names], dtype=bool)
+    if chunked.any():  # format 4: each chunked table's rows in one merge
         mine = chunked[tabs[sel]]
         if mine.any():
             part = sel[mine]

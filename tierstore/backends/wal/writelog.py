@@ -85,8 +85,7 @@ class WriteLog:
         # an append past the bound merges the whole log first, inline (a flush hands the caches'
         # dirty rows down at once), and the background merge takes the whole log 1/5 below it
         # (a format-4 store whose tables are all too wide for chunks keeps the B-trees' rules)
-        self._chunked = bool(getattr(backend, "chunked", False)) and \
-            any(backend.is_chunked(n) for n in names)
+        self._chunked = any(backend.is_chunked(n) for n in names)
 
     @property
     def db(self) -> object:
